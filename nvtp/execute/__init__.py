@@ -1,0 +1,1 @@
+"""Backends: the reference backend (torch + torch.distributed) and the nvFuser backend."""

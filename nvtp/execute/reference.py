@@ -1,0 +1,692 @@
+"""The reference backend: runs a fusion with torch ops, on one device or as one rank of a mesh.
+
+Every op has a torch implementation in ``IMPLS``. On a mesh, each rank holds only its part of
+each value (its placement says which global indices), ops run on those local parts, and ``set``
+ops whose operand and result placements differ reshard through collectives. Ops whose result
+depends on where an element sits (``iota``, random numbers, vocab-sharded lookups) ask the
+``Context`` for the global indices this rank holds, so a sharded run computes the same numbers
+as a single-device run: random tensors are drawn whole from a seeded generator and sliced.
+
+``compute_dtype=torch.float64`` evaluates the fusion in double precision (the check of
+``nvtp replay --check``): inputs and every floating-point result are float64, while random
+numbers are drawn in the declared dtype first, so both runs see the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nvtp.execute.collectives import Comm, SoloComm, reshard, take
+from nvtp.ir.dtypes import DType
+from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
+from nvtp.ir.ops import pad_pairs, slice_bounds
+from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices, local_shape
+
+
+class ExecutionError(RuntimeError):
+    """An op failed while running; names the op."""
+
+
+Impl = Callable[["Context", Op, dict[str, Any]], Any]
+IMPLS: dict[str, Impl] = {}
+
+
+def impl(*names: str):
+    def deco(fn: Impl) -> Impl:
+        for n in names:
+            if n in IMPLS:
+                raise ValueError(f"reference impl for {n} registered twice")
+            IMPLS[n] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class Communication:
+    """A collective that ran: its kind, the value it produced and the bytes of that value."""
+
+    kind: str
+    value: str
+    nbytes: int
+
+
+@dataclass
+class Context:
+    """What an implementation may know beyond its arguments: placements, rank and randomness."""
+
+    fusion: Fusion
+    shardings: Mapping[str, tuple[Placement, ...]] | None = None
+    mesh: DeviceMesh | None = None
+    comm: Comm = field(default_factory=SoloComm)
+    seed: int = 0
+    compute_dtype: torch.dtype | None = None
+    op: Op | None = None
+    rng_count: int = 0
+    log: list[Communication] = field(default_factory=list)
+
+    # -- placements -----------------------------------------------------------------------
+    def sharding(self, v: Value) -> tuple[Placement, ...] | None:
+        if self.shardings is None or not isinstance(v, TensorValue):
+            return None
+        return self.shardings.get(v.name)
+
+    def indices(self, v: Value) -> list[torch.Tensor | None]:
+        """Per axis, the global indices this rank holds of ``v`` (None: all of them)."""
+        out: list[torch.Tensor | None] = [None] * len(v.shape)
+        sharding = self.sharding(v)
+        if sharding is None or self.mesh is None:
+            return out
+        for p in sharding:
+            split = axis_split(p)
+            if split is not None:
+                out[split[0]] = local_indices(v.shape[split[0]], p, self.mesh.size, self.comm.rank)
+        return out
+
+    def local_shape(self, v: Value) -> tuple[int, ...]:
+        sharding = self.sharding(v)
+        if sharding is None or self.mesh is None:
+            return tuple(v.shape)
+        return local_shape(v.shape, sharding, self.mesh)
+
+    def take_local(self, full: torch.Tensor, v: Value) -> torch.Tensor:
+        """This rank's part of ``full``, a whole (global) value of ``v``."""
+        for axis, index in enumerate(self.indices(v)):
+            full = take(full, axis, index)
+        return full
+
+    def dtype(self, dt: DType) -> torch.dtype:
+        t = dt.torch
+        if self.compute_dtype is not None and t.is_floating_point:
+            return self.compute_dtype
+        return t
+
+    def generator(self, *keys: Any) -> torch.Generator:
+        """A generator for the next random op, the same on every rank and in every run with ``seed``."""
+        self.rng_count += 1
+        text = repr((self.seed, self.rng_count) + tuple(keys)).encode()
+        g = torch.Generator()
+        g.manual_seed(int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & ((1 << 63) - 1))
+        return g
+
+
+def _scalar(x: Any) -> Any:
+    """Python numbers stay numbers; 0-dim tensors (scalar values) become numbers for torch APIs that need them."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        return x.item()
+    return x
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, bool):
+        return torch.tensor(x)
+    if isinstance(x, int):
+        return torch.tensor(x, dtype=torch.int64)
+    if isinstance(x, complex):
+        return torch.tensor(x, dtype=torch.complex128)
+    return torch.tensor(x, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise
+
+_UNARY_TORCH = {
+    "abs": torch.abs, "acos": torch.acos, "acosh": torch.acosh, "asin": torch.asin, "asinh": torch.asinh,
+    "atan": torch.atan, "atanh": torch.atanh, "ceil": torch.ceil, "cos": torch.cos, "cosh": torch.cosh,
+    "erf": torch.erf, "erfc": torch.erfc, "erfcinv": lambda x: torch.erfinv(1 - x), "erfinv": torch.erfinv,
+    "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1, "floor": torch.floor, "frac": torch.frac,
+    "lgamma": torch.lgamma, "log": torch.log, "log10": torch.log10, "log1p": torch.log1p, "log2": torch.log2,
+    "neg": torch.neg, "reciprocal": torch.reciprocal, "relu": torch.relu, "round": torch.round,
+    "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "sign": torch.sign, "silu": F.silu, "sin": torch.sin,
+    "sinh": torch.sinh, "sqrt": torch.sqrt, "tan": torch.tan, "tanh": torch.tanh, "trunc": torch.trunc,
+    "bitwise_not": torch.bitwise_not, "set": lambda x: x, "segment_set": lambda x: x,
+    "isfinite": torch.isfinite, "isinf": torch.isinf, "isnan": torch.isnan, "isneginf": torch.isneginf,
+    "isposinf": torch.isposinf, "isreal": torch.isreal, "signbit": torch.signbit, "logical_not": torch.logical_not,
+}
+
+_FLOAT_UNARY = {"acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "erf", "erfc", "erfcinv", "erfinv",
+                "exp", "exp2", "expm1", "lgamma", "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "sigmoid",
+                "silu", "sin", "sinh", "sqrt", "tan", "tanh"}
+
+
+def _unary_impl(name: str) -> Impl:
+    fn = _UNARY_TORCH[name]
+
+    def run(ctx: Context, op: Op, a: dict[str, Any]):
+        x = _as_tensor(a["arg"])
+        if name in _FLOAT_UNARY and not (x.is_floating_point() or x.is_complex()):
+            x = x.to(ctx.dtype(DType.Float))
+        return fn(x)
+
+    return run
+
+
+for _n in _UNARY_TORCH:
+    if _n != "set":
+        IMPLS[_n] = _unary_impl(_n)
+
+
+def _div(a, b):
+    if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex() and \
+            not (isinstance(b, float) or (isinstance(b, torch.Tensor) and (b.is_floating_point() or b.is_complex()))):
+        return torch.div(a, b, rounding_mode="trunc")
+    return torch.div(a, b)
+
+
+_BINARY_TORCH = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "truediv": torch.true_divide,
+    "pow": torch.pow, "fmod": torch.fmod, "remainder": torch.remainder, "mod": torch.remainder,
+    "maximum": torch.maximum, "minimum": torch.minimum, "nextafter": torch.nextafter, "atan2": torch.atan2,
+    "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
+    "bitwise_left_shift": torch.bitwise_left_shift, "bitwise_right_shift": torch.bitwise_right_shift,
+    "gcd": torch.gcd, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt,
+    "ge": torch.ge, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+}
+
+
+def _binary_impl(name: str) -> Impl:
+    fn = _BINARY_TORCH[name]
+    needs_tensors = name in ("maximum", "minimum", "nextafter", "atan2", "gcd", "logical_and", "logical_or", "bitwise_left_shift", "bitwise_right_shift")
+
+    def run(ctx: Context, op: Op, a: dict[str, Any]):
+        lhs, rhs = a["lhs"], a["rhs"]
+        if not isinstance(lhs, torch.Tensor) or needs_tensors:
+            lhs, rhs = _promote_pair(lhs, rhs, ctx, op)
+        if name in ("truediv", "atan2") and not lhs.is_floating_point():
+            lhs = lhs.to(ctx.dtype(DType.Float))
+        return fn(lhs, rhs)
+
+    return run
+
+
+def _promote_pair(lhs, rhs, ctx: Context, op: Op):
+    """Both operands as tensors of the op's result type (torch needs tensors for some ops)."""
+    dt = ctx.dtype(op.outputs[0].dtype) if op.outputs[0].dtype is not DType.Bool else None
+    out = []
+    for x in (lhs, rhs):
+        x = _as_tensor(x)
+        if dt is not None and x.dtype != dt and op.kind not in ("eq", "ne", "lt", "le", "gt", "ge"):
+            x = x.to(dt)
+        out.append(x)
+    return out
+
+
+for _n in _BINARY_TORCH:
+    IMPLS[_n] = _binary_impl(_n)
+
+
+@impl("set")
+def _set(ctx: Context, op: Op, a):
+    x = a["arg"]
+    src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
+    if src is None or dst is None or src == dst:
+        return x
+    out = x
+    v = op.outputs[0]
+    for s, d in zip(src, dst):
+        if s != d:
+            out = reshard(out, s, d, v.shape, ctx.comm)
+            ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes))
+    return out
+
+
+def _collective_kind(src: Placement, dst: Placement) -> str:
+    if is_partial(src):
+        return "allreduce" if axis_split(dst) is None else "reduce_scatter"
+    if axis_split(src) is not None:
+        return "allgather"
+    return "local"
+
+
+@impl("where")
+def _where(ctx, op, a):
+    c, x, y = a["condition"], a["x"], a["y"]
+    dt = ctx.dtype(op.outputs[0].dtype)
+    x = x.to(dt) if isinstance(x, torch.Tensor) and x.dtype != dt else x
+    y = y.to(dt) if isinstance(y, torch.Tensor) and y.dtype != dt else y
+    if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+        x = torch.tensor(x, dtype=dt)
+    return torch.where(_as_tensor(c), x, y)
+
+
+@impl("lerp")
+def _lerp(ctx, op, a):
+    dt = ctx.dtype(op.outputs[0].dtype)
+    start, end = _as_tensor(a["start"]).to(dt), _as_tensor(a["end"]).to(dt)
+    w = a["weight"]
+    return torch.lerp(start, end, w.to(dt) if isinstance(w, torch.Tensor) else w)
+
+
+@impl("clamp")
+def _clamp(ctx, op, a):
+    return torch.clamp(a["arg"], _scalar(a["min"]), _scalar(a["max"]))
+
+
+@impl("threshold")
+def _threshold(ctx, op, a):
+    return F.threshold(a["arg"], _scalar(a["threshold"]), _scalar(a["value"]))
+
+
+@impl("addcmul")
+def _addcmul(ctx, op, a):
+    return torch.addcmul(a["arg"], a["tensor1"], a["tensor2"], value=_scalar(a["value"]))
+
+
+@impl("cast")
+def _cast(ctx, op, a):
+    x = a["arg"]
+    dt = ctx.dtype(a["dtype"])
+    if not isinstance(x, torch.Tensor):
+        return torch.tensor(x, dtype=dt)
+    return x.to(dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+
+
+def _dims(a, x):
+    return tuple(range(x.dim())) if a.get("dims") is None else tuple(a["dims"])
+
+
+@impl("sum")
+def _sum(ctx, op, a):
+    x = a["arg"]
+    dt = op.outputs[0].dtype
+    return torch.sum(x, _dims(a, x), keepdim=a["keepdim"], dtype=ctx.dtype(dt) if a["dtype"] not in (None, DType.Null) else None).to(ctx.dtype(dt))
+
+
+@impl("max")
+def _max(ctx, op, a):
+    x = a["arg"]
+    return torch.amax(x, _dims(a, x), keepdim=a["keepdim"])
+
+
+@impl("min")
+def _min(ctx, op, a):
+    x = a["arg"]
+    return torch.amin(x, _dims(a, x), keepdim=a["keepdim"])
+
+
+@impl("prod")
+def _prod(ctx, op, a):
+    x = a["arg"]
+    dims = sorted(_dims(a, x), reverse=True)
+    for d in dims:
+        x = torch.prod(x, d, keepdim=True)
+    if not a["keepdim"]:
+        x = x.squeeze(tuple(dims)) if dims else x
+    return x.to(ctx.dtype(op.outputs[0].dtype))
+
+
+@impl("var")
+def _var(ctx, op, a):
+    return torch.var(a["arg"], tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+
+
+@impl("var_mean")
+def _var_mean(ctx, op, a):
+    return torch.var_mean(a["arg"], tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+
+
+@impl("welford")
+def _welford(ctx, op, a):
+    x, dims = a["arg"], tuple(a["dims"])
+    var, mean = torch.var_mean(x, dims, correction=0)
+    n = math.prod(x.shape[d] for d in dims)
+    return mean, var * n, torch.full(mean.shape, n, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# shape ops
+
+
+@impl("broadcast_in_dim")
+def _broadcast_in_dim(ctx, op, a):
+    x, bdims = a["arg"], a["broadcast_dims"]
+    out_shape = ctx.local_shape(op.outputs[0])
+    view = [1] * len(out_shape)
+    for i, d in enumerate(bdims):
+        view[d] = x.shape[i]
+    return x.reshape(view).expand(out_shape)
+
+
+@impl("broadcast")
+def _broadcast(ctx, op, a):
+    x = a["arg"]
+    for i, flag in enumerate(a["is_broadcast_dim"]):
+        if flag:
+            x = x.unsqueeze(i)
+    return x
+
+
+@impl("expand")
+def _expand(ctx, op, a):
+    return a["arg"].expand(ctx.local_shape(op.outputs[0]))
+
+
+@impl("reshape")
+def _reshape(ctx, op, a):
+    return a["arg"].reshape(ctx.local_shape(op.outputs[0]))
+
+
+@impl("permute")
+def _permute(ctx, op, a):
+    return a["arg"].permute(tuple(a["dims"]))
+
+
+@impl("squeeze")
+def _squeeze(ctx, op, a):
+    x = a["arg"]
+    dims = tuple(d % x.dim() for d in a["dims"]) if x.dim() else ()
+    return x.squeeze(dims) if dims else x
+
+
+@impl("stride_order")
+def _stride_order(ctx, op, a):
+    return a["arg"]  # a layout request; values are unchanged
+
+
+def _local_positions(ctx: Context, v: Value, axis: int, wanted: torch.Tensor) -> torch.Tensor:
+    """Positions in this rank's part of ``v`` of the global indices ``wanted`` along ``axis``."""
+    held = ctx.indices(v)[axis]
+    if held is None:
+        return wanted
+    inverse = torch.full((v.shape[axis],), -1, dtype=torch.int64)
+    inverse[held] = torch.arange(held.numel())
+    pos = inverse[wanted]
+    if bool((pos < 0).any()):
+        raise ExecutionError(f"rank {ctx.comm.rank} lacks entries of {v.name} along axis {axis} that {ctx.op} needs")
+    return pos
+
+
+@impl("slice")
+def _slice(ctx, op, a):
+    x, v_in, v_out = a["arg"], op.operands[0], op.outputs[0]
+    bounds = slice_bounds(v_in, a["start_indices"], a["end_indices"], a["strides"])
+    out_held = ctx.indices(v_out)
+    for axis, (start, end, step) in enumerate(bounds):
+        n_out = v_out.shape[axis]
+        if out_held[axis] is None and ctx.indices(v_in)[axis] is None:
+            if (start, end, step) != (0, v_in.shape[axis], 1):
+                x = x[(slice(None),) * axis + (slice(start, end, step),)]
+            continue
+        wanted_out = out_held[axis] if out_held[axis] is not None else torch.arange(n_out)
+        x = take(x, axis, _local_positions(ctx, v_in, axis, start + wanted_out * step))
+    return x
+
+
+@impl("pad")
+def _pad(ctx, op, a):
+    x, v_in, v_out = a["arg"], op.operands[0], op.outputs[0]
+    pairs = pad_pairs(v_in.ndim, a["pad_widths"])
+    value = _scalar(a["value"]) if a["value"] is not None else 0
+    widths = []
+    for lo, hi in reversed(pairs):
+        widths += [lo, hi]
+    out = F.pad(x, widths, value=value)
+    for axis, (lo, hi) in enumerate(pairs):
+        if (lo, hi) != (0, 0) and ctx.indices(v_out)[axis] is not None:
+            out = take(out, axis, ctx.indices(v_out)[axis])
+    return out
+
+
+@impl("cat")
+def _cat(ctx, op, a):
+    return torch.cat(list(a["tensors"]), a["dim"])
+
+
+# ---------------------------------------------------------------------------------------------
+# matmuls and attention
+
+
+@impl("linear")
+def _linear(ctx, op, a):
+    return F.linear(a["arg1"], a["arg2"], a["bias"])
+
+
+@impl("matmul")
+def _matmul(ctx, op, a):
+    return torch.matmul(a["arg1"], a["arg2"])
+
+
+def _attention(q, k, v, dropout_p, is_causal, scale, keep):
+    """Attention in float32 (or wider) with an explicit dropout keep-mask; returns (out, lse)."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(work), k.to(work), v.to(work)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if is_causal:
+        s_q, s_k = scores.shape[-2:]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool).tril(diagonal=s_k - s_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if keep is not None:
+        probs = probs * keep.to(work) / (1.0 - dropout_p)
+    return torch.matmul(probs, vf).to(q.dtype), lse.to(torch.float32 if ctx_is_low(q) else lse.dtype)
+
+
+def ctx_is_low(q: torch.Tensor) -> bool:
+    return q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _attention_keep(ctx: Context, seed: torch.Tensor, offset: torch.Tensor, query: Value, q: torch.Tensor, k: torch.Tensor, p: float):
+    """The dropout keep-mask for attention probabilities, drawn whole from (seed, offset) and
+    sliced to the heads this rank holds."""
+    if not p:
+        return None
+    b, h, s_q, _ = query.shape
+    s_k = k.shape[-2]
+    g = torch.Generator()
+    g.manual_seed(int(seed.reshape(-1)[0].item()) ^ (int(offset.item()) * 0x9E3779B97F4A7C15 & ((1 << 63) - 1)))
+    keep = torch.rand((b, h, s_q, s_k), generator=g) >= p
+    held = ctx.indices(query)
+    for axis in (0, 1):
+        keep = take(keep, axis, held[axis])
+    return keep
+
+
+def _float_arg(x) -> float | None:
+    x = _scalar(x)
+    return None if x is None else float(x)
+
+
+@impl("sdpfa_fwd")
+def _sdpfa_fwd(ctx, op, a):
+    if a["bias"] is not None or a["mask"] is not None:
+        raise ExecutionError("sdpfa_fwd with bias or mask is not supported by the reference backend")
+    q, k, v = a["query"], a["key"], a["value"]
+    p = _float_arg(a["dropout_p"]) or 0.0
+    g = ctx.generator("sdpfa")
+    seed = torch.randint(0, 2**62, (2,), generator=g).to(torch.uint64)
+    offset = torch.tensor(ctx.rng_count, dtype=torch.uint64)
+    keep = _attention_keep(ctx, seed, offset, op.operands[0], q, k, p)
+    out, lse = _attention(q, k, v, p, bool(_scalar(a["is_causal"])), _float_arg(a["scale"]), keep)
+    return out, lse.to(ctx.dtype(DType.Float)), seed, offset
+
+
+@impl("sdpfa_bwd")
+def _sdpfa_bwd(ctx, op, a):
+    q, k, v, go = a["query"], a["key"], a["value"], a["grad_output"]
+    p = _float_arg(a["dropout_p"]) or 0.0
+    keep = _attention_keep(ctx, a["philox_seed"], a["philox_offset"], op.operands[1], q, k, p)
+    with torch.enable_grad():
+        qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out, _ = _attention(qs, ks, vs, p, bool(_scalar(a["is_causal"])), _float_arg(a["scale"]), keep)
+        gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), go.to(out.dtype))
+    return gq, gk, gv
+
+
+# ---------------------------------------------------------------------------------------------
+# factories
+
+
+@impl("iota")
+def _iota(ctx, op, a):
+    n = a["length"]
+    start = _scalar(a["start"]) if a["start"] is not None else 0
+    step = _scalar(a["step"]) if a["step"] is not None else 1
+    full = start + torch.arange(n, dtype=torch.float64 if isinstance(step, float) or isinstance(start, float) else torch.int64) * step
+    return ctx.take_local(full.to(ctx.dtype(a["dtype"])), op.outputs[0])
+
+
+@impl("full")
+def _full(ctx, op, a):
+    return torch.full(ctx.local_shape(op.outputs[0]), _scalar(a["fill_value"]), dtype=ctx.dtype(a["dtype"]))
+
+
+def _random(kind: str) -> Impl:
+    def run(ctx: Context, op: Op, a):
+        v = op.outputs[0]
+        keys = (kind,)
+        if a["rng_seed"] is not None:
+            keys += (int(_scalar(a["rng_seed"])), int(_scalar(a["rng_offset"])))
+        g = ctx.generator(*keys)
+        declared = a["dtype"].torch
+        if kind == "uniform":
+            lo, hi = _scalar(a["minval"]), _scalar(a["maxval"])
+            full = torch.rand(v.shape, generator=g, dtype=declared) * (hi - lo) + lo
+        else:
+            mean, std = _scalar(a["mean"]), _scalar(a["std"])
+            full = torch.randn(v.shape, generator=g, dtype=declared) * std + mean
+        return ctx.take_local(full.to(declared).to(ctx.dtype(a["dtype"])), v)
+
+    return run
+
+
+IMPLS["uniform"] = _random("uniform")
+IMPLS["normal"] = _random("normal")
+
+
+# ---------------------------------------------------------------------------------------------
+# indexing
+
+
+def _masked_lookup(ctx: Context, table_value: Value, axis: int, index: torch.Tensor):
+    """Local positions of global ``index`` entries along ``axis`` of a sharded table, and which
+    entries this rank holds (the others contribute zero to a Partial result)."""
+    held = ctx.indices(table_value)[axis]
+    if held is None:
+        return index, None
+    inverse = torch.full((table_value.shape[axis],), -1, dtype=torch.int64)
+    inverse[held] = torch.arange(held.numel())
+    pos = inverse[index]
+    present = pos >= 0
+    return pos.clamp(min=0), present
+
+
+@impl("embedding_fwd")
+def _embedding_fwd(ctx, op, a):
+    idx, w = a["input"], a["weight"]
+    pos, present = _masked_lookup(ctx, op.operands[1], 0, idx)
+    pad = _scalar(a["padding_idx"])
+    out = F.embedding(pos, w)
+    if pad is not None and pad >= 0:
+        out = out.masked_fill((idx == pad).unsqueeze(-1), 0)
+    if present is not None:
+        out = out * present.unsqueeze(-1).to(out.dtype)
+    return out
+
+
+@impl("take_along_axis")
+def _take_along_axis(ctx, op, a):
+    x, idx, dim = a["arg"], a["index"], a["dim"] % a["arg"].dim()
+    pos, present = _masked_lookup(ctx, op.operands[0], dim, idx)
+    out = torch.take_along_dim(x, pos, dim)
+    if present is not None:
+        out = out * present.to(out.dtype)
+    return out
+
+
+@impl("gather")
+def _gather(ctx, op, a):
+    return torch.gather(a["arg"], a["dim"], a["index"])
+
+
+@impl("index_select")
+def _index_select(ctx, op, a):
+    return torch.index_select(a["arg"], a["dim"], a["index"])
+
+
+@impl("scatter")
+def _scatter(ctx, op, a):
+    return torch.scatter(a["arg"], a["dim"], a["index"], a["src"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the interpreter
+
+
+def _resolve(x: Any, env: dict[str, Any]) -> Any:
+    if is_value(x):
+        return env[x.name]
+    if isinstance(x, tuple) and any(is_value(e) for e in x):
+        return tuple(_resolve(e, env) for e in x)
+    return x
+
+
+def run(
+    fusion: Fusion,
+    inputs: Sequence[Any],
+    *,
+    shardings: Mapping[str, tuple[Placement, ...]] | None = None,
+    mesh: DeviceMesh | None = None,
+    comm: Comm | None = None,
+    seed: int = 0,
+    compute_dtype: torch.dtype | None = None,
+    log: list[Communication] | None = None,
+) -> list[Any]:
+    """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs."""
+    ctx = Context(fusion, shardings, mesh, comm or SoloComm(), seed, compute_dtype)
+    if log is not None:
+        ctx.log = log
+    fusion_inputs = fusion.inputs
+    if len(inputs) != len(fusion_inputs):
+        raise ExecutionError(f"{fusion.name} takes {len(fusion_inputs)} inputs, got {len(inputs)}")
+    env: dict[str, Any] = {}
+    for v, x in zip(fusion_inputs, inputs):
+        if isinstance(v, TensorValue):
+            if not isinstance(x, torch.Tensor):
+                raise ExecutionError(f"input {v.name} must be a tensor, got {type(x).__name__}")
+            if compute_dtype is not None and x.is_floating_point():
+                x = x.to(compute_dtype)
+        else:
+            x = _as_tensor(x).to(ctx.dtype(v.dtype))
+        env[v.name] = x
+    for op in fusion.ops:
+        if op.kind == "define_tensor":
+            continue
+        if op.kind == "define_scalar":
+            if op.arg("value") is not None:
+                env[op.outputs[0].name] = _as_tensor(op.arg("value")).to(ctx.dtype(op.outputs[0].dtype))
+            continue
+        ctx.op = op
+        fn = IMPLS.get(op.kind)
+        if fn is None:
+            raise ExecutionError(f"the reference backend has no implementation of fd.ops.{op.kind}; add one to nvtp/execute/reference.py")
+        args = {name: _resolve(value, env) for name, value in op.args}
+        try:
+            result = fn(ctx, op, args)
+        except ExecutionError:
+            raise
+        except Exception as e:  # name the op, keep the cause
+            raise ExecutionError(f"while executing {op}: {type(e).__name__}: {e}") from e
+        results = result if isinstance(result, tuple) else (result,)
+        if len(results) != len(op.outputs):
+            raise ExecutionError(f"{op.kind} implementation returned {len(results)} results, expected {len(op.outputs)}")
+        for v, r in zip(op.outputs, results):
+            r = _as_tensor(r)
+            want = ctx.dtype(v.dtype)
+            if r.dtype != want:
+                r = r.to(want)
+            env[v.name] = r
+    return [env[v.name] if isinstance(v, TensorValue) else env[v.name].item() for v in fusion.outputs]

@@ -1,0 +1,78 @@
+"""Scaled dot-product attention as nvFuser's ``sdpfa_fwd`` / ``sdpfa_bwd`` (flash attention).
+
+Claimed, as Thunder's nvFuser executor does with ``nv_enable_sdpa``, for half-precision
+causal or full attention without a mask; other attention Thunder decomposes into matmuls and
+softmax, which nvtp fuses like any other ops.
+"""
+
+from __future__ import annotations
+
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grads
+from thunder.torch import scaled_dot_product_attention as _ltorch_sdpa
+
+from nvtp.frontend.translate import TRANSLATORS
+
+_SYMBOLS: dict[str, object] = {}
+
+
+def _fwd_meta(query, key, value, dropout_p=0.0, is_causal=False, *, scale=None):
+    b, h, s, _ = query.shape
+    return (
+        TensorProxy(like=query, shape=(b, h, s, value.shape[3])),
+        TensorProxy(shape=(b, h, s), dtype=dtypes.float32, device=query.device, requires_grad=False),
+        TensorProxy(shape=(2,), dtype=dtypes.uint64, device=query.device, requires_grad=False),
+        TensorProxy(shape=(), dtype=dtypes.uint64, device=query.device, requires_grad=False),
+    )
+
+
+def _bwd_meta(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    return (TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value))
+
+
+def _check(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> bool:
+    if attn_mask is not None or enable_gqa:
+        return False
+    if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (query, key, value)):
+        return False
+    if {query.dtype, key.dtype, value.dtype} - {dtypes.bfloat16, dtypes.float16} or len({query.dtype, key.dtype, value.dtype}) != 1:
+        return False
+    if key.shape[:2] != query.shape[:2] or value.shape[:3] != key.shape[:3]:
+        return False
+    head_dim = query.shape[3]
+    return head_dim % 8 == 0 and head_dim <= 256 and query.device.type in ("cpu", "cuda", "meta")
+
+
+def _execution(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    out, _, _, _ = _SYMBOLS["fwd"](query, key, value, dropout_p, is_causal, scale=scale)
+    return out
+
+
+def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    out, lse, seed, offset = _SYMBOLS["fwd"](query, key, value, dropout_p, is_causal, scale=scale)
+    g = get_grad(out)
+    gq, gk, gv = _SYMBOLS["bwd"](g, query, key, value, out, lse, dropout_p, is_causal, seed, offset, scale=scale)
+    put_grads((query, key, value), (gq, gk, gv))
+    return out
+
+
+def register(ex) -> None:
+    """Register the two attention ops on executor ``ex`` and claim torch's sdpa with them."""
+    from thunder.core import prims
+
+    fwd = ex.register_operator("nvtp_sdpfa_fwd", meta=_fwd_meta, tags=[prims.OpTags.RANDOM_OP])
+    bwd = ex.register_operator("nvtp_sdpfa_bwd", meta=_bwd_meta, tags=[prims.OpTags.RANDOM_OP])
+    _SYMBOLS.update(fwd=fwd, bwd=bwd)
+    ex.register_supported(fwd.id)
+    ex.register_supported(bwd.id)
+    ex.register_supported(_ltorch_sdpa, checker=_check, execution_transform=_execution, grad_transform=_grad)
+
+    def translate_fwd(b, query, key, value, dropout_p=0.0, is_causal=False, *, scale=None):
+        return b.op("sdpfa_fwd", query, key, value, dropout_p=float(dropout_p), is_causal=bool(is_causal), scale=scale)
+
+    def translate_bwd(b, grad_out, query, key, value, out, lse, dropout_p, is_causal, seed, offset, *, scale=None):
+        return b.op("sdpfa_bwd", grad_out, query, key, value, out, lse, float(dropout_p), bool(is_causal), seed, offset, scale)
+
+    TRANSLATORS[fwd.id] = translate_fwd
+    TRANSLATORS[bwd.id] = translate_bwd

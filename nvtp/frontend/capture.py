@@ -1,0 +1,153 @@
+"""Trace a module with Thunder and nvtp's executor, and label the fusions it gives.
+
+``capture(module, *args)`` runs ``thunder.jit`` once (on meta tensors too, so a GPT-3 layer is
+traced without being computed) and returns the forward and backward ``Fusion``s with what
+nvtp knows of each input and output: which inputs are parameters (by their module name), which
+backward inputs are forward values saved for backward (and which forward value), which are
+incoming gradients, and which parameter each backward output is the gradient of.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
+from nvtp.ir.graph import Fusion, ValueInfo
+
+
+class CaptureError(RuntimeError):
+    """Tracing did not give nvtp the fusions it needs; says which operations were left out."""
+
+
+@dataclass
+class Captured:
+    forward: Fusion
+    backward: Fusion | None
+    jitted: Any
+    runtime: Runtime
+    forward_callable: FusionCallable
+    backward_callable: FusionCallable | None
+    trace_seconds: float
+    unclaimed: list[Unclaimed]
+
+
+def fusion_callables(trace) -> list[FusionCallable]:
+    """The nvtp fusion callables a Thunder execution trace calls, in order."""
+    found = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym.is_fusion and bsym._call_ctx:
+            for fn in bsym._call_ctx.values():
+                if isinstance(fn, FusionCallable):
+                    found.append(fn)
+    return found
+
+
+def parameter_names(jitted) -> dict[str, str]:
+    """Thunder proxy name -> module parameter (or buffer) name, from the prologue trace."""
+    import thunder
+    from thunder.core.prims import PrimIDs
+
+    names: dict[str, str] = {}
+    for trace in thunder.last_prologue_traces(jitted)[-1:]:
+        for bsym in trace.bound_symbols:
+            if bsym.sym.id in (PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_BUFFER) and len(bsym.args) > 1:
+                names[bsym.output.name] = str(bsym.args[1])
+    return names
+
+
+def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, params: dict[str, str]) -> tuple[Fusion, Fusion | None]:
+    """Attach roles and names to the inputs and outputs of a forward/backward pair."""
+    ret = fwd_trace.bound_symbols[-1]
+    result = ret.args[0]
+    flat_args = [a.name for a in result.get("flat_args", []) if hasattr(a, "name")] if isinstance(result, dict) else []
+    user_outputs = set()
+    if isinstance(result, dict):
+        from thunder.core.pytree import tree_flatten
+
+        user_outputs = {p.name for p in tree_flatten(result.get("output"))[0] if hasattr(p, "name")}
+
+    f = fwd.fusion
+    info: dict[str, ValueInfo] = {}
+    proxy_to_fwd_value: dict[str, str] = {}
+    for v, proxy in zip(f.inputs, fwd.input_proxies):
+        role = "parameter" if proxy in params else "activation"
+        info[v.name] = ValueInfo(role, params.get(proxy, proxy))
+        proxy_to_fwd_value[proxy] = v.name
+    for v, proxy in zip(f.outputs, fwd.output_proxies):
+        if v.name not in info:
+            info[v.name] = ValueInfo("output" if proxy in user_outputs else "saved", "y" if proxy in user_outputs else "")
+        proxy_to_fwd_value.setdefault(proxy, v.name)
+    forward = replace(f, info=info, attrs={**f.attrs, "role": "forward"})
+
+    backward = None
+    if bwd is not None:
+        b = bwd.fusion
+        binfo: dict[str, ValueInfo] = {}
+        for v, proxy in zip(b.inputs, bwd.input_proxies):
+            if proxy in params:
+                binfo[v.name] = ValueInfo("parameter", params[proxy])
+            elif proxy in proxy_to_fwd_value:
+                binfo[v.name] = ValueInfo("saved", "", proxy_to_fwd_value[proxy])
+            else:
+                binfo[v.name] = ValueInfo("grad", "grad(y)")
+        bret = [p for p in _flat(bwd_trace_return(bwd)) if p is not None]
+        grads_of = {}
+        for proxy_name, arg in zip(bret, flat_args):
+            grads_of[proxy_name] = params.get(arg, arg)
+        for v, proxy in zip(b.outputs, bwd.output_proxies):
+            binfo.setdefault(v.name, ValueInfo("grad", f"grad({grads_of[proxy]})" if proxy in grads_of else ""))
+        backward = replace(b, info=binfo, attrs={**b.attrs, "role": "backward"})
+    return forward, backward
+
+
+def bwd_trace_return(bwd: FusionCallable) -> list:
+    return bwd.extra.get("trace_return", [])
+
+
+def _flat(x) -> list:
+    from thunder.core.pytree import tree_flatten
+
+    return [p.name if hasattr(p, "name") else None for p in tree_flatten(x)[0]]
+
+
+def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: bool = True, **kwargs: Any) -> Captured:
+    """Trace ``module(*args)`` with Thunder and nvtp's executor; return its labelled fusions.
+
+    With meta-device ``args`` and module, nothing is computed. ``strict`` raises when an op
+    was left outside nvtp's fusions, naming it and its source line.
+    """
+    import thunder
+
+    runtime = Runtime()
+    start = time.perf_counter()
+    saved_grads = {p: p.grad for p in module.parameters()}
+    with use_runtime(runtime):
+        jitted = thunder.jit(module, executors=[executor()])
+        out = jitted(*args, **kwargs)
+        if backward:
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    for p, grad in saved_grads.items():  # tracing must not leave gradients behind
+        p.grad = grad
+    seconds = time.perf_counter() - start
+    fwd_trace = thunder.last_traces(jitted)[-1]
+    fwd = fusion_callables(fwd_trace)
+    bwd_traces = thunder.last_backward_traces(jitted) if backward else []
+    bwd = fusion_callables(bwd_traces[-1]) if bwd_traces else []
+    if strict and (runtime.unclaimed or len(fwd) != 1 or len(bwd) > 1):
+        names = ", ".join(str(u) for u in runtime.unclaimed) or "none"
+        raise CaptureError(
+            f"nvtp fused the forward into {len(fwd)} fusion(s) and the backward into {len(bwd)}; it needs one each. "
+            f"Operations left to other executors: {names}. Add translators for them in nvtp/frontend/translate.py."
+        )
+    if not fwd:
+        raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
+    if bwd:
+        bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
+    forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
+    return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))

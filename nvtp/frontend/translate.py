@@ -1,0 +1,272 @@
+"""Thunder prims to nvtp ops: one translator per prim, registered in ``TRANSLATORS``.
+
+A translator gets the fusion builder and the bound symbol's arguments with Thunder proxies
+already replaced by nvtp values (numbers stay numbers) and returns the result value(s). The
+op names and arguments follow what Thunder's own nvFuser executor emits
+(``thunder/executors/nvfuserex_impl.py``), so nvtp's fusions are the ones nvFuser would get.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from thunder.core import dtypes as tdtypes
+from thunder.core.prims import PrimIDs
+
+from nvtp.ir.build import FusionBuilder
+from nvtp.ir.dtypes import DType
+from nvtp.ir.graph import TensorValue
+
+Translator = Callable[..., Any]
+TRANSLATORS: dict[Any, Translator] = {}
+
+
+def translates(*ids):
+    def deco(fn):
+        for i in ids:
+            if i in TRANSLATORS:
+                raise ValueError(f"translator for {i} registered twice")
+            TRANSLATORS[i] = fn
+        return fn
+
+    return deco
+
+
+_DTYPES = {
+    tdtypes.float64: DType.Double, tdtypes.float32: DType.Float, tdtypes.float16: DType.Half,
+    tdtypes.bfloat16: DType.BFloat16, tdtypes.int64: DType.Int, tdtypes.int32: DType.Int32,
+    tdtypes.bool8: DType.Bool, tdtypes.complex64: DType.ComplexFloat, tdtypes.complex128: DType.ComplexDouble,
+    tdtypes.uint64: DType.UInt64, tdtypes.float8_e4m3fn: DType.Float8_e4m3fn, tdtypes.float8_e5m2: DType.Float8_e5m2,
+}
+_PYTHON_TYPES = {float: DType.Double, int: DType.Int, bool: DType.Bool, complex: DType.ComplexDouble}
+
+
+def to_dtype(dtype: Any) -> DType:
+    """A Thunder (or Python) dtype as an nvFuser DataType."""
+    if dtype in _PYTHON_TYPES:
+        return _PYTHON_TYPES[dtype]
+    base = tdtypes.to_dtype(dtype)
+    for k, v in _DTYPES.items():
+        if tdtypes.to_dtype(k) == base or k == base:
+            return v
+    raise TypeError(f"no nvFuser DataType for {dtype}")
+
+
+def supports_dtype(dtype: Any) -> bool:
+    try:
+        to_dtype(dtype)
+        return True
+    except TypeError:
+        return False
+
+
+# -- elementwise -----------------------------------------------------------------------------
+
+_UNARY = {
+    PrimIDs.ABS: "abs", PrimIDs.ACOS: "acos", PrimIDs.ACOSH: "acosh", PrimIDs.ASIN: "asin", PrimIDs.ASINH: "asinh",
+    PrimIDs.ATAN: "atan", PrimIDs.ATANH: "atanh", PrimIDs.BITWISE_NOT: "bitwise_not", PrimIDs.CEIL: "ceil",
+    PrimIDs.COS: "cos", PrimIDs.COSH: "cosh", PrimIDs.ERF: "erf", PrimIDs.ERFC: "erfc", PrimIDs.ERFCINV: "erfcinv",
+    PrimIDs.ERFINV: "erfinv", PrimIDs.EXP: "exp", PrimIDs.EXP2: "exp2", PrimIDs.EXPM1: "expm1",
+    PrimIDs.FLOOR: "floor", PrimIDs.ISFINITE: "isfinite", PrimIDs.LGAMMA: "lgamma", PrimIDs.LOG: "log",
+    PrimIDs.LOG10: "log10", PrimIDs.LOG1P: "log1p", PrimIDs.LOG2: "log2", PrimIDs.NEG: "neg",
+    PrimIDs.RECIPROCAL: "reciprocal", PrimIDs.ROUND: "round", PrimIDs.RSQRT: "rsqrt", PrimIDs.SIGN: "sign",
+    PrimIDs.SIGNBIT: "signbit", PrimIDs.SIN: "sin", PrimIDs.SINH: "sinh", PrimIDs.SQRT: "sqrt", PrimIDs.TAN: "tan",
+    PrimIDs.TANH: "tanh", PrimIDs.TRUNC: "trunc",
+}
+_BINARY = {
+    PrimIDs.ADD: "add", PrimIDs.SUB: "sub", PrimIDs.MUL: "mul", PrimIDs.DIV: "div", PrimIDs.POW: "pow",
+    PrimIDs.FMOD: "fmod", PrimIDs.REMAINDER: "remainder", PrimIDs.MAXIMUM: "maximum", PrimIDs.MINIMUM: "minimum",
+    PrimIDs.NEXTAFTER: "nextafter", PrimIDs.ATAN2: "atan2", PrimIDs.BITWISE_AND: "bitwise_and",
+    PrimIDs.BITWISE_OR: "bitwise_or", PrimIDs.BITWISE_XOR: "bitwise_xor",
+    PrimIDs.BITWISE_LEFT_SHIFT: "bitwise_left_shift", PrimIDs.BITWISE_RIGHT_SHIFT: "bitwise_right_shift",
+    PrimIDs.EQ: "eq", PrimIDs.NE: "ne", PrimIDs.LT: "lt", PrimIDs.LE: "le", PrimIDs.GT: "gt", PrimIDs.GE: "ge",
+}
+
+
+def _unary(kind: str) -> Translator:
+    return lambda b, a: b.op(kind, a)
+
+
+def _binary(kind: str) -> Translator:
+    return lambda b, lhs, rhs: b.op(kind, lhs, rhs)
+
+
+for _id, _kind in _UNARY.items():
+    TRANSLATORS[_id] = _unary(_kind)
+for _id, _kind in _BINARY.items():
+    TRANSLATORS[_id] = _binary(_kind)
+
+
+@translates(PrimIDs.WHERE)
+def _where(b: FusionBuilder, pred, a, c):
+    return b.op("where", pred, a, c)
+
+
+@translates(PrimIDs.LERP)
+def _lerp(b, start, end, weight):
+    return b.op("lerp", start, end, weight)
+
+
+@translates(PrimIDs.CONVERT_ELEMENT_TYPE)
+def _convert(b, a, dtype):
+    if not isinstance(a, TensorValue) and not hasattr(a, "name"):
+        return dtype(a) if dtype in (int, float, bool, complex) else a
+    target = to_dtype(dtype)
+    if isinstance(a, TensorValue) and a.dtype == target:
+        return a
+    return b.op("cast", a, dtype=target)
+
+
+@translates(PrimIDs.SHALLOW_COPY)
+def _shallow_copy(b, a):
+    return a  # an alias; the executor adds a `set` if an output would be an input
+
+
+@translates(PrimIDs.CLONE)
+def _clone(b, a, **kwargs):
+    return b.op("set", a)
+
+
+# -- shape ops -------------------------------------------------------------------------------
+
+
+@translates(PrimIDs.BROADCAST_IN_DIM)
+def _broadcast_in_dim(b, a, shape, broadcast_dimensions):
+    return b.op("broadcast_in_dim", a, shape=list(shape), broadcast_dims=list(broadcast_dimensions))
+
+
+@translates(PrimIDs.RESHAPE)
+def _reshape(b, a, shape):
+    return b.op("reshape", a, new_shape=list(shape))
+
+
+@translates(PrimIDs.TRANSPOSE)
+def _transpose(b, a, permutation):
+    return b.op("permute", a, dims=list(permutation))
+
+
+@translates(PrimIDs.SLICE)
+def _slice(b, a, start_indices, end_indices, strides=None):
+    strides = list(strides) if strides is not None else [1] * len(start_indices)
+    return b.op("slice", a, start_indices=list(start_indices), end_indices=list(end_indices), strides=strides)
+
+
+@translates(PrimIDs.SQUEEZE)
+def _squeeze(b, a, dims):
+    return b.op("squeeze", a, dims=list(dims))
+
+
+@translates(PrimIDs.CAT)
+def _cat(b, tensors, dim):
+    return b.op("cat", list(tensors), dim=dim)
+
+
+@translates(PrimIDs.PAD)
+def _pad(b, a, padding_value, padding_config):
+    widths: list[int] = []
+    for lo, hi, dilation in reversed(padding_config):
+        if dilation:
+            raise NotImplementedError("pad with interior (dilation) padding")
+        widths += [lo, hi]
+    return b.op("pad", a, widths, padding_value)
+
+
+@translates(PrimIDs.STRIDE_ORDER)
+def _stride_order(b, a, order):
+    return b.op("stride_order", a, stride_order=list(order))
+
+
+# -- reductions ------------------------------------------------------------------------------
+
+
+@translates(PrimIDs.SUM)
+def _sum(b, a, dims, **kwargs):
+    if len(dims) == 0:
+        return a
+    return b.op("sum", a, dims=list(dims))
+
+
+@translates(PrimIDs.AMAX)
+def _amax(b, a, dims):
+    return b.op("max", a, dims=list(dims))
+
+
+@translates(PrimIDs.AMIN)
+def _amin(b, a, dims):
+    return b.op("min", a, dims=list(dims))
+
+
+@translates(PrimIDs.PROD)
+def _prod(b, a, dims):
+    return b.op("prod", a, dims=list(dims))
+
+
+@translates(PrimIDs.VAR)
+def _var(b, a, dims, *, correction):
+    return b.op("var", a, dims=list(dims), correction=int(correction))
+
+
+@translates(PrimIDs.VAR_MEAN)
+def _var_mean(b, a, dims, *, correction):
+    return b.op("var_mean", a, dims=list(dims), correction=int(correction))
+
+
+# -- matmuls ---------------------------------------------------------------------------------
+
+
+@translates(PrimIDs.LINEAR)
+def _linear(b, a, w, bias):
+    return b.op("linear", a, w, bias)
+
+
+@translates(PrimIDs.MATMUL)
+def _matmul(b, a, c):
+    return b.op("matmul", a, c)
+
+
+# -- factories -------------------------------------------------------------------------------
+
+
+@translates(PrimIDs.IOTA)
+def _iota(b, length, *, start, step, device, dtype):
+    return b.op("iota", length, start, step, to_dtype(dtype))
+
+
+@translates(PrimIDs.FULL)
+def _full(b, shape, fill_value, *, device, dtype):
+    return b.op("full", list(shape), fill_value, to_dtype(dtype))
+
+
+@translates(PrimIDs.UNIFORM)
+def _uniform(b, shape, minval, maxval, *, device, dtype):
+    return b.op("uniform", minval, maxval, shape=list(shape), dtype=to_dtype(dtype))
+
+
+@translates(PrimIDs.UNIFORM_PHILOX)
+def _uniform_philox(b, shape, minval, maxval, *, device, dtype, seed, offset):
+    return b.op("uniform", minval, maxval, shape=list(shape), rng_seed=seed, rng_offset=offset, dtype=to_dtype(dtype))
+
+
+# -- indexing --------------------------------------------------------------------------------
+
+
+@translates(PrimIDs.TAKE)
+def _take(b, a, index, dim):
+    return b.op("index_select", a, index, dim)
+
+
+@translates(PrimIDs.TAKE_ALONG_AXIS)
+def _take_along_axis(b, a, index, dim):
+    return b.op("take_along_axis", a, index, dim)
+
+
+@translates(PrimIDs.GATHER)
+def _gather(b, a, index, dim):
+    return b.op("gather", a, index, dim)
+
+
+@translates(PrimIDs.EMBEDDING)
+def _embedding(b, a, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    if max_norm is not None:
+        raise NotImplementedError("embedding with max_norm")
+    return b.op("embedding_fwd", a, weight, padding_idx=padding_idx if padding_idx is not None and padding_idx >= 0 else None)

@@ -1,0 +1,205 @@
+"""The fusion IR: plain, immutable SSA data that mirrors an nvFuser ``FusionDefinition``.
+
+A ``Fusion`` is an ordered tuple of ``Op``s. Every statement of an nvFuser definition is an op,
+``define_tensor`` and ``define_scalar`` included, so the fusion's inputs are simply the values
+those ops define (in order), exactly as nvFuser numbers its inputs. Op names and argument names
+are nvFuser's (``fd.ops.broadcast_in_dim(arg, shape=..., broadcast_dims=...)``).
+
+Arguments are stored by parameter name, in the order of the op's signature (see ``ops.py``),
+each either a ``Value`` or a literal (int, float, bool, None, ``DType``, or a tuple of those).
+
+Shardings are not stored here: they live beside the graph (``nvtp.sharding``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping
+
+from nvtp.ir.dtypes import DType
+
+
+@dataclass(frozen=True)
+class TensorValue:
+    """A tensor in a fusion: its name, static shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        """``T3: f32[2, 16, 64]``-style summary used in messages."""
+        return f"{self.name}: {self.dtype.value}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class ScalarValue:
+    """A scalar in a fusion: a symbolic input, a constant defined with ``define_scalar``, or an op result."""
+
+    name: str
+    dtype: DType
+
+    def __str__(self) -> str:
+        return self.name
+
+    shape: tuple[int, ...] = ()
+    ndim = 0
+    numel = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.dtype.value} scalar"
+
+
+Value = TensorValue | ScalarValue
+
+
+def is_value(x: Any) -> bool:
+    return isinstance(x, (TensorValue, ScalarValue))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One statement: ``outputs = fd.ops.<kind>(**args)`` (or ``fd.define_tensor`` / ``fd.define_scalar``)."""
+
+    kind: str
+    args: tuple[tuple[str, Any], ...]
+    outputs: tuple[Value, ...]
+
+    def arg(self, name: str) -> Any:
+        for key, value in self.args:
+            if key == name:
+                return value
+        raise KeyError(f"{self.kind} has no argument {name!r}")
+
+    @property
+    def arg_dict(self) -> dict[str, Any]:
+        return dict(self.args)
+
+    @property
+    def operands(self) -> tuple[Value, ...]:
+        """Every value this op reads, in argument order (lists such as ``cat``'s are flattened)."""
+        found: list[Value] = []
+        for _, a in self.args:
+            if is_value(a):
+                found.append(a)
+            elif isinstance(a, tuple):
+                found.extend(x for x in a if is_value(x))
+        return tuple(found)
+
+    @property
+    def output(self) -> Value:
+        if len(self.outputs) != 1:
+            raise ValueError(f"{self.kind} has {len(self.outputs)} outputs, not one")
+        return self.outputs[0]
+
+    def with_args(self, **changes: Any) -> "Op":
+        args = tuple((k, changes.pop(k)) if k in changes else (k, v) for k, v in self.args)
+        if changes:
+            raise KeyError(f"{self.kind} has no argument(s) {sorted(changes)}")
+        return replace(self, args=args)
+
+    def __str__(self) -> str:
+        from nvtp.ir.printer import format_op
+
+        return format_op(self)
+
+
+INPUT_KINDS = ("define_tensor", "define_scalar")
+
+
+def defines_input(op: Op) -> bool:
+    """True for the ops that declare a fusion input (tensors, and scalars without a value)."""
+    if op.kind == "define_tensor":
+        return True
+    return op.kind == "define_scalar" and op.arg("value") is None
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """What nvtp knows about a fusion input or output beyond nvFuser's definition.
+
+    role: ``parameter`` | ``activation`` | ``saved`` (a forward value kept for backward) |
+          ``grad`` (an incoming or outgoing gradient) | ``output``.
+    label: the user's name for it (``attn.c_attn.weight``, ``x``, ``grad(x)``).
+    source: for ``saved`` inputs of a backward fusion, the forward value they are (``T42``).
+    """
+
+    role: str
+    label: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fusion definition: ops in order, the outputs added with ``add_output``, and metadata."""
+
+    ops: tuple[Op, ...]
+    outputs: tuple[Value, ...]
+    name: str = "nvfuser_fusion_id0"
+    info: Mapping[str, ValueInfo] = field(default_factory=dict)
+    attrs: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> tuple[Value, ...]:
+        return tuple(op.outputs[0] for op in self.ops if defines_input(op))
+
+    @property
+    def values(self) -> dict[str, Value]:
+        return {v.name: v for op in self.ops for v in op.outputs}
+
+    def value(self, name: str) -> Value:
+        for op in self.ops:
+            for v in op.outputs:
+                if v.name == name:
+                    return v
+        raise KeyError(f"fusion {self.name} has no value named {name!r}")
+
+    def producers(self) -> dict[str, Op]:
+        return {v.name: op for op in self.ops for v in op.outputs}
+
+    def consumers(self) -> dict[str, list[Op]]:
+        users: dict[str, list[Op]] = {v.name: [] for op in self.ops for v in op.outputs}
+        for op in self.ops:
+            for v in op.operands:
+                users.setdefault(v.name, []).append(op)
+        return users
+
+    def compute_ops(self) -> Iterator[Op]:
+        """Ops other than input and constant definitions."""
+        return (op for op in self.ops if op.kind not in INPUT_KINDS)
+
+    def label(self, name: str) -> str:
+        info = self.info.get(name)
+        return info.label if info and info.label else name
+
+    def role(self, name: str) -> str:
+        info = self.info.get(name)
+        return info.role if info else ""
+
+    def with_ops(self, ops: tuple[Op, ...], outputs: tuple[Value, ...] | None = None) -> "Fusion":
+        return replace(self, ops=tuple(ops), outputs=self.outputs if outputs is None else tuple(outputs))
+
+    def __str__(self) -> str:
+        from nvtp.ir.printer import format_definition
+
+        return format_definition(self)

@@ -1,0 +1,172 @@
+"""Print fusions in nvFuser's own Python format.
+
+``format_definition`` gives the ``def nvfuser_fusion_id0(fd : FusionDefinition) -> None :``
+function; ``format_file`` wraps it the way nvFuser's ``repro_script_for`` does (imports, the
+``with FusionDefinition() as fd:`` block, an ``inputs`` list and ``fd.execute(inputs)``), plus an
+inert ``nvtp_info`` dict with what nvtp knows beyond nvFuser (input roles and names). Numbers
+print at full precision (``repr``), so a printed fusion is exactly the fusion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+from nvtp.ir import ops as opstable
+from nvtp.ir.dtypes import DType
+from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
+
+INDENT = "    "
+
+
+def format_literal(x: Any) -> str:
+    if is_value(x):
+        return x.name
+    if isinstance(x, DType):
+        return str(x)
+    if isinstance(x, bool) or x is None:
+        return repr(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return 'float("nan")'
+        if math.isinf(x):
+            return 'float("inf")' if x > 0 else '-float("inf")'
+        return repr(x)
+    if isinstance(x, (int, complex)):
+        return repr(x)
+    if isinstance(x, (tuple, list)):
+        return "[" + ", ".join(format_literal(e) for e in x) + "]"
+    raise TypeError(f"cannot print argument {x!r}")
+
+
+def format_call(op: Op) -> str:
+    s = opstable.spec(op.kind)
+    parts = []
+    for i, (p, (name, value)) in enumerate(zip(s.params, op.args)):
+        if i < s.positional:
+            parts.append(format_literal(value))
+        elif (
+            op.kind == "define_tensor"
+            or value != p.default
+            or type(value) is not type(p.default)
+            or (p.kind.startswith("dtype") and value not in (None, DType.Null))
+        ):
+            parts.append(f"{name}={format_literal(value)}")
+    prefix = "fd." if op.kind in ("define_tensor", "define_scalar") else "fd.ops."
+    return f"{prefix}{op.kind}({', '.join(parts)})"
+
+
+def format_op(op: Op) -> str:
+    lhs = ", ".join(v.name for v in op.outputs)
+    return f"{lhs} = {format_call(op)}"
+
+
+def format_definition(fusion: Fusion, extra_body: Sequence[str] = (), comments: dict[str, str] | None = None) -> str:
+    """The definition function. ``extra_body`` lines (e.g. a device schedule) go after the outputs;
+    ``comments`` maps a value name to a trailing comment on the line that defines it."""
+    comments = comments or {}
+    lines = [f"def {fusion.name}(fd : FusionDefinition) -> None :"]
+    for op in fusion.ops:
+        line = INDENT + format_op(op)
+        note = comments.get(op.outputs[0].name) if op.outputs else None
+        if note:
+            line += f"  # {note}"
+        lines.append(line)
+    for v in fusion.outputs:
+        lines.append(f"{INDENT}fd.add_output({v.name})")
+    lines.extend(INDENT + line if line else "" for line in extra_body)
+    return "\n".join(lines) + "\n"
+
+
+def strides_for(shape: Sequence[int], stride_order: Sequence[int] | None) -> tuple[int, ...]:
+    """Strides of a dense tensor laid out by nvFuser's ``stride_order`` (rank - 1 = outermost)."""
+    n = len(shape)
+    order = list(stride_order) if stride_order else list(range(n - 1, -1, -1))
+    strides = [0] * n
+    running = 1
+    # nvFuser: stride_order[i] is the position of axis i from the innermost (0 = innermost).
+    for axis in sorted(range(n), key=lambda i: order[i]):
+        strides[axis] = running
+        running *= max(shape[axis], 1)
+    return tuple(strides)
+
+
+def format_input_example(op: Op, device: str = "cuda:0", shape: Sequence[int] | None = None) -> str:
+    """One entry of the ``inputs = [...]`` list, as nvFuser's repro scripts write it."""
+    value = op.outputs[0]
+    if isinstance(value, ScalarValue):
+        example = {DType.Bool: "True", DType.Int: "1", DType.Int32: "1"}.get(value.dtype, "1.0")
+        return example
+    shape = tuple(value.shape if shape is None else shape)
+    strides = strides_for(shape, op.arg("stride_order"))
+    tdtype = value.dtype.torch
+    if strides == strides_for(shape, None):
+        return f"torch.testing.make_tensor({shape!r}, dtype={tdtype}, device='{device}')"
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
+    if tdtype.is_floating_point:
+        return f"torch.randn({size}, dtype={tdtype}, device='{device}').as_strided({shape!r}, {strides!r})"
+    upper = 2 if tdtype.is_floating_point is False and value.dtype is DType.Bool else 10
+    return f"torch.randint(0, {upper}, ({size},), dtype={tdtype}, device='{device}').as_strided({shape!r}, {strides!r})"
+
+
+def format_info(fusion: Fusion) -> list[str]:
+    lines = ["nvtp_info = {"]
+    lines.append(f"{INDENT}\"fusion\": {{" + ", ".join(f"{k!r}: {v!r}" for k, v in fusion.attrs.items()).replace("'", '"') + "},")
+    lines.append(f"{INDENT}\"values\": {{")
+    for name, info in fusion.info.items():
+        fields = {"role": info.role}
+        if info.label:
+            fields["label"] = info.label
+        if info.source:
+            fields["source"] = info.source
+        body = ", ".join(f'"{k}": "{v}"' for k, v in fields.items())
+        lines.append(f'{INDENT * 2}"{name}": {{{body}}},')
+    lines.append(f"{INDENT}}},")
+    lines.append("}")
+    return lines
+
+
+def format_file(
+    fusion: Fusion,
+    *,
+    header: Iterable[str] = (),
+    extra_imports: Iterable[str] = (),
+    extra_body: Sequence[str] = (),
+    input_shapes: dict[str, Sequence[int]] | None = None,
+    device: str = "cuda:0",
+    preamble: Iterable[str] = (),
+) -> str:
+    """A whole dump: header comments, imports, ``nvtp_info``, the definition, and how to run it.
+
+    ``input_shapes`` overrides the example shapes of the ``inputs`` list (a sharded fusion's
+    per-rank shards); ``preamble`` lines go before ``inputs`` (e.g. picking the rank's device).
+    """
+    input_shapes = input_shapes or {}
+    out = [f"# {line}" if line else "#" for line in header]
+    out.append("import torch")
+    out.append("from nvfuser_direct import FusionDefinition, DataType")
+    out.extend(extra_imports)
+    out.append("")
+    if fusion.info or fusion.attrs:
+        out.extend(format_info(fusion))
+        out.append("")
+    comments = {}
+    for name, info in fusion.info.items():
+        note = info.role + (f" {info.label}" if info.label else "") + (f" (forward {info.source})" if info.source else "")
+        comments[name] = note
+    out.append(format_definition(fusion, extra_body, comments))
+    out.append("with FusionDefinition() as fd:")
+    out.append(f"{INDENT}{fusion.name}(fd)")
+    out.append("")
+    out.extend(preamble)
+    out.append("inputs = [")
+    for op in fusion.ops:
+        if op.kind == "define_tensor" or (op.kind == "define_scalar" and op.arg("value") is None):
+            out.append(f"{INDENT}{format_input_example(op, device, input_shapes.get(op.outputs[0].name))},")
+    out.append("]")
+    out.append("fd.execute(inputs)")
+    return "\n".join(out) + "\n"
+
+
+def tensor_summary(v: TensorValue) -> str:
+    return v.describe()

@@ -1,0 +1,68 @@
+"""Exact simplifications of a fusion: folding round-trip casts and removing dead ops.
+
+Thunder's decompositions of half-precision code cast to float and back around every op;
+Thunder's nvFuser executor removes the redundant ones (``remove_redundant_casts``). These
+passes do the same on nvtp's IR and never change a result bit.
+"""
+
+from __future__ import annotations
+
+from nvtp.ir.build import make_op
+from nvtp.ir.dtypes import DType
+from nvtp.ir.graph import Fusion, Op, Value, defines_input, is_value
+
+# (from, to) casts that are exact: every value of `from` is a value of `to`.
+_WIDENS = {
+    (DType.BFloat16, DType.Float), (DType.BFloat16, DType.Double), (DType.Half, DType.Float),
+    (DType.Half, DType.Double), (DType.Float, DType.Double), (DType.Int32, DType.Int), (DType.Bool, DType.Int),
+    (DType.Bool, DType.Int32), (DType.Bool, DType.Float), (DType.Bool, DType.Double),
+}
+
+
+def _substitute(x, sub: dict[str, Value]):
+    if is_value(x):
+        return sub.get(x.name, x)
+    if isinstance(x, tuple):
+        return tuple(_substitute(e, sub) for e in x)
+    return x
+
+
+def fold_casts(fusion: Fusion) -> Fusion:
+    """Replace ``cast(cast(x, A), B)`` by ``cast(x, B)`` (or ``x``) when the inner cast is exact.
+
+    Requires: a verified fusion. Ensures: the same outputs, bit for bit; fewer or equal ops.
+    """
+    producer: dict[str, Op] = {}
+    sub: dict[str, Value] = {}
+    ops: list[Op] = []
+    for op in fusion.ops:
+        op = Op(op.kind, tuple((k, _substitute(v, sub)) for k, v in op.args), op.outputs)
+        if op.kind == "cast" and is_value(op.arg("arg")) and op.arg("arg").shape:
+            src = op.arg("arg")
+            inner = producer.get(src.name)
+            if inner is not None and inner.kind == "cast" and is_value(inner.arg("arg")):
+                origin = inner.arg("arg")
+                if (origin.dtype, src.dtype) in _WIDENS:
+                    if origin.dtype == op.arg("dtype"):
+                        sub[op.outputs[0].name] = origin
+                        continue
+                    op = make_op("cast", (origin,), {"dtype": op.arg("dtype")}, [op.outputs[0].name])
+        for v in op.outputs:
+            producer[v.name] = op
+        ops.append(op)
+    outputs = tuple(_substitute(v, sub) for v in fusion.outputs)
+    return dead_code(fusion.with_ops(tuple(ops), outputs))
+
+
+def dead_code(fusion: Fusion) -> Fusion:
+    """Drop ops none of whose results reach an output. Inputs and their order stay.
+
+    Requires: a verified fusion. Ensures: the same inputs and outputs.
+    """
+    live = {v.name for v in fusion.outputs}
+    keep: list[Op] = []
+    for op in reversed(fusion.ops):
+        if defines_input(op) or any(v.name in live for v in op.outputs):
+            keep.append(op)
+            live.update(v.name for v in op.operands)
+    return fusion.with_ops(tuple(reversed(keep)))

@@ -1,0 +1,79 @@
+"""The verifier: a fusion is SSA, every op is known and well typed, and its results are what the
+op table infers. Failures name the op in IR syntax and print the fusion around it."""
+
+from __future__ import annotations
+
+from nvtp.ir import ops as opstable
+from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
+from nvtp.ir.ops import IRError
+
+
+def _context(fusion: Fusion, index: int, radius: int = 3) -> str:
+    from nvtp.ir.printer import format_op
+
+    lo, hi = max(0, index - radius), min(len(fusion.ops), index + radius + 1)
+    lines = []
+    for i in range(lo, hi):
+        mark = ">>" if i == index else "  "
+        lines.append(f"  {mark} {format_op(fusion.ops[i])}")
+    return "\n".join(lines)
+
+
+def verify(fusion: Fusion) -> Fusion:
+    """Check ``fusion``; return it unchanged, or raise ``IRError`` saying what is wrong and where."""
+    defined: dict[str, object] = {}
+    for i, op in enumerate(fusion.ops):
+        where = lambda: f"in {fusion.name}, op {i}:\n{_context(fusion, i)}"  # noqa: E731
+        try:
+            _verify_op(op, defined)
+        except IRError as e:
+            raise IRError(f"{e}\n{where()}") from None
+        for v in op.outputs:
+            if v.name in defined:
+                raise IRError(f"value {v.name} is defined twice\n{where()}")
+            defined[v.name] = v
+    for v in fusion.outputs:
+        if defined.get(v.name) != v:
+            raise IRError(f"{fusion.name}: output {v.name} is not a value of the fusion (or its type differs)")
+    for name in fusion.info:
+        if name not in defined:
+            raise IRError(f"{fusion.name}: nvtp_info names {name!r}, which the fusion does not define")
+    return fusion
+
+
+def _verify_op(op: Op, defined: dict[str, object]) -> None:
+    s = opstable.spec(op.kind)
+    names = [name for name, _ in op.args]
+    expected = [p.name for p in s.params]
+    if names != expected:
+        raise IRError(f"fd.ops.{op.kind} has arguments {names}, expected {expected}")
+    for v in op.operands:
+        if v.name not in defined:
+            raise IRError(f"{v.name} is used before it is defined")
+        if defined[v.name] != v:
+            raise IRError(f"{v.name} is used as {v.describe()} but defined as {defined[v.name].describe()}")  # type: ignore[attr-defined]
+    outs = opstable.infer(op.kind, op.args)
+    if len(outs) != len(op.outputs):
+        raise IRError(f"fd.ops.{op.kind} gives {len(outs)} results, the op lists {len(op.outputs)}")
+    for out, v in zip(outs, op.outputs):
+        if out.shape is None:
+            ok = isinstance(v, ScalarValue) and v.dtype == out.dtype
+            want = f"{out.dtype.value} scalar"
+        else:
+            ok = isinstance(v, TensorValue) and v.shape == out.shape and v.dtype == out.dtype
+            want = f"{out.dtype.value}{list(out.shape)}"
+        if not ok:
+            raise IRError(f"result {v.describe()} should be {want}")
+    for _, a in op.args:
+        if not (is_value(a) or _is_literal(a)):
+            raise IRError(f"argument {a!r} is neither a value nor a literal")
+
+
+def _is_literal(a: object) -> bool:
+    from nvtp.ir.dtypes import DType
+
+    if a is None or isinstance(a, (bool, int, float, complex, DType)):
+        return True
+    if isinstance(a, tuple):
+        return all(is_value(x) or _is_literal(x) for x in a)
+    return False

@@ -1,0 +1,1 @@
+"""Sharding: meshes, placements, per-op rules, plans, propagation and resharding."""
