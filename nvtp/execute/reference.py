@@ -152,18 +152,15 @@ _UNARY_TORCH = {
     "isposinf": torch.isposinf, "isreal": torch.isreal, "signbit": torch.signbit, "logical_not": torch.logical_not,
 }
 
-_FLOAT_UNARY = {"acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "erf", "erfc", "erfcinv", "erfinv",
-                "exp", "exp2", "expm1", "lgamma", "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "sigmoid",
-                "silu", "sin", "sinh", "sqrt", "tan", "tanh"}
-
 
 def _unary_impl(name: str) -> Impl:
     fn = _UNARY_TORCH[name]
 
     def run(ctx: Context, op: Op, a: dict[str, Any]):
         x = _as_tensor(a["arg"])
-        if name in _FLOAT_UNARY and not (x.is_floating_point() or x.is_complex()):
-            x = x.to(ctx.dtype(DType.Float))
+        out = op.outputs[0].dtype
+        if (out.is_float or out.is_complex) and x.dtype != ctx.dtype(out):
+            x = x.to(ctx.dtype(out))  # integers, and Half/BFloat16 where nvFuser computes in Float
         return fn(x)
 
     return run
@@ -192,19 +189,37 @@ _BINARY_TORCH = {
 }
 
 
+_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
+
+
 def _binary_impl(name: str) -> Impl:
     fn = _BINARY_TORCH[name]
     needs_tensors = name in ("maximum", "minimum", "nextafter", "atan2", "gcd", "logical_and", "logical_or", "bitwise_left_shift", "bitwise_right_shift")
 
     def run(ctx: Context, op: Op, a: dict[str, Any]):
         lhs, rhs = a["lhs"], a["rhs"]
+        if name in _COMPARISONS and ctx.compute_dtype is not None:
+            # A widened evaluation compares at the fusion's declared precision, so it takes the
+            # same branches (e.g. the same dropout masks) as the run it checks.
+            lhs, rhs = (_declared(ctx, x, v) for x, v in ((lhs, op.arg("lhs")), (rhs, op.arg("rhs"))))
         if not isinstance(lhs, torch.Tensor) or needs_tensors:
             lhs, rhs = _promote_pair(lhs, rhs, ctx, op)
+        elif name not in _COMPARISONS and name not in ("logical_and", "logical_or"):
+            # nvFuser casts operands to the result type first (Int * 0.5 is Double, BFloat16 + BFloat16 is Float).
+            out = ctx.dtype(op.outputs[0].dtype)
+            lhs = lhs.to(out) if lhs.dtype != out else lhs
+            rhs = rhs.to(out) if isinstance(rhs, torch.Tensor) and rhs.dtype != out else rhs
         if name in ("truediv", "atan2") and not lhs.is_floating_point():
             lhs = lhs.to(ctx.dtype(DType.Float))
         return fn(lhs, rhs)
 
     return run
+
+
+def _declared(ctx: Context, x: Any, v: Any) -> Any:
+    if isinstance(x, torch.Tensor) and is_value(v) and x.is_floating_point():
+        return x.to(v.dtype.torch)
+    return x
 
 
 def _promote_pair(lhs, rhs, ctx: Context, op: Op):
@@ -277,7 +292,9 @@ def _threshold(ctx, op, a):
 
 @impl("addcmul")
 def _addcmul(ctx, op, a):
-    return torch.addcmul(a["arg"], a["tensor1"], a["tensor2"], value=_scalar(a["value"]))
+    dt = ctx.dtype(op.outputs[0].dtype)
+    arg, t1, t2 = (_as_tensor(a[k]).to(dt) for k in ("arg", "tensor1", "tensor2"))
+    return torch.addcmul(arg, t1, t2, value=_scalar(a["value"]))
 
 
 @impl("cast")
@@ -329,12 +346,14 @@ def _prod(ctx, op, a):
 
 @impl("var")
 def _var(ctx, op, a):
-    return torch.var(a["arg"], tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+    x = a["arg"].to(ctx.dtype(op.outputs[0].dtype))  # integers in Double, Half/BFloat16 in Float, as nvFuser
+    return torch.var(x, tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
 
 
 @impl("var_mean")
 def _var_mean(ctx, op, a):
-    return torch.var_mean(a["arg"], tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+    x = a["arg"].to(ctx.dtype(op.outputs[0].dtype))
+    return torch.var_mean(x, tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
 
 
 @impl("welford")
@@ -644,8 +663,14 @@ def run(
     seed: int = 0,
     compute_dtype: torch.dtype | None = None,
     log: list[Communication] | None = None,
+    strict: bool = False,
 ) -> list[Any]:
-    """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs."""
+    """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
+
+    Results are cast to the dtype the op table infers; with ``strict`` an implementation whose
+    result has another dtype or shape raises instead (the op tests use it to keep the table and
+    the implementations in agreement).
+    """
     ctx = Context(fusion, shardings, mesh, comm or SoloComm(), seed, compute_dtype)
     if log is not None:
         ctx.log = log
@@ -686,6 +711,9 @@ def run(
         for v, r in zip(op.outputs, results):
             r = _as_tensor(r)
             want = ctx.dtype(v.dtype)
+            if strict and (r.dtype != want or tuple(r.shape) != ctx.local_shape(v)):
+                raise ExecutionError(f"while executing {op}: the implementation gave {v.name} as {r.dtype}{list(r.shape)}, "
+                                     f"the op table infers {want}{list(ctx.local_shape(v))}")
             if r.dtype != want:
                 r = r.to(want)
             env[v.name] = r

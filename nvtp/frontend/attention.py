@@ -15,6 +15,7 @@ from thunder.torch import scaled_dot_product_attention as _ltorch_sdpa
 from nvtp.frontend.translate import TRANSLATORS
 
 _SYMBOLS: dict[str, object] = {}
+CHECKED = {_ltorch_sdpa.id}  # claimed only when ``_check`` says so
 
 
 def _fwd_meta(query, key, value, dropout_p=0.0, is_causal=False, *, scale=None):

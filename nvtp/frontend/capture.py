@@ -151,3 +151,57 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
     return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))
+
+
+def forward_inputs(fusion: Fusion, named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The forward fusion's inputs, looked up by label (parameter names, ``x``)."""
+    out = []
+    for v in fusion.inputs:
+        label = fusion.label(v.name)
+        if label not in named:
+            raise KeyError(f"no tensor given for input {v.name} ({label})")
+        out.append(named[label])
+    return out
+
+
+def backward_inputs(fusion: Fusion, named: dict[str, torch.Tensor], forward_values: dict[str, torch.Tensor],
+                    grad: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward fusion's inputs: parameters by name, saved values from the forward run
+    (forward value name -> tensor), and the incoming gradient(s) in order."""
+    grads = [grad] if isinstance(grad, torch.Tensor) else list(grad)
+    out = []
+    for v in fusion.inputs:
+        info = fusion.info.get(v.name)
+        if info is None:
+            raise KeyError(f"backward input {v.name} has no role")
+        if info.role == "parameter":
+            out.append(named[info.label])
+        elif info.role == "saved":
+            out.append(forward_values[info.source])
+        elif info.role == "grad":
+            out.append(grads.pop(0))
+        else:
+            raise KeyError(f"backward input {v.name} has role {info.role}")
+    return out
+
+
+def run_pair(captured_forward: Fusion, captured_backward: Fusion, named: dict[str, torch.Tensor], grad: torch.Tensor,
+             run) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Run forward then backward with ``run(fusion, inputs) -> outputs``; returns
+    (forward values by name, gradients by label such as ``grad(attn.c_attn.weight)``)."""
+    f_in = forward_inputs(captured_forward, named)
+    f_out = run(captured_forward, f_in)
+    values = {v.name: t for v, t in zip(captured_forward.inputs, f_in)}
+    values.update({v.name: t for v, t in zip(captured_forward.outputs, f_out)})
+    b_in = backward_inputs(captured_backward, named, values, grad)
+    b_out = run(captured_backward, b_in)
+    grads = {captured_backward.label(v.name): t for v, t in zip(captured_backward.outputs, b_out)}
+    return values, grads
+
+
+def output_value(fusion: Fusion) -> str:
+    """Name of the forward fusion's user-visible output."""
+    outs = [v.name for v in fusion.outputs if fusion.role(v.name) == "output"]
+    if len(outs) != 1:
+        raise KeyError(f"{fusion.name} has {len(outs)} user outputs")
+    return outs[0]

@@ -39,7 +39,7 @@ from nvtp.frontend import attention
 from nvtp.frontend.translate import TRANSLATORS, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
-from nvtp.ir.simplify import fold_casts
+from nvtp.ir.simplify import common_subexpressions, fold_casts
 from nvtp.ir.verify import verify
 
 
@@ -159,6 +159,13 @@ class NvtpExecutor(FusionExecutor):
         for prim_id in TRANSLATORS:
             self.register_supported(prim_id, lambda *a, **k: _tensors_supported(a, k))
         attention.register(self)
+
+    def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
+        # Thunder asks this before using an executor's grad transform; for ops claimed with a
+        # checker (attention) the checker must decide, not whether the decomposition fuses.
+        if bsym.sym.id in attention.CHECKED:
+            return self.can_execute(bsym)
+        return super().can_execute_or_fuse(bsym)
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return True
@@ -282,7 +289,7 @@ def translate_region(name: str, inputs: Sequence[Proxy], outputs: Sequence[Proxy
         if not hasattr(v, "name"):
             v = b.op("full", [], v, to_dtype(type(v)))  # a constant result
         b.add_output(v)
-    fusion = fold_casts(b.build())
+    fusion = common_subexpressions(fold_casts(b.build()))
     return verify(_outputs_are_results(fusion))
 
 

@@ -68,7 +68,7 @@ class FusionBuilder:
     def define_tensor(self, shape, dtype: DType, *, contiguity=None, stride_order=None, name: str | None = None, info: ValueInfo | None = None) -> TensorValue:
         shape = tuple(shape)
         if contiguity is None:
-            contiguity = (True,) * len(shape)
+            contiguity = tuple(None if n == 1 else True for n in shape)  # nvFuser: None on broadcast axes
         if stride_order is None:
             stride_order = tuple(range(len(shape) - 1, -1, -1))
         op = self.add(

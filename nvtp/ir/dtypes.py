@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -77,34 +78,68 @@ _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _FLOATS = {DType.Double, DType.Float, DType.Half, DType.BFloat16, DType.Float8_e4m3fn, DType.Float8_e5m2}
 
 
-def promote(*operands: "DType | bool | int | float | complex") -> DType:
-    """Result type of an elementwise op, by torch's rules (a Python number joins only by category).
+@dataclass(frozen=True)
+class Scalar:
+    """A scalar value's dtype as an operand of ``promote`` (a tensor's is a bare ``DType``)."""
 
-    Operands are tensor dtypes (``DType``) or Python scalar *examples* (a ``float`` stands for
-    any scalar of category float).
+    dtype: DType
+
+
+def promote(*operands: "DType | Scalar | bool | int | float | complex") -> DType:
+    """Result type of an elementwise op, as nvFuser computes it (``csrc/type_promotion.cpp``).
+
+    Operands are tensor dtypes (``DType``) or scalars: ``Scalar(dtype)`` for a scalar value, or a
+    Python number, which nvFuser makes a constant of dtype Double, Int, Bool or ComplexDouble.
+    The rule is torch's ``result_type`` (scalars join by category) with one difference: a scalar
+    of a higher category than every tensor gives its own dtype, not torch's default Float, so
+    ``Int tensor * 0.5`` is Double. Computing Half/BFloat16 in Float is a per-op rule (ops.py).
     """
-    examples = []
-    for x in operands:
-        if isinstance(x, DType):
-            examples.append(torch.empty((1,), dtype=x.torch))
-        else:
-            examples.append(x)
-    if not any(isinstance(e, torch.Tensor) for e in examples):
-        # Only scalars: nvFuser computes scalars in Double / Int / Bool.
-        kinds = [type(e) for e in examples]
-        if complex in kinds:
-            return DType.ComplexDouble
-        if float in kinds:
-            return DType.Double
-        if int in kinds:
-            return DType.Int
+    tensors = [x for x in operands if isinstance(x, DType)]
+    scalars = [_scalar_dtype(x) for x in operands if not isinstance(x, DType)]
+    if len(set(tensors + scalars)) == 1:
+        return (tensors + scalars)[0]
+    # nvFuser, like torch, lets a Half/BFloat16 scalar join as the default float dtype.
+    scalars = [DType.Float if s in (DType.Half, DType.BFloat16) else s for s in scalars]
+    if not tensors:
+        return _promote_types(scalars)
+    dim = _promote_types(tensors)
+    if not scalars:
+        return dim
+    return _combine_categories(dim, _promote_types(scalars))
+
+
+def _scalar_dtype(x: "Scalar | bool | int | float | complex") -> DType:
+    if isinstance(x, Scalar):
+        return x.dtype
+    if isinstance(x, bool):
         return DType.Bool
-    result = examples[0]
-    for e in examples[1:]:
-        result = torch.empty((1,), dtype=torch.result_type(result, e))
-    if not isinstance(result, torch.Tensor):  # pragma: no cover - guarded above
-        raise AssertionError(result)
-    return DType.from_torch(result.dtype)
+    if isinstance(x, int):
+        return DType.Int
+    if isinstance(x, float):
+        return DType.Double
+    if isinstance(x, complex):
+        return DType.ComplexDouble
+    raise TypeError(f"promote: expected a DType, a Scalar or a Python number, got {x!r}")
+
+
+def _promote_types(dtypes: "list[DType]") -> DType:
+    result = dtypes[0].torch
+    for dt in dtypes[1:]:
+        result = torch.promote_types(result, dt.torch)
+    return DType.from_torch(result)
+
+
+def _combine_categories(higher: DType, lower: DType) -> DType:
+    """torch's ``combine_categories``: tensors win within a category, a scalar lifts the category."""
+    if higher.is_complex:
+        return higher
+    if lower.is_complex:
+        return (DType.ComplexDouble if higher is DType.Double else DType.ComplexFloat) if higher.is_float else lower
+    if higher.is_float:
+        return higher
+    if higher is DType.Bool or lower.is_float:
+        return _promote_types([higher, lower])
+    return higher
 
 
 def scalar_example(dtype: DType) -> bool | int | float | complex:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from nvtp.ir.dtypes import DType, promote, scalar_example
+from nvtp.ir.dtypes import DType, Scalar, promote
 from nvtp.ir.graph import ScalarValue, TensorValue, is_value
 
 
@@ -91,12 +91,12 @@ def _check(cond: bool, msg: Callable[[], str]) -> None:
 # helpers
 
 
-def dtype_of(x: Any) -> DType | bool | int | float | complex:
-    """A tensor or scalar value's dtype, or the Python number itself (for promotion)."""
+def dtype_of(x: Any) -> DType | Scalar | bool | int | float | complex:
+    """What ``promote`` takes: a tensor's dtype, a scalar value's ``Scalar(dtype)``, or the Python number."""
     if isinstance(x, TensorValue):
         return x.dtype
     if isinstance(x, ScalarValue):
-        return scalar_example(x.dtype)
+        return Scalar(x.dtype)
     if isinstance(x, (bool, int, float, complex)):
         return x
     raise IRError(f"expected a tensor or a number, got {x!r}")
@@ -129,6 +129,11 @@ def _float_result(dt: DType) -> DType:
     return dt if (dt.is_float or dt.is_complex) else DType.Float
 
 
+def _compute_dtype(name: str, dt: DType) -> DType:
+    """``dt`` widened to Float if op ``name`` computes Half/BFloat16 in Float (see COMPUTE_IN_FLOAT)."""
+    return DType.Float if name in COMPUTE_IN_FLOAT and dt in (DType.Half, DType.BFloat16) else dt
+
+
 # ---------------------------------------------------------------------------------------------
 # input definitions
 
@@ -139,6 +144,11 @@ def _infer_define_tensor(a):
     contiguity = a["contiguity"]
     if contiguity is not None and not isinstance(contiguity, bool):
         _check(len(contiguity) == len(shape), lambda: f"contiguity {list(contiguity)} has {len(contiguity)} entries for a rank-{len(shape)} tensor")
+        _check(
+            all((c is None) == (n == 1) for c, n in zip(contiguity, shape)),
+            lambda: f"define_tensor of shape {list(shape)} has contiguity {list(contiguity)}; nvFuser wants None exactly on the "
+            "size-1 (broadcast) axes and True/False on the others",
+        )
     order = a["stride_order"]
     if order:
         _check(sorted(order) == list(range(len(shape))), lambda: f"stride_order {list(order)} is not a permutation of 0..{len(shape) - 1}")
@@ -168,7 +178,7 @@ def _infer_define_scalar(a):
     return [Out(None, dtype)]
 
 
-register("define_scalar", [Param("value", "number", None), Param("dtype", "dtype?", None)], _infer_define_scalar, "input")
+register("define_scalar", [Param("value", "number?", None), Param("dtype", "dtype?", None)], _infer_define_scalar, "input")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,10 +188,11 @@ register("define_scalar", [Param("value", "number", None), Param("dtype", "dtype
 UNARY_FLOAT = {
     "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "erf", "erfc", "erfcinv",
     "erfinv", "exp", "exp2", "expm1", "lgamma", "log", "log10", "log1p", "log2", "reciprocal",
-    "rsqrt", "sigmoid", "silu", "sin", "sinh", "sqrt", "tan", "tanh",
+    "rsqrt", "sigmoid", "sin", "sinh", "sqrt", "tan", "tanh",
 }
 # Ops whose result has the input's dtype.
-UNARY_SAME = {"abs", "ceil", "floor", "frac", "neg", "relu", "round", "sign", "trunc", "bitwise_not", "set", "segment_set"}
+# (nvFuser computes silu in the input's dtype, integers and Half included.)
+UNARY_SAME = {"abs", "ceil", "floor", "frac", "neg", "relu", "round", "sign", "trunc", "bitwise_not", "set", "segment_set", "silu"}
 UNARY_PREDICATE = {"isfinite", "isinf", "isnan", "isneginf", "isposinf", "isreal", "signbit", "logical_not"}
 UNARY = UNARY_FLOAT | UNARY_SAME | UNARY_PREDICATE
 
@@ -192,6 +203,13 @@ BINARY_ARITH = {
 BINARY_FLOAT = {"truediv", "atan2"}
 COMPARE = {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or"}
 BINARY = BINARY_ARITH | BINARY_FLOAT | COMPARE
+
+# Ops nvFuser computes in at least single precision: a Half or BFloat16 result is Float
+# (``cast_half_to_float`` in nvFuser's csrc/ops/arith.cpp). Thunder casts to Float before
+# such ops anyway; abs, relu, where, clamp and the like keep Half/BFloat16.
+COMPUTE_IN_FLOAT = UNARY_FLOAT | BINARY_FLOAT | {
+    "neg", "add", "sub", "mul", "div", "pow", "fmod", "remainder", "mod", "maximum", "minimum", "lerp", "addcmul", "var", "var_mean",
+}
 
 # Every op whose result is computed position by position from its operands.
 POINTWISE = UNARY | BINARY | {"where", "lerp", "clamp", "threshold", "addcmul", "cast"}
@@ -205,7 +223,7 @@ def _unary(name):
             dt = _float_result(dt)
         elif name in UNARY_PREDICATE:
             dt = DType.Bool
-        return _elementwise([x], dt)
+        return _elementwise([x], _compute_dtype(name, dt))
 
     return infer
 
@@ -219,7 +237,7 @@ def _binary(name):
             dt = promote(dtype_of(lhs), dtype_of(rhs))
             if name in BINARY_FLOAT:
                 dt = _float_result(dt)
-        return _elementwise([lhs, rhs], dt)
+        return _elementwise([lhs, rhs], _compute_dtype(name, dt))
 
     return infer
 
@@ -238,21 +256,21 @@ def _infer_where(a):
 register("where", [Param("condition", "operand"), Param("x", "operand"), Param("y", "operand")], _infer_where, "ternary", 3)
 
 
-def _infer_ternary(first: str, names: tuple[str, ...]):
+def _infer_ternary(name: str, names: tuple[str, ...]):
     def infer(a):
         operands = [a[n] for n in names]
-        return _elementwise(operands, promote(*(dtype_of(x) for x in operands if x is not None)))
+        return _elementwise(operands, _compute_dtype(name, promote(*(dtype_of(x) for x in operands if x is not None))))
 
     return infer
 
 
-register("lerp", [Param("start", "operand"), Param("end", "operand"), Param("weight", "operand")], _infer_ternary("start", ("start", "end", "weight")), "ternary", 3)
-register("clamp", [Param("arg", "operand"), Param("min", "operand"), Param("max", "operand")], _infer_ternary("arg", ("arg",)), "ternary", 3)
-register("threshold", [Param("arg", "operand"), Param("threshold", "operand"), Param("value", "operand")], _infer_ternary("arg", ("arg",)), "ternary", 3)
+register("lerp", [Param("start", "operand"), Param("end", "operand"), Param("weight", "operand")], _infer_ternary("lerp", ("start", "end", "weight")), "ternary", 3)
+register("clamp", [Param("arg", "operand"), Param("min", "operand"), Param("max", "operand")], _infer_ternary("clamp", ("arg",)), "ternary", 3)
+register("threshold", [Param("arg", "operand"), Param("threshold", "operand"), Param("value", "operand")], _infer_ternary("threshold", ("arg",)), "ternary", 3)
 register(
     "addcmul",
     [Param("arg", "operand"), Param("tensor1", "operand"), Param("tensor2", "operand"), Param("value", "operand")],
-    _infer_ternary("arg", ("arg", "tensor1", "tensor2")),
+    _infer_ternary("addcmul", ("arg", "tensor1", "tensor2")),
     "ternary",
     4,
 )
@@ -307,7 +325,8 @@ for _name in sorted(REDUCTION):
 def _infer_var(a, n_out):
     x = a["arg"]
     shape, _ = _reduced_shape(x, a["dims"], a["keepdim"])
-    return [Out(shape, x.dtype)] * n_out
+    dtype = _compute_dtype("var", x.dtype) if x.dtype.is_float or x.dtype.is_complex else DType.Double  # nvFuser: integers in Double
+    return [Out(shape, dtype)] * n_out
 
 
 register("var", [Param("arg", "tensor"), Param("dims", "ints"), Param("correction", "int", 1), Param("keepdim", "bool", False)], lambda a: _infer_var(a, 1), "reduction")

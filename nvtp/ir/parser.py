@@ -70,13 +70,26 @@ class Dump:
     schedule: list[ScheduleStep] = field(default_factory=list)
     inputs: list[InputExample] | None = None
     path: str | None = None
+    header: list[str] = field(default_factory=list)
 
 
 def parse(text: str, path: str | None = None) -> Dump:
     """Parse a whole dump file (nvtp's, or an nvFuser repro script)."""
     tree = _parse_module(text, path)
     reader = _ModuleReader(path)
-    return reader.read(tree)
+    dump = reader.read(tree)
+    dump.header = leading_comments(text)
+    return dump
+
+
+def leading_comments(text: str) -> list[str]:
+    """The comment lines at the top of a file, without their ``# `` (a dump's header)."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[2:] if line.startswith("# ") else line[1:])
+    return lines
 
 
 def parse_function(text: str, name: str, bindings: Mapping[str, int] | None = None, path: str | None = None, inputs: list[InputExample] | None = None) -> Dump:
@@ -421,7 +434,8 @@ class _FunctionReader:
                 raise self.fail(call, f"define_tensor shape {list(shape)} does not match the inputs list entry {list(example.shape)}")
             bound["shape"] = tuple(example.shape)
         if isinstance(bound["contiguity"], bool):
-            bound["contiguity"] = (bound["contiguity"],) * len(shape)
+            # As nvFuser expands a single flag: size-1 (broadcast) axes get None.
+            bound["contiguity"] = tuple(None if n == 1 else bound["contiguity"] for n in bound["shape"])
         if bound["stride_order"] is None or bound["stride_order"] == ():
             bound["stride_order"] = tuple(range(len(shape) - 1, -1, -1))
         return [], bound

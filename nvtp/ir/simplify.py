@@ -66,3 +66,38 @@ def dead_code(fusion: Fusion) -> Fusion:
             keep.append(op)
             live.update(v.name for v in op.operands)
     return fusion.with_ops(tuple(reversed(keep)))
+
+
+def _key(x):
+    if is_value(x):
+        return ("value", x.name)
+    if isinstance(x, tuple):
+        return tuple(_key(e) for e in x)
+    if isinstance(x, float) and x != x:
+        return ("nan",)
+    return (type(x).__name__, x)
+
+
+def common_subexpressions(fusion: Fusion) -> Fusion:
+    """Reuse the result of an op already computed with the same arguments (random ops excepted).
+
+    Requires: a verified fusion. Ensures: the same outputs, bit for bit.
+    """
+    from nvtp.ir.ops import RANDOM
+
+    seen: dict[tuple, tuple[Value, ...]] = {}
+    sub: dict[str, Value] = {}
+    ops: list[Op] = []
+    for op in fusion.ops:
+        op = Op(op.kind, tuple((k, _substitute(v, sub)) for k, v in op.args), op.outputs)
+        if defines_input(op) or op.kind in RANDOM:
+            ops.append(op)
+            continue
+        key = (op.kind, _key(op.args))
+        if key in seen:
+            for old, new in zip(op.outputs, seen[key]):
+                sub[old.name] = new
+            continue
+        seen[key] = op.outputs
+        ops.append(op)
+    return fusion.with_ops(tuple(ops), tuple(_substitute(v, sub) for v in fusion.outputs))

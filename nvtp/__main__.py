@@ -1,0 +1,5 @@
+import sys
+
+from nvtp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""The ``nvtp`` command line: dump, replay, shard, explain and demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_RUNTIME = 4
+
+EPILOG = """\
+exit codes:
+  0  success
+  1  a --check found results outside tolerance
+  2  usage error (bad command-line arguments)
+  3  bad input (a dump, plan or mesh nvtp refuses, with the reason)
+  4  failure at run time (an op failed, a rank died, a GPU is needed)
+
+examples:
+  nvtp demo                                   shard a GPT block over a local CPU mesh and check it
+  nvtp dump --model nanogpt --config gpt2 --out fusions
+  nvtp replay fusions/nanogpt_gpt2_bf16_fwd.py --check
+"""
+
+
+class Usage(Exception):
+    pass
+
+
+def _dtype(name: str):
+    from nvtp.dump import DTYPES
+
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def cmd_dump(args) -> int:
+    from nvtp import dump
+
+    start = time.perf_counter()
+    fwd, bwd = dump.dump_model(args.model, args.config, args.out, dtype=args.dtype, dropout=args.dropout)
+    print(f"wrote {fwd} and {bwd} in {time.perf_counter() - start:.1f} s")
+    return EXIT_OK
+
+
+def cmd_replay(args) -> int:
+    from nvtp import dump
+
+    d = dump.load(args.file)
+    fusion = d.fusion
+    if args.backend == "nvfuser":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("nvtp replay: --backend nvfuser executes with nvFuser, which needs a CUDA GPU; this machine has none. "
+                  "Use --backend reference (the default) to run the dump here.", file=sys.stderr)
+            return EXIT_RUNTIME
+    report = dump.replay(fusion, backend=args.backend, seed=args.seed, check=args.check)
+    n_ops = len(list(fusion.compute_ops()))
+    print(f"{args.file}: {n_ops} ops, {len(fusion.inputs)} inputs, {len(fusion.outputs)} outputs; ran in {report.seconds:.3f} s on {args.backend}")
+    if not args.check:
+        return EXIT_OK
+    print(f"{'output':>10}  {'dtype':>8}  {'shape':<20} {'rel. error':>11}  {'max |diff|':>11}  {'tolerance':>9}")
+    for c in report.checks:
+        mark = "ok" if c.ok else "FAIL"
+        print(f"{c.name:>10}  {c.dtype.value:>8}  {str(list(c.shape)):<20} {c.rel_error:11.3e}  {c.max_abs:11.3e}  {c.tolerance:9.0e}  {mark}")
+    verdict = "passed" if report.ok else "FAILED"
+    print(f"check against a float64 evaluation: {verdict}")
+    return EXIT_OK if report.ok else EXIT_CHECK_FAILED
+
+
+def cmd_demo(args) -> int:
+    from nvtp import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nvtp",
+        description="Turn a single-device PyTorch transformer into a tensor-parallel program for nvFuser.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("dump", help="trace a model's block and write its forward and backward fusions")
+    d.add_argument("--model", default="nanogpt", choices=["nanogpt"])
+    d.add_argument("--config", default="tiny", choices=["tiny", "gpt2", "gpt3"])
+    d.add_argument("--dtype", default="bf16", type=_dtype, help="bf16 (default), fp16 or fp32")
+    d.add_argument("--dropout", type=float, default=None, help="override the config's dropout probability")
+    d.add_argument("--out", required=True, help="directory to write the two files into")
+    d.set_defaults(fn=cmd_dump)
+
+    r = sub.add_parser("replay", help="run a dump on random inputs, optionally checking it against float64")
+    r.add_argument("file")
+    r.add_argument("--check", action="store_true", help="compare every output with a float64 evaluation")
+    r.add_argument("--backend", default="reference", choices=["reference", "nvfuser"])
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_replay)
+
+    m = sub.add_parser("demo", help="the main job: trace a GPT block, shard it on a local CPU mesh, check it")
+    m.add_argument("--devices", type=int, default=4)
+    m.add_argument("--config", default="tiny", choices=["tiny", "gpt2"])
+    m.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nvtp.ir.ops import IRError
+    from nvtp.ir.parser import DumpError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.fn(args)
+    except (DumpError, IRError) as e:
+        print(f"nvtp {args.command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Usage as e:
+        print(f"nvtp {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

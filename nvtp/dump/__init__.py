@@ -1,0 +1,230 @@
+"""Dump fusions to files in nvFuser's Python format, and replay them.
+
+``dump_model`` traces a model's block with Thunder (on meta tensors: nothing is computed, so a
+GPT-3 layer dumps in seconds) and writes the forward and backward fusions. ``replay`` runs a
+dump on random inputs shaped as the file records them and, with ``check``, compares every output
+with a float64 evaluation of the same fusion.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from nvtp.ir.dtypes import DType
+from nvtp.ir.graph import Fusion, ScalarValue, TensorValue
+from nvtp.ir.parser import Dump, DumpError, parse
+from nvtp.ir.printer import format_file
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+MODELS = ("nanogpt",)
+
+# Relative error (2-norm of the difference over 2-norm of the float64 result) a fusion passes
+# with, by the least precise floating-point type it computes in: errors of a wrong op are O(1),
+# rounding errors of a bf16 fusion a few units of bf16's 2^-8 after a hundred ops.
+TOLERANCE = {DType.Double: 1e-12, DType.Float: 1e-5, DType.Half: 5e-3, DType.BFloat16: 2e-2}
+_PRECISION_ORDER = [DType.BFloat16, DType.Half, DType.Float, DType.Double]
+
+
+def tolerance(fusion: Fusion) -> float:
+    """The check's tolerance: that of the least precise float type any value of ``fusion`` has."""
+    present = {v.dtype for op in fusion.ops for v in op.outputs}
+    for dt in _PRECISION_ORDER:
+        if dt in present:
+            return TOLERANCE[dt]
+    return TOLERANCE[DType.Float]
+
+
+def _versions() -> str:
+    import thunder
+
+    import nvtp
+
+    return f"nvtp {nvtp.__version__}, Thunder {thunder.__version__}, torch {torch.__version__}"
+
+
+def dump_name(model: str, config: str, dtype: torch.dtype, role: str) -> str:
+    return f"{model}_{config}_{SHORT[dtype]}_{'fwd' if role == 'forward' else 'bwd'}.py"
+
+
+def header(fusion: Fusion, command: str) -> list[str]:
+    a = fusion.attrs
+    return [
+        f"{a.get('role', 'fusion')} fusion of {a.get('model', '?')} config {a.get('config', '?')} ({a.get('dtype', '?')}), "
+        f"traced by Thunder with nvtp's executor ({_versions()}).",
+        f"Regenerate: {command}",
+        "Runs as is with nvfuser_direct on a CUDA GPU; `nvtp replay FILE --check` runs it anywhere.",
+    ]
+
+
+def trace_block(model: str, config_name: str, dtype: torch.dtype, *, dropout: float | None = None, device: str = "meta"):
+    """Capture the forward and backward fusions of one transformer block."""
+    from nvtp.frontend.capture import capture
+    from nvtp.models import gpt
+
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; nvtp dumps: {', '.join(MODELS)}")
+    overrides = {} if dropout is None else {"dropout": dropout}
+    cfg = gpt.config(config_name, **overrides)
+    with torch.device(device):
+        block = gpt.Block(cfg).to(dtype)
+    x = gpt.example_input(cfg, dtype=dtype, device=device)
+    return capture(block, x), cfg
+
+
+def dump_model(model: str, config_name: str, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+               dropout: float | None = None) -> tuple[Path, Path]:
+    """Write ``<model>_<config>_<dtype>_{fwd,bwd}.py`` into ``out_dir``; returns their paths."""
+    captured, cfg = trace_block(model, config_name, dtype, dropout=dropout)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    attrs = {"model": model, "config": config_name, "dtype": SHORT[dtype], "batch": str(cfg.batch),
+             "seq_len": str(cfg.seq_len), "n_embd": str(cfg.n_embd), "n_head": str(cfg.n_head),
+             "dropout": str(cfg.dropout)}
+    command = f"nvtp dump --model {model} --config {config_name} --dtype {SHORT[dtype]} --out {out_dir}"
+    if dropout is not None:
+        command += f" --dropout {dropout}"
+    fwd_name, bwd_name = dump_name(model, config_name, dtype, "forward"), dump_name(model, config_name, dtype, "backward")
+    fwd = replace(captured.forward, name="nvfuser_fusion_id0", attrs={**captured.forward.attrs, **attrs, "role": "forward", "backward": bwd_name})
+    paths = [out / fwd_name]
+    (out / fwd_name).write_text(format_file(fwd, header=header(fwd, command)))
+    if captured.backward is not None:
+        bwd = replace(captured.backward, name="nvfuser_fusion_id1", attrs={**captured.backward.attrs, **attrs, "role": "backward", "forward": fwd_name})
+        (out / bwd_name).write_text(format_file(bwd, header=header(bwd, command)))
+        paths.append(out / bwd_name)
+    return paths[0], paths[-1]
+
+
+def load(path: str | os.PathLike) -> Dump:
+    """Parse a dump file; ``DumpError`` names the file and line of anything wrong."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise DumpError("no such file", str(p)) from None
+    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
+        raise DumpError(f"cannot read: {e}", str(p)) from None
+    return parse(text, str(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+
+
+def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[Any]:
+    """Random inputs shaped, typed and strided as the fusion's ``define_tensor`` ops record.
+
+    Floats are standard normal, except matrices (weights), which are scaled by 1/sqrt(fan-in)
+    as nn.Linear initialises them, so activations stay O(1) and the float64 check measures
+    rounding rather than the chaos of saturated softmaxes."""
+    from nvtp.ir.printer import strides_for
+
+    g = torch.Generator().manual_seed(seed)
+    out: list[Any] = []
+    for op in fusion.ops:
+        if op.kind == "define_tensor":
+            v: TensorValue = op.outputs[0]  # type: ignore[assignment]
+            dt = v.dtype.torch
+            if dt.is_floating_point:
+                t = torch.randn(v.shape, generator=g)
+                if v.ndim == 2 and v.shape[-1] > 0:
+                    t = t / math.sqrt(v.shape[-1])
+                t = t.to(dt)
+            elif dt == torch.bool:
+                t = torch.rand(v.shape, generator=g) < 0.5
+            else:
+                t = torch.randint(0, 2, v.shape, generator=g).to(dt)
+            strides = strides_for(v.shape, op.arg("stride_order"))
+            if strides != strides_for(v.shape, None) and v.numel:
+                t = torch.empty_strided(v.shape, strides, dtype=dt).copy_(t)
+            out.append(t.to(device))
+        elif op.kind == "define_scalar" and op.arg("value") is None:
+            dt = op.outputs[0].dtype
+            out.append(True if dt is DType.Bool else (1 if dt.is_int else 0.5))
+    return out
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    rel_error: float
+    max_abs: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_error <= self.tolerance
+
+
+@dataclass
+class ReplayReport:
+    outputs: list[Any]
+    checks: list[OutputCheck] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(‖actual − expected‖₂ / ‖expected‖₂, max |actual − expected|); NaN against NaN and equal
+    infinities count as equal, any other non-finite difference is an infinite error."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    diff = torch.where(same, 0.0, a - e)
+    if not bool(torch.isfinite(diff).all()):
+        return math.inf, math.inf
+    norm = float(torch.where(torch.isfinite(e), e, 0.0).norm())
+    err = float(diff.norm())
+    rel = err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
+    return rel, float(diff.abs().max()) if diff.numel() else 0.0
+
+
+def check_outputs(fusion: Fusion, actual: Sequence[Any], expected: Sequence[Any]) -> list[OutputCheck]:
+    checks = []
+    tol_float = tolerance(fusion)
+    for v, a, e in zip(fusion.outputs, actual, expected):
+        if isinstance(v, ScalarValue) or not isinstance(a, torch.Tensor):
+            continue
+        if v.dtype.is_float:
+            rel, mx = relative_error(a, e)
+            tol = tol_float
+        else:
+            same = torch.equal(a.cpu(), e.to(a.dtype).cpu())
+            rel, mx, tol = (0.0, 0.0, 0.0) if same else (math.inf, math.inf, 0.0)
+        checks.append(OutputCheck(v.name, v.dtype, tuple(v.shape), rel, mx, tol))
+    return checks
+
+
+def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: bool = False, inputs: Sequence[Any] | None = None) -> ReplayReport:
+    """Run ``fusion`` on random (or given) inputs; with ``check``, compare with float64."""
+    import time
+
+    from nvtp.execute import reference
+
+    inputs = list(inputs) if inputs is not None else random_inputs(fusion, seed)
+    start = time.perf_counter()
+    if backend == "reference":
+        outputs = reference.run(fusion, inputs, seed=seed)
+    elif backend == "nvfuser":
+        from nvtp.execute import nvfuser
+
+        outputs = nvfuser.execute(fusion, inputs)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use reference or nvfuser")
+    seconds = time.perf_counter() - start
+    report = ReplayReport(outputs, seconds=seconds)
+    if check:
+        expected = reference.run(fusion, inputs, seed=seed, compute_dtype=torch.float64)
+        report.checks = check_outputs(fusion, outputs, expected)
+    return report

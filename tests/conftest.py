@@ -1,0 +1,36 @@
+"""Shared fixtures: traced GPT blocks are expensive (Thunder), so each is traced once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvtp.frontend.capture import capture
+from nvtp.models import gpt
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> gpt.GPTConfig:
+    return gpt.config("tiny")
+
+
+def make_block(cfg: gpt.GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> gpt.Block:
+    torch.manual_seed(seed)
+    return gpt.Block(cfg).to(dtype)
+
+
+@pytest.fixture(scope="session")
+def tiny_block(tiny_cfg):
+    return make_block(tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_capture(tiny_cfg, tiny_block):
+    """Forward and backward fusions of the tiny fp32 block (no dropout)."""
+    return capture(tiny_block, gpt.example_input(tiny_cfg))
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_capture(tiny_cfg):
+    block = make_block(tiny_cfg, dtype=torch.bfloat16)
+    return capture(block, gpt.example_input(tiny_cfg, dtype=torch.bfloat16)), block

@@ -1,0 +1,131 @@
+"""Dumps: the CLI writes forward and backward fusions in nvFuser's format, replays them with a
+float64 check, and the checked-in dumps in fusions/ are what nvtp generates today."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvtp import cli, dump
+from nvtp.ir.parser import parse
+from nvtp.ir.printer import format_file
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "fusions"
+
+
+@pytest.fixture(scope="module")
+def tiny_dumps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dumps")
+    assert cli.main(["dump", "--model", "nanogpt", "--config", "tiny", "--dtype", "fp32", "--out", str(out)]) == 0
+    return out
+
+
+def test_dump_writes_a_forward_and_a_backward_file(tiny_dumps):
+    names = sorted(p.name for p in tiny_dumps.iterdir())
+    assert names == ["nanogpt_tiny_fp32_bwd.py", "nanogpt_tiny_fp32_fwd.py"]
+    text = (tiny_dumps / "nanogpt_tiny_fp32_fwd.py").read_text()
+    assert "def nvfuser_fusion_id0(fd : FusionDefinition) -> None :" in text
+    assert "with FusionDefinition() as fd:\n    nvfuser_fusion_id0(fd)" in text
+    assert "fd.execute(inputs)" in text and "torch.testing.make_tensor((2, 16, 64)" in text
+
+
+def test_printing_a_parsed_dump_gives_the_same_text(tiny_dumps):
+    for path in [*tiny_dumps.iterdir(), *GOLDEN.glob("*.py")]:
+        text = path.read_text()
+        d = parse(text, str(path))
+        assert format_file(d.fusion, header=d.header) == text, path.name
+
+
+def test_replay_check_passes(tiny_dumps, capsys):
+    for name in ["nanogpt_tiny_fp32_fwd.py", "nanogpt_tiny_fp32_bwd.py"]:
+        assert cli.main(["replay", str(tiny_dumps / name), "--check"]) == cli.EXIT_OK
+        assert "check against a float64 evaluation: passed" in capsys.readouterr().out
+
+
+BAD_NUMERICS = """\
+import torch
+from nvfuser_direct import FusionDefinition, DataType
+
+def nvfuser_fusion_id0(fd : FusionDefinition) -> None :
+    T0 = fd.define_tensor(shape=[64], contiguity=[True], dtype=DataType.Float, is_cpu=False, stride_order=[0])
+    T1 = fd.ops.add(T0, 100000000.0)
+    T2 = fd.ops.sub(T1, 100000000.0)
+    fd.add_output(T2)
+
+with FusionDefinition() as fd:
+    nvfuser_fusion_id0(fd)
+"""
+
+
+def test_replay_check_fails_when_float32_loses_the_result(tmp_path, capsys):
+    """(x + 1e8) - 1e8 is x in float64 and mostly 0 in float32: the check must say so."""
+    path = tmp_path / "cancel.py"
+    path.write_text(BAD_NUMERICS)
+    assert cli.main(["replay", str(path), "--check"]) == cli.EXIT_CHECK_FAILED
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_replay_on_nvfuser_says_it_needs_a_gpu(tiny_dumps, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = cli.main(["replay", str(tiny_dumps / "nanogpt_tiny_fp32_fwd.py"), "--backend", "nvfuser"])
+    assert code == cli.EXIT_RUNTIME
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_dump_is_refused_with_file_and_line(tmp_path, capsys):
+    path = tmp_path / "evil.py"
+    path.write_text(BAD_NUMERICS.replace("import torch\n", "import torch\nimport os\n"))
+    assert cli.main(["replay", str(path)]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "import of 'os' is not allowed" in err
+
+
+def test_python_dash_m_nvtp_documents_exit_codes():
+    out = subprocess.run([sys.executable, "-m", "nvtp", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "exit codes:" in out and "3  bad input" in out
+
+
+@pytest.mark.parametrize("config", ["gpt2", "gpt3"])
+def test_golden_dumps_are_current(config, tmp_path):
+    """fusions/ holds what `nvtp dump` writes today; GPT-3 is traced on meta tensors, not run."""
+    start = time.perf_counter()
+    dump.dump_model("nanogpt", config, tmp_path, dtype=torch.bfloat16)
+    assert time.perf_counter() - start < 60
+    for role in ["fwd", "bwd"]:
+        name = f"nanogpt_{config}_bf16_{role}.py"
+        fresh = (tmp_path / name).read_text().replace(f"--out {tmp_path}", "--out fusions")
+        assert fresh == (GOLDEN / name).read_text(), f"{name} differs: regenerate with `nvtp dump --config {config} --out fusions`"
+
+
+def test_backward_dump_links_saved_inputs_to_forward_values():
+    fwd = parse((GOLDEN / "nanogpt_gpt3_bf16_fwd.py").read_text()).fusion
+    bwd = parse((GOLDEN / "nanogpt_gpt3_bf16_bwd.py").read_text()).fusion
+    assert bwd.attrs["forward"] == "nanogpt_gpt3_bf16_fwd.py"
+    fwd_values, fwd_params = fwd.values, {fwd.label(v.name) for v in fwd.inputs if fwd.role(v.name) == "parameter"}
+    roles = {"saved": 0, "parameter": 0, "grad": 0}
+    for v in bwd.inputs:
+        info = bwd.info[v.name]
+        roles[info.role] += 1
+        if info.role == "saved":
+            assert (fwd_values[info.source].shape, fwd_values[info.source].dtype) == (v.shape, v.dtype)
+        if info.role == "parameter":
+            assert info.label in fwd_params
+    assert roles["saved"] > 0 and roles["parameter"] > 0 and roles["grad"] == 1
+    assert v.shape  # noqa: F821 - last input seen
+    weight = next(v for v in fwd.inputs if fwd.label(v.name) == "attn.c_attn.weight")
+    assert weight.shape == (3 * 12288, 12288)
+
+
+def test_gpt2_forward_dump_replays_within_bf16_tolerance():
+    fusion = dump.load(GOLDEN / "nanogpt_gpt2_bf16_fwd.py").fusion
+    report = dump.replay(fusion, check=True)
+    assert report.checks and report.ok, [(c.name, c.rel_error) for c in report.checks if not c.ok]
+    masks = [c for c in report.checks if c.dtype.value == "Bool"]
+    assert len(masks) == 2  # the two residual dropout masks agree exactly with the float64 run
