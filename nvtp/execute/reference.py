@@ -353,7 +353,8 @@ def _var(ctx, op, a):
 @impl("var_mean")
 def _var_mean(ctx, op, a):
     x = a["arg"].to(ctx.dtype(op.outputs[0].dtype))
-    return torch.var_mean(x, tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+    var, mean = torch.var_mean(x, tuple(a["dims"]), correction=a["correction"], keepdim=a["keepdim"])
+    return var, mean.to(ctx.dtype(op.outputs[1].dtype))
 
 
 @impl("welford")

@@ -325,8 +325,10 @@ for _name in sorted(REDUCTION):
 def _infer_var(a, n_out):
     x = a["arg"]
     shape, _ = _reduced_shape(x, a["dims"], a["keepdim"])
-    dtype = _compute_dtype("var", x.dtype) if x.dtype.is_float or x.dtype.is_complex else DType.Double  # nvFuser: integers in Double
-    return [Out(shape, dtype)] * n_out
+    if x.dtype.is_float or x.dtype.is_complex:
+        return [Out(shape, _compute_dtype("var", x.dtype))] * n_out
+    # nvFuser gives an integer tensor's variance in Double and its mean in the input's dtype.
+    return [Out(shape, DType.Double), Out(shape, x.dtype)][:n_out]
 
 
 register("var", [Param("arg", "tensor"), Param("dims", "ints"), Param("correction", "int", 1), Param("keepdim", "bool", False)], lambda a: _infer_var(a, 1), "reduction")

@@ -1,0 +1,272 @@
+"""Sharding plans: which placement each fusion input starts with.
+
+``megatron`` is derived from the fusion graph, not from parameter names. A *projection* is a
+``linear`` whose weight is a fusion input. Projection P is column-parallel when splitting its
+output features reaches the contracted input of another projection Q without communication
+(through pointwise ops, reshapes, attention, ...); Q is then row-parallel. Whether the sharding
+gets through is asked of the propagation itself, so any block Thunder traces pairs up: fused or
+separate q/k/v, GQA, SwiGLU, with or without biases. A fused projection (its output sliced into
+k equal parts, like QKV's 3e into q, k, v) is split as ``_StridedShard(0, k)``: each rank holds
+its slice of each part, so no weight is permuted by hand.
+
+``megatron-sp`` adds sequence parallelism (Korthikanti et al., arXiv 2205.05198): activation
+inputs are split along the sequence, so LayerNorm, dropout and residual regions run on 1/d of
+the tokens, and the all-reduces become all-gathers and reduce-scatters.
+
+Explicit plans map parameter-name globs (or module-name globs) to placements, ``"colwise"`` /
+``"rowwise"``, or torch's ``ColwiseParallel()`` / ``RowwiseParallel()``; a per-input plan maps a
+dumped fusion's value names (``T3``) to placements.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from nvtp.ir.graph import Fusion, Op, TensorValue
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Replicate, Shard, _StridedShard, make_shard
+from nvtp.sharding.propagate import ShardingError, propagate_shardings, reshard_bytes
+
+
+@dataclass(frozen=True)
+class Projection:
+    op_index: int
+    op: Op
+    weight: str
+    bias: str | None
+    split_factor: int  # > 1 for fused projections
+
+
+@dataclass
+class Annotations:
+    """A plan applied to one fusion: input value -> placement, and what it decided and why."""
+
+    placements: dict[str, Placement]
+    notes: list[str] = field(default_factory=list)
+    column: list[str] = field(default_factory=list)
+    row: list[str] = field(default_factory=list)
+
+
+def projections(fusion: Fusion) -> list[Projection]:
+    inputs = {v.name for v in fusion.inputs}
+    consumers = fusion.consumers()
+    found = []
+    for i, op in enumerate(fusion.ops):
+        if op.kind != "linear":
+            continue
+        w, b = op.arg("arg2"), op.arg("bias")
+        if w.name not in inputs or w.ndim != 2:
+            continue
+        found.append(Projection(i, op, w.name, b.name if b is not None and b.name in inputs else None, fused_parts(op, consumers)))
+    return found
+
+
+def fused_parts(op: Op, consumers: Mapping[str, list[Op]]) -> int:
+    """k if the projection's output features are only read as k equal, aligned slices (fused QKV)."""
+    out = op.outputs[0]
+    n = out.shape[-1]
+    users = consumers.get(out.name, [])
+    parts = set()
+    for u in users:
+        if u.kind != "slice":
+            return 1
+        start, end = u.arg("start_indices")[-1], u.arg("end_indices")[-1]
+        strides = u.arg("strides")
+        if strides is not None and strides[-1] != 1:
+            return 1
+        parts.add((start, min(end, n)))
+    if len(parts) < 2:
+        return 1
+    widths = {e - s for s, e in parts}
+    if len(widths) != 1:
+        return 1
+    w = widths.pop()
+    if n % w or any(s % w for s, _ in parts) or len(parts) != n // w:
+        return 1
+    return n // w
+
+
+def _activation_inputs(fusion: Fusion) -> list[TensorValue]:
+    return [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) in ("activation", "input", "")]
+
+
+def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Annotations:
+    """Column/row-parallel pairs found by propagation; everything else replicated (or, with
+    sequence parallelism, activations split along the sequence axis, the second to last)."""
+    projs = projections(fusion)
+    column: dict[str, Projection] = {}
+    row: dict[str, Projection] = {}
+    for p in projs:
+        if p.weight in column or p.weight in row:
+            continue
+        partner = _row_partner(fusion, mesh, p, projs)
+        if partner is None:
+            continue
+        column[p.weight] = p
+        if partner.weight not in column:
+            row[partner.weight] = partner
+    placements: dict[str, Placement] = {}
+    for v in fusion.inputs:
+        if isinstance(v, TensorValue):
+            placements[v.name] = REPLICATE
+    for w, p in column.items():
+        placements[w] = make_shard(0, p.split_factor)
+        if p.bias:
+            placements[p.bias] = make_shard(0, p.split_factor)
+    for w, p in row.items():
+        placements[w] = Shard(1)
+    notes = [f"column-parallel {fusion.label(w)} ({'fused, ' + str(p.split_factor) + ' parts' if p.split_factor > 1 else 'split output features'})" for w, p in column.items()]
+    notes += [f"row-parallel {fusion.label(w)}" for w in row]
+    unpaired = [fusion.label(p.weight) for p in projs if p.weight not in column and p.weight not in row]
+    if unpaired:
+        notes.append("replicated (no row-parallel partner): " + ", ".join(unpaired))
+    if sequence_parallel:
+        for v in _activation_inputs(fusion):
+            if v.ndim >= 3:
+                placements[v.name] = Shard(v.ndim - 2)
+                notes.append(f"sequence-parallel {fusion.label(v.name)}: split along axis {v.ndim - 2}")
+    return Annotations(placements, notes, [fusion.label(w) for w in column], [fusion.label(w) for w in row])
+
+
+def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Projection]) -> Projection | None:
+    """The projection whose contracted input P's split output reaches without communication.
+
+    Pairing is structural, so it is probed on a mesh of the mesh's size when that divides P's
+    output features, else on the smallest size that does (the plan's divisibility is checked
+    separately, with a message saying what to change)."""
+    features = fusion.value(p.weight).shape[0] // p.split_factor
+    sizes = [mesh.size] if mesh.size > 1 and features % mesh.size == 0 else []
+    sizes += [k for k in range(2, 8) if features % k == 0]
+    if not sizes:
+        return None
+    d_mesh = DeviceMesh.of_size(sizes[0])
+    trial = {p.weight: make_shard(0, p.split_factor)}
+    if p.bias:
+        trial[p.bias] = make_shard(0, p.split_factor)
+    for v in fusion.inputs:
+        if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
+            trial[v.name] = REPLICATE
+    prop = propagate_shardings(fusion, d_mesh, trial)
+    for q in projs:
+        if q is p or q.op_index < p.op_index:
+            continue
+        x = q.op.arg("arg1")
+        placed = prop.placements.get(x.name)
+        if placed != Shard(x.ndim - 1):
+            continue
+        # No communication may happen on the way from P to Q.
+        comm = 0.0
+        for r in prop.requirements:
+            if p.op_index <= r.op_index <= q.op_index:
+                comm += reshard_bytes(prop.placements[r.value], r.placement, fusion.value(r.value).nbytes, d_mesh.size)
+        if comm == 0:
+            return q
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# explicit plans
+
+_PLACEMENT = re.compile(r"^\s*(?:(_?S)\((\d+)(?:\s*,\s*(\d+))?\)|(R)|(replicate)|(colwise)|(rowwise))\s*$", re.I)
+
+
+def parse_placement(text: str) -> Any:
+    """``S(0)``, ``S(2, 3)`` / ``_S(2, 3)``, ``R`` / ``replicate``, ``colwise``, ``rowwise``."""
+    m = _PLACEMENT.match(text)
+    if not m:
+        raise ShardingError(f"unknown placement {text!r}; write S(dim), S(dim, split_factor), R, colwise or rowwise")
+    if m.group(2) is not None:
+        return make_shard(int(m.group(2)), int(m.group(3) or 1))
+    if m.group(4) or m.group(5):
+        return REPLICATE
+    return "colwise" if m.group(6) else "rowwise"
+
+
+def parse_plan_text(text: str) -> dict[str, Any]:
+    """``glob=placement;glob=placement`` as written on the command line."""
+    plan: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in re.split(r"[;\n]", text))):
+        if "=" not in item:
+            raise ShardingError(f"plan entry {item!r} is not `name-or-glob=placement`")
+        key, value = item.split("=", 1)
+        plan[key.strip()] = parse_placement(value)
+    return plan
+
+
+def _style(value: Any) -> str | Placement:
+    """A plan entry as a placement or 'colwise' / 'rowwise' (accepting torch's ParallelStyle objects)."""
+    if isinstance(value, str):
+        return parse_placement(value)
+    if isinstance(value, (Shard, _StridedShard, Replicate)):
+        return value
+    name = type(value).__name__
+    if name == "ColwiseParallel":
+        return "colwise"
+    if name == "RowwiseParallel":
+        return "rowwise"
+    raise ShardingError(f"plan entry {value!r} is not a placement, 'colwise', 'rowwise', ColwiseParallel() or RowwiseParallel()")
+
+
+def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annotations:
+    """Placements from name globs. A glob may name parameters (``*.c_fc.weight``) or modules
+    (``*.c_fc``: colwise/rowwise then set its weight and bias as torch's styles do). Inputs no
+    glob names are replicated; globs that match nothing are an error."""
+    labels = {fusion.label(v.name): v for v in fusion.inputs if isinstance(v, TensorValue)}
+    by_value = {v.name: v for v in fusion.inputs if isinstance(v, TensorValue)}
+    projs = {p.weight: p for p in projections(fusion)}
+    placements: dict[str, Placement] = {v.name: REPLICATE for v in by_value.values()}
+    notes = []
+    for pattern, raw in plan.items():
+        style = _style(raw)
+        matched = [name for name in labels if fnmatch.fnmatchcase(name, pattern)]
+        matched += [name for name in by_value if fnmatch.fnmatchcase(name, pattern) and name not in labels]
+        modules = sorted({n.rsplit(".", 1)[0] for n in labels if "." in n and fnmatch.fnmatchcase(n.rsplit(".", 1)[0], pattern)})
+        if not matched and not modules:
+            known = ", ".join(sorted(labels)[:12])
+            raise ShardingError(f"plan entry {pattern!r} matches no input of {fusion.name}; inputs are: {known}{', ...' if len(labels) > 12 else ''}")
+        for name in matched:
+            v = labels.get(name) or by_value[name]
+            placements[v.name] = _resolve(style, v, fusion, projs, is_bias=name.endswith(".bias"))
+        for module in modules:
+            for suffix in ("weight", "bias"):
+                v = labels.get(f"{module}.{suffix}")
+                if v is not None:
+                    placements[v.name] = _resolve(style, v, fusion, projs, is_bias=suffix == "bias")
+        notes.append(f"{pattern} -> {raw if isinstance(raw, str) else type(raw).__name__ if not isinstance(raw, (Shard, _StridedShard, Replicate)) else raw}")
+    return Annotations(placements, notes)
+
+
+def _resolve(style: str | Placement, v: TensorValue, fusion: Fusion, projs: Mapping[str, Projection], *, is_bias: bool) -> Placement:
+    if not isinstance(style, str):
+        return style
+    weight = _weight_of(v, fusion, projs) if is_bias else projs.get(v.name)
+    sf = weight.split_factor if weight is not None else 1
+    if style == "colwise":
+        return make_shard(0, sf)
+    # rowwise: weights split along the input features, biases replicated
+    return REPLICATE if is_bias or v.ndim == 1 else Shard(1)
+
+
+def _weight_of(bias: TensorValue, fusion: Fusion, projs: Mapping[str, Projection]) -> Projection | None:
+    for p in projs.values():
+        if p.bias == bias.name:
+            return p
+    return None
+
+
+def per_input(fusion: Fusion, plan: Mapping[str, Any]) -> Annotations:
+    """A dumped fusion's inputs placed by value name (``T3``) or label; the rest left to propagation."""
+    names = {v.name for v in fusion.inputs}
+    labels = {fusion.label(v.name): v.name for v in fusion.inputs}
+    placements = {}
+    for key, raw in plan.items():
+        name = key if key in names else labels.get(key)
+        if name is None:
+            raise ShardingError(f"the plan places {key!r}, which is not an input of {fusion.name}")
+        style = _style(raw)
+        if isinstance(style, str):
+            raise ShardingError(f"per-input plans take placements (S(d), R), not {style!r}")
+        placements[name] = style
+    return Annotations(placements)

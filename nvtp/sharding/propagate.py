@@ -1,0 +1,285 @@
+"""Sharding propagation: from annotated inputs to a placement for every value, both directions.
+
+Each op *decides* which of its factors (see ``rules.py``) is split over the mesh axis, or none.
+The decision fixes where the op's results live (``produced``) and where it needs its operands
+(``required``); a value whose home placement differs from what a consumer requires gets a
+reshard (``reshard.py``). An op decides as soon as a neighbour tells it something:
+
+* forward, from the placements of its operands (producer to consumer), and
+* backward, from what its results' consumers require (consumer to producer),
+
+sweeping the fusion in order and in reverse until nothing changes. Values created inside the
+fusion (``iota``, ``full``, ``uniform``) have no operands, so they take their placement from
+their consumers; so do inputs the plan leaves open. ``Partial`` operands do not drive a decision:
+where a partial sum is resolved (all-reduce or reduce-scatter) is decided by its consumers.
+
+Conflicts (operands that imply different splits) are settled by one documented rule: the
+decision that communicates the fewest bytes wins (ring-algorithm bytes per rank, see
+``reshard_bytes``); ties go to the decision the plan's annotations support, then to sharding
+over replicating (less compute and memory), then to the first candidate. Plan annotations are
+never changed: an annotated input keeps its placement and is resharded where a consumer needs
+another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from nvtp.ir.graph import Fusion, Op, TensorValue, defines_input
+from nvtp.sharding.placements import (
+    REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, is_replicate, make_shard,
+)
+from nvtp.sharding.rules import OpFactors, factors_of, tensor_operands
+
+
+class ShardingError(ValueError):
+    """A plan or fusion nvtp cannot shard; says which tensor, axis and sizes, and what to change."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Factor ``factor`` of the op split over the mesh with inner split factor ``split``; None: replicated."""
+
+    factor: int | None
+    split: int = 1
+
+
+NONE = Decision(None)
+
+
+@dataclass
+class Requirement:
+    op_index: int
+    value: str
+    placement: Placement
+
+
+@dataclass
+class Propagation:
+    placements: dict[str, Placement]
+    decisions: dict[int, Decision]
+    requirements: list[Requirement]
+    sources: dict[str, str] = field(default_factory=dict)  # value -> "plan" | "propagated" | ...
+
+
+def reshard_bytes(src: Placement, dst: Placement, nbytes: int, d: int) -> float:
+    """Bytes each rank sends to turn ``src`` into ``dst`` with ring collectives (0 for local ops)."""
+    if src == dst or d == 1:
+        return 0.0
+    frac = (d - 1) / d
+    if is_replicate(src):
+        return 0.0  # slicing out a shard, or keeping the value on one rank for a partial sum
+    if is_partial(src):
+        return 2 * frac * nbytes if not axis_split(dst) else frac * nbytes
+    return frac * nbytes  # all-gather (then slice or zero locally)
+
+
+def _axis_placement(axes: list[tuple[int, ...]], f: OpFactors, decision: Decision) -> Placement | None:
+    """The placement a tensor with factor ``axes`` gets under ``decision`` (None: replicated)."""
+    if decision.factor is None:
+        return None
+    for dim, axis in enumerate(axes):
+        if decision.factor in axis:
+            pos = axis.index(decision.factor)
+            outer = 1
+            for g in axis[:pos]:
+                outer *= f.sizes[g]
+            return make_shard(dim, outer * decision.split)
+    return None
+
+
+def implied(axes: list[tuple[int, ...]] | None, f: OpFactors, decision: Decision, *, result: bool, additive: bool = False) -> Placement:
+    """Where a tensor of the op lives under ``decision``."""
+    if axes is None:
+        return REPLICATE
+    p = _axis_placement(axes, f, decision)
+    if p is not None:
+        return p
+    if decision.factor is not None and f.kinds[decision.factor] == "reduce":
+        if result or additive:
+            return Partial(f.reduce_ops.get(decision.factor, "sum"))
+    return REPLICATE
+
+
+def as_decision(axes: list[tuple[int, ...]], f: OpFactors, placement: Placement, d: int) -> Decision | None:
+    """The decision under which a tensor with factor ``axes`` has ``placement``; None if none does."""
+    split = axis_split(placement)
+    if split is None:
+        return NONE if is_replicate(placement) else None
+    dim, sf = split
+    if dim >= len(axes):
+        return None
+    outer = 1
+    for g in axes[dim]:
+        size = f.sizes[g]
+        if sf % outer == 0:
+            inner = sf // outer
+            if inner < size and size % (inner * d) == 0 and f.kinds[g] != "blocked":
+                return Decision(g, inner)
+        outer *= size
+    return None
+
+
+def _valid(f: OpFactors, decision: Decision, d: int) -> bool:
+    if decision.factor is None:
+        return True
+    g = decision.factor
+    return f.kinds[g] != "blocked" and f.sizes[g] % (decision.split * d) == 0
+
+
+class _Propagator:
+    def __init__(self, fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement], output_hints: Mapping[str, Placement]):
+        self.fusion, self.d = fusion, mesh.size
+        self.placement: dict[str, Placement] = dict(annotations)
+        self.source = {name: "plan" for name in annotations}
+        self.hints: dict[str, list[Placement]] = {name: [p] for name, p in output_hints.items()}
+        self.decisions: dict[int, Decision] = {}
+        self.requirements: list[Requirement] = []
+        self._factors: dict[int, OpFactors] = {}
+        self.compute = [(i, op) for i, op in enumerate(fusion.ops) if not defines_input(op) and op.kind != "define_scalar"]
+        self.inputs = [v.name for v in fusion.inputs if isinstance(v, TensorValue)]
+
+    def factors(self, i: int, op: Op) -> OpFactors:
+        if i not in self._factors:
+            self._factors[i] = factors_of(op)
+        return self._factors[i]
+
+    # -- one op ---------------------------------------------------------------------------
+
+    def informed(self, op: Op) -> bool:
+        """An op decides once an operand is split or a consumer has said where a result should be.
+
+        Replicated operands do not make an op decide: they fit any decision for free (slicing a
+        replicated tensor is local), so the op waits for what its split neighbours want."""
+        known = [self.placement.get(v.name) for v in tensor_operands(op)]
+        if any(p is not None and axis_split(p) is not None for p in known):
+            return True
+        return any(self.hints.get(v.name) for v in op.outputs if isinstance(v, TensorValue))
+
+    def candidates(self, op: Op, f: OpFactors) -> list[Decision]:
+        found: list[Decision] = [NONE]
+        for axes, v in zip(f.operands, tensor_operands(op)):
+            p = self.placement.get(v.name)
+            if p is not None and axes is not None:
+                dec = as_decision(axes, f, p, self.d)
+                if dec is not None and dec not in found:
+                    found.append(dec)
+        for axes, v in zip(f.results, op.outputs):
+            for p in self.hints.get(v.name, []):
+                if axes is not None:
+                    dec = as_decision(axes, f, p, self.d)
+                    if dec is not None and dec not in found:
+                        found.append(dec)
+        # Reduce factors: sharding them is a candidate when an operand is split along them.
+        return [c for c in found if _valid(f, c, self.d)]
+
+    def cost(self, op: Op, f: OpFactors, dec: Decision) -> tuple[float, int, int]:
+        total, support = 0.0, 0
+        for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
+            p = self.placement.get(v.name)
+            if p is None:
+                continue
+            want = implied(axes, f, dec, result=False, additive=pos in f.additive)
+            total += reshard_bytes(p, want, v.nbytes, self.d)
+            if p == want and self.source.get(v.name) == "plan":
+                support += 1
+        for axes, v in zip(f.results, op.outputs):
+            if not isinstance(v, TensorValue):
+                continue
+            have = implied(axes, f, dec, result=True)
+            for hint in self.hints.get(v.name, []):
+                total += reshard_bytes(have, hint, v.nbytes, self.d)
+        sharded = 0 if dec.factor is not None else 1
+        return total, -support, sharded
+
+    def decide(self, i: int, op: Op) -> None:
+        f = self.factors(i, op)
+        cands = self.candidates(op, f)
+        best = min(cands, key=lambda c: self.cost(op, f, c))
+        self.decisions[i] = best
+        for v, axes in zip(op.outputs, f.results):
+            if isinstance(v, TensorValue):
+                self.placement[v.name] = implied(axes, f, best, result=True)
+                self.source.setdefault(v.name, "propagated")
+        for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
+            want = implied(axes, f, best, result=False, additive=pos in f.additive)
+            self.requirements.append(Requirement(i, v.name, want))
+            self.hints.setdefault(v.name, []).append(want)
+
+    # -- sweeps ---------------------------------------------------------------------------
+
+    def sweep(self, order) -> bool:
+        changed = False
+        for i, op in order:
+            if i not in self.decisions and self.informed(op):
+                self.decide(i, op)
+                changed = True
+        return changed
+
+    def settle_inputs(self) -> bool:
+        """Open inputs take the placement their consumers ask for (the first, by op order)."""
+        changed = False
+        for name in self.inputs:
+            if name not in self.placement and self.hints.get(name):
+                wanted = [p for p in self.hints[name] if not is_partial(p)]
+                self.placement[name] = wanted[0] if wanted else REPLICATE  # inputs are never partial
+                self.source[name] = "propagated"
+                changed = True
+        return changed
+
+    def run(self) -> Propagation:
+        while True:
+            changed = self.sweep(self.compute)
+            changed |= self.settle_inputs()
+            changed |= self.sweep(list(reversed(self.compute)))
+            changed |= self.settle_inputs()
+            if not changed:
+                break
+        # Ops nothing informed (e.g. a factory feeding only outputs) run replicated.
+        for i, op in self.compute:
+            if i not in self.decisions:
+                self.decide(i, op)
+        for name in self.inputs:
+            self.placement.setdefault(name, REPLICATE)
+            self.source.setdefault(name, "default")
+        return Propagation(self.placement, self.decisions, self.requirements, self.source)
+
+
+def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement],
+                        output_hints: Mapping[str, Placement] | None = None) -> Propagation:
+    """Placements for every tensor of ``fusion`` on a 1-D ``mesh``.
+
+    Requires: a verified fusion; ``annotations`` (input name -> placement) that divide evenly
+    (see ``check_annotations``). Ensures: every tensor value has a placement, annotated inputs
+    keep theirs, every op has a decision, and each operand use records the placement it needs.
+    ``output_hints`` says where outputs should end up (e.g. a gradient where its parameter is).
+    """
+    return _Propagator(fusion, mesh, annotations, output_hints or {}).run()
+
+
+def check_annotations(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement]) -> None:
+    """Raise ``ShardingError`` for an annotation that names no input or does not divide."""
+    from nvtp.sharding.placements import divisibility_error
+
+    values = fusion.values
+    inputs = {v.name for v in fusion.inputs}
+    for name, p in annotations.items():
+        if name not in values:
+            raise ShardingError(f"the plan annotates {name!r}, which {fusion.name} does not define")
+        if name not in inputs:
+            raise ShardingError(f"the plan annotates {name!r}, which is not an input of {fusion.name}; plans place inputs only")
+        v = values[name]
+        if not isinstance(v, TensorValue):
+            raise ShardingError(f"the plan annotates scalar {name!r}; only tensors can be sharded")
+        split = axis_split(p)
+        if split is not None:
+            dim, _ = split
+            label = fusion.label(name)
+            if dim >= v.ndim:
+                raise ShardingError(f"{label} ({v.describe()}): the plan shards axis {dim}, but it has only {v.ndim} axes")
+            why = divisibility_error(v.shape[dim], p, mesh.size)
+            if why:
+                raise ShardingError(f"{label} ({v.describe()}): axis {dim} {why}; choose a mesh size that divides it or replicate {label}")
+        elif is_partial(p):
+            raise ShardingError(f"{fusion.label(name)}: inputs cannot be Partial; annotate Shard or Replicate")

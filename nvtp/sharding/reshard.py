@@ -1,0 +1,146 @@
+"""Resharding: where a consumer needs a value placed differently from where it lives, an
+explicit ``set`` op converts it. Planned as data first (``ReshardStep``s), then inserted.
+
+    Partial  -> Replicate   allreduce
+    Partial  -> Shard       reduce_scatter
+    Shard    -> Replicate   allgather
+    Shard    -> Shard'      allgather, then a local slice
+    Replicate-> Shard       slice (local, no communication)
+    Replicate-> Partial     partition (local: rank 0 keeps the value, the others hold zeros)
+
+``bytes`` is what each rank sends with ring algorithms (the figure Megatron's papers count):
+2(d-1)/d of the tensor for an allreduce, (d-1)/d for an allgather or a reduce-scatter, 0 for the
+local ones. Consumers needing the same value in the same placement share one ``set``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nvtp.ir.build import make_op
+from nvtp.ir.graph import Fusion, Op, TensorValue, Value, defines_input, is_value
+from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
+from nvtp.sharding.propagate import Propagation, reshard_bytes
+
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
+
+
+def reshard_kind(src: Placement, dst: Placement) -> str:
+    if is_partial(src):
+        return "reduce_scatter" if axis_split(dst) else "allreduce"
+    if axis_split(src) is not None:
+        return "allgather"
+    if is_replicate(src):
+        return "partition" if is_partial(dst) else "slice"
+    raise ValueError(f"no reshard from {src} to {dst}")
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """Convert ``value`` from ``src`` to ``dst`` for the ops ``consumers`` (indices; -1: a fusion output)."""
+
+    value: str
+    src: Placement
+    dst: Placement
+    consumers: tuple[int, ...]
+    tensor_bytes: int
+    bytes: int  # sent per rank
+
+    @property
+    def kind(self) -> str:
+        return reshard_kind(self.src, self.dst)
+
+    @property
+    def is_communication(self) -> bool:
+        return self.kind in COLLECTIVES
+
+
+OUTPUT = -1
+
+
+def plan_reshards(fusion: Fusion, prop: Propagation, mesh: DeviceMesh, output_hints: dict[str, Placement] | None = None) -> list[ReshardStep]:
+    """The reshards ``prop`` needs, in op order. Outputs left Partial are resolved (to their hint,
+    else Replicate): a fusion hands back whole or sharded tensors, never partial sums."""
+    values = fusion.values
+    wanted: dict[tuple[str, Placement], list[int]] = {}
+    for r in prop.requirements:
+        have = prop.placements[r.value]
+        if have != r.placement:
+            wanted.setdefault((r.value, r.placement), []).append(r.op_index)
+    for v in fusion.outputs:
+        if not isinstance(v, TensorValue):
+            continue
+        have = prop.placements[v.name]
+        hint = (output_hints or {}).get(v.name)
+        target = hint if hint is not None else (REPLICATE if is_partial(have) else have)
+        if have != target:
+            wanted.setdefault((v.name, target), []).append(OUTPUT)
+    steps = []
+    for (name, dst), consumers in wanted.items():
+        v = values[name]
+        src = prop.placements[name]
+        steps.append(ReshardStep(name, src, dst, tuple(sorted(set(consumers))), v.nbytes, round(reshard_bytes(src, dst, v.nbytes, mesh.size))))
+    order = {op.outputs[0].name: i for i, op in enumerate(fusion.ops) if op.outputs}
+    return sorted(steps, key=lambda s: (min(c for c in s.consumers if c >= 0) if any(c >= 0 for c in s.consumers) else len(fusion.ops), order.get(s.value, 0)))
+
+
+def _fresh_names(fusion: Fusion):
+    taken = set(fusion.values)
+    n = len(taken)
+    while True:
+        name = f"T{n}"
+        n += 1
+        if name not in taken:
+            taken.add(name)
+            yield name
+
+
+def _substitute(x: Any, old: str, new: Value) -> Any:
+    if is_value(x) and x.name == old:
+        return new
+    if isinstance(x, tuple):
+        return tuple(_substitute(e, old, new) for e in x)
+    return x
+
+
+def insert_reshards(fusion: Fusion, prop: Propagation, steps: list[ReshardStep]) -> tuple[Fusion, dict[str, Placement], dict[str, ReshardStep], dict[int, int]]:
+    """Insert one ``set`` per step before its first consumer and rewire the consumers.
+
+    Requires: steps from ``plan_reshards`` for ``prop``. Ensures: every op reads its operands in
+    the placement its decision requires; returns the new fusion, the placement of every tensor,
+    which step each new ``set`` result implements, and where each old op went.
+    """
+    names = _fresh_names(fusion)
+    ops = list(fusion.ops)
+    placements = dict(prop.placements)
+    made: dict[str, ReshardStep] = {}
+    rewired: dict[int, Op] = {}
+    before: dict[int, list[Op]] = {}
+    outputs = list(fusion.outputs)
+    for step in steps:
+        src_value = fusion.value(step.value)
+        set_op = make_op("set", (src_value,), {}, [next(names)])
+        result = set_op.outputs[0]
+        placements[result.name] = step.dst
+        made[result.name] = step
+        first = min((c for c in step.consumers if c >= 0), default=len(ops))
+        before.setdefault(first, []).append(set_op)
+        for c in step.consumers:
+            if c == OUTPUT:
+                outputs = [result if v.name == step.value else v for v in outputs]
+                continue
+            op = rewired.get(c, ops[c])
+            rewired[c] = Op(op.kind, tuple((k, _substitute(a, step.value, result)) for k, a in op.args), op.outputs)
+    new_ops: list[Op] = []
+    index_map: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        new_ops.extend(before.get(i, []))
+        index_map[i] = len(new_ops)
+        new_ops.append(rewired.get(i, op))
+    new_ops.extend(before.get(len(ops), []))
+    return fusion.with_ops(tuple(new_ops), tuple(outputs)), placements, made, index_map
+
+
+def communications(steps: list[ReshardStep]) -> list[ReshardStep]:
+    return [s for s in steps if s.is_communication]
