@@ -20,7 +20,7 @@ from nvtp.ir.verify import verify
 from nvtp.sharding import plans as plans_mod
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, is_partial
 from nvtp.sharding.propagate import Propagation, ShardingError, check_annotations, implied, propagate_shardings
-from nvtp.sharding.reshard import ReshardStep, communications, insert_reshards, plan_reshards
+from nvtp.sharding.reshard import ReshardStep, communications, hoist_gathers, insert_reshards, plan_reshards
 from nvtp.sharding.rules import factors_of, tensor_operands
 
 PLANS = ("megatron", "megatron-sp")
@@ -43,7 +43,10 @@ class ShardedFusion:
 
     @property
     def communications(self) -> list[ReshardStep]:
-        return communications(self.steps)
+        """Collectives in the order the sharded fusion runs them."""
+        order = {op.outputs[0].name: i for i, op in enumerate(self.fusion.ops) if op.outputs}
+        by_result = sorted(self.set_steps.items(), key=lambda kv: order.get(kv[0], 0))
+        return [s for _, s in by_result if s.is_communication]
 
     def placement(self, name: str) -> Placement:
         return self.shardings[name][0]
@@ -92,12 +95,15 @@ def _explicit_or_per_input(fusion: Fusion, plan: Mapping[str, Any], mesh: Device
     return plans_mod.explicit(fusion, mesh, plan)
 
 
-def verify_sharded(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]], prop: Propagation,
-                   index_map: Mapping[int, int]) -> None:
+def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple[Placement, ...]], prop: Propagation) -> None:
     """Every op reads each operand in the placement its decision needs, results are where the
-    decision puts them, and no output is a partial sum. Checks ``insert_reshards``'s wiring."""
+    decision puts them, and no output is a partial sum. Checks the reshard passes' wiring."""
+    producers = fusion.producers()
     for old, decision in prop.decisions.items():
-        op = fusion.ops[index_map[old]]
+        name = source.ops[old].outputs[0].name
+        op = producers.get(name)
+        if op is None:
+            continue  # removed as dead after a gather moved
         f = factors_of(op)
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
             want = implied(axes, f, decision, result=False, additive=pos in f.additive)
@@ -138,11 +144,16 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
     def _insert(s):
         s["fusion"], s["placements"], s["set_steps"], s["index_map"] = insert_reshards(fusion, s["prop"], s["steps"])
 
+    def _hoist(s):
+        s["fusion"], s["placements"], s["set_steps"] = hoist_gathers(s["fusion"], s["placements"], s["set_steps"], mesh)
+        s["steps"] = [st for st in s["set_steps"].values()]
+
     def _verify(s):
         verify(s["fusion"])
-        verify_sharded(s["fusion"], {k: (p,) for k, p in s["placements"].items()}, s["prop"], s["index_map"])
+        verify_sharded(s["fusion"], fusion, {k: (p,) for k, p in s["placements"].items()}, s["prop"])
 
-    passes = [("annotate", _annotate), ("propagate", _propagate), ("plan_reshards", _plan), ("insert_reshards", _insert)]
+    passes = [("annotate", _annotate), ("propagate", _propagate), ("plan_reshards", _plan), ("insert_reshards", _insert),
+              ("hoist_gathers", _hoist)]
     if check:
         passes.append(("verify", _verify))
     run_passes(passes, state)

@@ -147,15 +147,23 @@ class _Propagator:
 
     # -- one op ---------------------------------------------------------------------------
 
-    def informed(self, op: Op) -> bool:
+    def informed(self, op: Op, split_only: bool) -> bool:
         """An op decides once an operand is split or a consumer has said where a result should be.
 
-        Replicated operands do not make an op decide: they fit any decision for free (slicing a
-        replicated tensor is local), so the op waits for what its split neighbours want."""
+        Replicated operands never make an op decide: they fit any decision for free (slicing a
+        replicated tensor is local). In the first phase only *split* requirements from consumers
+        count either, so splits spread as far as they reach before replication settles the rest
+        (a gradient reduced over a split sequence becomes a small partial sum, not a gathered
+        activation)."""
         known = [self.placement.get(v.name) for v in tensor_operands(op)]
         if any(p is not None and axis_split(p) is not None for p in known):
             return True
-        return any(self.hints.get(v.name) for v in op.outputs if isinstance(v, TensorValue))
+        for v in op.outputs:
+            if isinstance(v, TensorValue):
+                hints = self.hints.get(v.name, [])
+                if any(axis_split(h) is not None for h in hints) if split_only else hints:
+                    return True
+        return False
 
     def candidates(self, op: Op, f: OpFactors) -> list[Decision]:
         found: list[Decision] = [NONE]
@@ -209,10 +217,10 @@ class _Propagator:
 
     # -- sweeps ---------------------------------------------------------------------------
 
-    def sweep(self, order) -> bool:
+    def sweep(self, order, split_only: bool) -> bool:
         changed = False
         for i, op in order:
-            if i not in self.decisions and self.informed(op):
+            if i not in self.decisions and self.informed(op, split_only):
                 self.decide(i, op)
                 changed = True
         return changed
@@ -229,13 +237,14 @@ class _Propagator:
         return changed
 
     def run(self) -> Propagation:
-        while True:
-            changed = self.sweep(self.compute)
-            changed |= self.settle_inputs()
-            changed |= self.sweep(list(reversed(self.compute)))
-            changed |= self.settle_inputs()
-            if not changed:
-                break
+        for split_only in (True, False):
+            while True:
+                changed = self.sweep(self.compute, split_only)
+                changed |= self.settle_inputs()
+                changed |= self.sweep(list(reversed(self.compute)), split_only)
+                changed |= self.settle_inputs()
+                if not changed:
+                    break
         # Ops nothing informed (e.g. a factory feeding only outputs) run replicated.
         for i, op in self.compute:
             if i not in self.decisions:

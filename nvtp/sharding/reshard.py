@@ -53,7 +53,7 @@ class ReshardStep:
 
     @property
     def is_communication(self) -> bool:
-        return self.kind in COLLECTIVES
+        return self.kind in COLLECTIVES and self.bytes > 0  # on one device nothing moves
 
 
 OUTPUT = -1
@@ -144,3 +144,84 @@ def insert_reshards(fusion: Fusion, prop: Propagation, steps: list[ReshardStep])
 
 def communications(steps: list[ReshardStep]) -> list[ReshardStep]:
     return [s for s in steps if s.is_communication]
+
+
+# Ops that only move or retype data: a gather after them is a gather before them.
+_LAYOUT = {"permute", "reshape", "cast", "squeeze", "stride_order", "set", "segment_set", "neg"}
+
+
+def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[str, ReshardStep], mesh: DeviceMesh) -> tuple[Fusion, dict[str, Placement], dict[str, ReshardStep]]:
+    """Move an all-gather above the layout op that produced its input, when that lets two
+    gathers of the same data become one or makes the gathered tensor smaller:
+
+        v = permute(u); r = set(v)  [S -> R]      becomes      u' = set(u) [S -> R]; r' = permute(u')
+
+    Requires: the output of ``insert_reshards``. Ensures: the same values on every rank, each
+    op's operands still in the placements it needs, and no more bytes communicated.
+    """
+    from nvtp.sharding.propagate import as_decision, implied
+    from nvtp.sharding.rules import factors_of
+
+    names = _fresh_names(fusion)
+    changed = True
+    while changed:
+        changed = False
+        producers = fusion.producers()
+        gathers = {(s.value, s.dst): r for r, s in made.items()}
+        for idx, op in enumerate(fusion.ops):
+            r = op.outputs[0].name if op.outputs else None
+            step = made.get(r) if op.kind == "set" else None
+            if step is None or axis_split(step.src) is None:
+                continue
+            v = op.arg("arg")
+            p_op = producers.get(v.name)
+            if p_op is None or p_op.kind not in _LAYOUT or len(p_op.operands) != 1 or p_op.outputs[0].name in made:
+                continue
+            u = p_op.operands[0]
+            f = factors_of(p_op)
+            dec = as_decision(f.results[0], f, step.dst, mesh.size) if axis_split(step.dst) or step.dst == placements.get(v.name) or True else None
+            if dec is None:
+                continue
+            want = implied(f.operands[0], f, dec, result=False)
+            have = placements[u.name]
+            if want == have or axis_split(have) is None:
+                continue
+            existing = gathers.get((u.name, want))
+            if existing is None and u.nbytes > v.nbytes:
+                continue
+            fusion, placements, made = _hoist(fusion, placements, made, idx, p_op, u, want, existing, names, mesh)
+            changed = True
+            break
+    return fusion, placements, made
+
+
+def _hoist(fusion, placements, made, idx, p_op, u, want, existing, names, mesh):
+    from nvtp.ir.simplify import dead_code
+
+    ops = list(fusion.ops)
+    set_op = ops[idx]
+    old_result = set_op.outputs[0]
+    new_ops: list[Op] = []
+    if existing is None:
+        gather = make_op("set", (u,), {}, [next(names)])
+        src = placements[u.name]
+        made[gather.outputs[0].name] = ReshardStep(u.name, src, want, (), u.nbytes, round(reshard_bytes(src, want, u.nbytes, mesh.size)))
+        placements[gather.outputs[0].name] = want
+        new_ops.append(gather)
+        gathered = gather.outputs[0]
+    else:
+        gathered = fusion.value(existing)
+    again = Op(p_op.kind, tuple((k, gathered if is_value(a) and a.name == u.name else a) for k, a in p_op.args),
+               (type(old_result)(old_result.name, old_result.shape, old_result.dtype),))
+    new_ops.append(again)
+    # The hoisted pair replaces the old set in place; its result keeps the old name.
+    ops[idx:idx + 1] = new_ops
+    del made[old_result.name]
+    # An existing gather defined later than this point must move up to here.
+    if existing is not None:
+        pos = next(i for i, o in enumerate(ops) if o.outputs and o.outputs[0].name == existing)
+        here = next(i for i, o in enumerate(ops) if o is again)
+        if pos > here:
+            g = ops.pop(pos)
+            ops.insert(here, g)
+    return dead_code(fusion.with_ops(tuple(ops))), placements, made
