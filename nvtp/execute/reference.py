@@ -470,7 +470,11 @@ def _cat(ctx, op, a):
 
 @impl("linear")
 def _linear(ctx, op, a):
-    return F.linear(a["arg1"], a["arg2"], a["bias"])
+    bias = a["bias"]
+    out_sharding = ctx.sharding(op.outputs[0])
+    if bias is not None and out_sharding is not None and any(is_partial(p) for p in out_sharding) and ctx.comm.rank != 0:
+        bias = None  # a partial sum: the bias is added once, on mesh position 0
+    return F.linear(a["arg1"], a["arg2"], bias)
 
 
 @impl("matmul")

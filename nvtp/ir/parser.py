@@ -25,6 +25,11 @@ from nvtp.ir.ops import IRError
 from nvtp.ir.verify import verify
 
 ALLOWED_MODULES = ("torch", "nvfuser_direct", "nvfuser")
+# The only other statements a dump may hold: how a sharded dump picks its rank's GPU.
+PREAMBLE = (
+    "rank = nvfuser_direct.multidevice.Communicator.instance().rank()",
+    "torch.cuda.set_device(rank)",
+)
 _TORCH_DTYPES = {
     "float64": DType.Double, "double": DType.Double, "float32": DType.Float, "float": DType.Float,
     "float16": DType.Half, "half": DType.Half, "bfloat16": DType.BFloat16, "int64": DType.Int,
@@ -155,6 +160,8 @@ class _ModuleReader:
                 called.extend(self._with_block(node))
             elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "fd.execute":
                 continue
+            elif isinstance(node, (ast.Assign, ast.Expr)) and ast.unparse(node) in PREAMBLE:
+                continue
             else:
                 raise self.fail(node, f"unexpected statement `{_snippet(node)}`; a fusion dump holds only imports, the definition function, "
                                 "`with FusionDefinition() as fd:`, `inputs = [...]` and `fd.execute(inputs)`")
@@ -168,7 +175,8 @@ class _ModuleReader:
         if name not in functions:
             raise self.fail(where, f"the `with` block calls {name}(fd), which the file does not define")
         fn = functions[name]
-        fusion, schedule = _FunctionReader(self.path, inputs).read(fn, {})
+        per_rank = isinstance(info, dict) and isinstance(info.get("fusion"), dict) and info["fusion"].get("inputs") == "per rank"
+        fusion, schedule = _FunctionReader(self.path, inputs, per_rank).read(fn, {})
         if info:
             fusion = _apply_info(fusion, info, self.path)
         return Dump(fusion, schedule, inputs, self.path)
@@ -261,8 +269,9 @@ _MESH_CALLS = ("DeviceMesh", "multidevice.DeviceMesh", "nvfuser_direct.multidevi
 class _FunctionReader:
     """Reads a definition function's body statement by statement into ops and schedule steps."""
 
-    def __init__(self, path: str | None, inputs: list[InputExample] | None):
+    def __init__(self, path: str | None, inputs: list[InputExample] | None, per_rank: bool = False):
         self.path = path
+        self.per_rank = per_rank  # the inputs list holds one rank's shards, not whole tensors
         self.examples = list(inputs) if inputs is not None else None
         self.n_inputs = 0
         self.ops: list[Op] = []
@@ -430,9 +439,13 @@ class _FunctionReader:
             if example is None or example.shape is None:
                 raise self.fail(call, f"define_tensor has symbolic shape {list(shape)}; nvtp needs static sizes: add an `inputs = [...]` list "
                                 "with example tensors, or write the sizes")
-            if len(example.shape) != len(shape) or any(s >= 0 and s != e for s, e in zip(shape, example.shape)):
-                raise self.fail(call, f"define_tensor shape {list(shape)} does not match the inputs list entry {list(example.shape)}")
-            bound["shape"] = tuple(example.shape)
+            if self.per_rank and all(s >= 0 for s in shape):
+                if len(example.shape) != len(shape) or any(e <= 0 or s % e for s, e in zip(shape, example.shape)):
+                    raise self.fail(call, f"define_tensor shape {list(shape)} has no shard of shape {list(example.shape)}")
+            else:
+                if len(example.shape) != len(shape) or any(s >= 0 and s != e for s, e in zip(shape, example.shape)):
+                    raise self.fail(call, f"define_tensor shape {list(shape)} does not match the inputs list entry {list(example.shape)}")
+                bound["shape"] = tuple(example.shape)
         if isinstance(bound["contiguity"], bool):
             # As nvFuser expands a single flag: size-1 (broadcast) axes get None.
             bound["contiguity"] = tuple(None if n == 1 else bound["contiguity"] for n in bound["shape"])

@@ -135,6 +135,7 @@ def format_file(
     input_shapes: dict[str, Sequence[int]] | None = None,
     device: str = "cuda:0",
     preamble: Iterable[str] = (),
+    notes: dict[str, str] | None = None,
 ) -> str:
     """A whole dump: header comments, imports, ``nvtp_info``, the definition, and how to run it.
 
@@ -154,11 +155,15 @@ def format_file(
     for name, info in fusion.info.items():
         note = info.role + (f" {info.label}" if info.label else "") + (f" (forward {info.source})" if info.source else "")
         comments[name] = note
+    comments.update(notes or {})
     out.append(format_definition(fusion, extra_body, comments))
     out.append("with FusionDefinition() as fd:")
     out.append(f"{INDENT}{fusion.name}(fd)")
     out.append("")
+    preamble = list(preamble)
     out.extend(preamble)
+    if preamble:
+        out.append("")
     out.append("inputs = [")
     for op in fusion.ops:
         if op.kind == "define_tensor" or (op.kind == "define_scalar" and op.arg("value") is None):

@@ -106,7 +106,7 @@ def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple
             continue  # removed as dead after a gather moved
         f = factors_of(op)
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            want = implied(axes, f, decision, result=False, additive=pos in f.additive)
+            want = implied(axes, f, decision, result=False)
             if shardings[v.name][0] != want:
                 raise ShardingError(f"{op}: operand {v.name} is {shardings[v.name][0]} but the op needs {want}")
         for axes, v in zip(f.results, op.outputs):

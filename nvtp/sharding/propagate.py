@@ -89,16 +89,17 @@ def _axis_placement(axes: list[tuple[int, ...]], f: OpFactors, decision: Decisio
     return None
 
 
-def implied(axes: list[tuple[int, ...]] | None, f: OpFactors, decision: Decision, *, result: bool, additive: bool = False) -> Placement:
-    """Where a tensor of the op lives under ``decision``."""
+def implied(axes: list[tuple[int, ...]] | None, f: OpFactors, decision: Decision, *, result: bool) -> Placement:
+    """Where a tensor of the op lives under ``decision``: results of a split reduce factor are
+    partial; operands without the split factor are whole (a bias is then added on one rank,
+    as nvFuser does for a row-parallel linear with a bias)."""
     if axes is None:
         return REPLICATE
     p = _axis_placement(axes, f, decision)
     if p is not None:
         return p
-    if decision.factor is not None and f.kinds[decision.factor] == "reduce":
-        if result or additive:
-            return Partial(f.reduce_ops.get(decision.factor, "sum"))
+    if result and decision.factor is not None and f.kinds[decision.factor] == "reduce":
+        return Partial(f.reduce_ops.get(decision.factor, "sum"))
     return REPLICATE
 
 
@@ -188,7 +189,7 @@ class _Propagator:
             p = self.placement.get(v.name)
             if p is None:
                 continue
-            want = implied(axes, f, dec, result=False, additive=pos in f.additive)
+            want = implied(axes, f, dec, result=False)
             total += reshard_bytes(p, want, v.nbytes, self.d)
             if p == want and self.source.get(v.name) == "plan":
                 support += 1
@@ -211,7 +212,7 @@ class _Propagator:
                 self.placement[v.name] = implied(axes, f, best, result=True)
                 self.source.setdefault(v.name, "propagated")
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            want = implied(axes, f, best, result=False, additive=pos in f.additive)
+            want = implied(axes, f, best, result=False)
             self.requirements.append(Requirement(i, v.name, want))
             self.hints.setdefault(v.name, []).append(want)
 

@@ -10,7 +10,8 @@ factors, which is how reshapes that split or merge axes are expressed):
 A factor's kind says what sharding it does:
   pass     - appears in a result; sharding it shards the operands and results that hold it.
   reduce   - appears only in operands; sharding it leaves each rank a partial result
-             (``Partial(op)``); ``additive`` operands without it (the bias) must then be Partial.
+             (``Partial(op)``); an operand without it (a linear's bias) stays whole and is
+             added on one rank only.
   blocked  - must not be sharded by this op (e.g. attention's key sequence, a slice that cuts
              across shards); operands are re-placed whole along it.
 A factor that appears only in results (``iota``, ``uniform``, the new axis of a broadcast)
@@ -40,7 +41,6 @@ class OpFactors:
     reduce_ops: dict[int, str] = field(default_factory=dict)
     operands: list[list[Axis] | None] = field(default_factory=list)  # aligned with tensor_operands(op)
     results: list[list[Axis] | None] = field(default_factory=list)  # aligned with op.outputs
-    additive: set[int] = field(default_factory=set)  # operand positions that must be Partial with a sharded reduce factor
 
     def factor(self, size: int, kind: str = "pass", reduce_op: str | None = None) -> int:
         self.sizes.append(size)
@@ -383,8 +383,6 @@ def _linear(op: Op) -> OpFactors:
         result = [(b,) for b in batch]
         if bias is not None:
             f.operands.append([])
-    if bias is not None:
-        f.additive = {2}
     f.results = [result]
     return f
 

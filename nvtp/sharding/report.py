@@ -1,0 +1,84 @@
+"""What ``nvtp explain`` prints: each tensor's sharding and every communication with its bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvtp.ir.graph import TensorValue
+from nvtp.sharding.placements import describe, local_shape
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def communication_records(sharded) -> list[dict[str, Any]]:
+    out = []
+    for step in sharded.communications:
+        v = sharded.source.value(step.value) if step.value in sharded.source.values else sharded.fusion.value(step.value)
+        out.append({
+            "kind": step.kind,
+            "tensor": step.value,
+            "label": sharded.source.label(step.value) if step.value in sharded.source.info else "",
+            "shape": list(v.shape),
+            "dtype": v.dtype.value,
+            "bytes": step.bytes,
+            "tensor_bytes": step.tensor_bytes,
+            "from": str(step.src),
+            "to": str(step.dst),
+        })
+    return out
+
+
+def as_json(sharded, path: str | None = None) -> dict[str, Any]:
+    tensors = {}
+    for op in sharded.fusion.ops:
+        for v in op.outputs:
+            if isinstance(v, TensorValue) and v.name in sharded.shardings:
+                tensors[v.name] = {
+                    "placement": describe(sharded.shardings[v.name]),
+                    "shape": list(v.shape),
+                    "local_shape": list(local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)),
+                    "dtype": v.dtype.value,
+                    "label": sharded.source.label(v.name) if v.name in sharded.source.info else "",
+                    "role": sharded.source.role(v.name) if v.name in sharded.source.info else ("reshard" if v.name in sharded.set_steps else ""),
+                }
+    comms = communication_records(sharded)
+    return {
+        "file": path,
+        "plan": sharded.plan,
+        "devices": sharded.mesh.size,
+        "notes": list(sharded.annotations.notes),
+        "tensors": tensors,
+        "communications": comms,
+        "total_bytes": sum(c["bytes"] for c in comms),
+        "pass_seconds": dict(sharded.seconds),
+    }
+
+
+def as_text(sharded, path: str | None = None) -> str:
+    src = sharded.source
+    d = sharded.mesh.size
+    lines = [f"{path or src.name}: plan {sharded.plan} on a mesh of {d} device(s)"]
+    for note in sharded.annotations.notes:
+        lines.append(f"  {note}")
+    lines.append("inputs:")
+    for v in src.inputs:
+        if not isinstance(v, TensorValue):
+            continue
+        placement = sharded.shardings[v.name]
+        per_rank = local_shape(v.shape, placement, sharded.mesh)
+        share = "" if per_rank == tuple(v.shape) else f"  per rank {list(per_rank)} (1/{d})"
+        lines.append(f"  {v.name:>6} {src.label(v.name)[:28]:28} {v.dtype.value:>8}{str(list(v.shape)):22} {describe(placement):10}{share}")
+    lines.append("values:")
+    for op in sharded.fusion.compute_ops():
+        for v in op.outputs:
+            if isinstance(v, TensorValue):
+                what = f"reshard: {sharded.set_steps[v.name].kind}" if v.name in sharded.set_steps else op.kind
+                lines.append(f"  {v.name:>6} {what:28} {v.dtype.value:>8}{str(list(v.shape)):22} {describe(sharded.shardings[v.name])}")
+    comms = communication_records(sharded)
+    lines.append(f"communications ({len(comms)}; bytes each rank sends with ring algorithms):")
+    for c in comms:
+        lines.append(f"  {c['kind']:15} {c['tensor']:>6} {c['dtype']:>8}{str(c['shape']):22} {c['from']} -> {c['to']:10} {_mib(c['bytes']):>12}")
+    lines.append(f"  total {_mib(sum(c['bytes'] for c in comms))} per rank")
+    return "\n".join(lines)

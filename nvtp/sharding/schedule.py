@@ -1,0 +1,180 @@
+"""Shardings as nvFuser device schedules, and back.
+
+nvFuser expresses a sharding on a TensorView's *loop domain*: the mesh is set, an axis is split
+(``outer_split(axis, d)``) and the piece of size d is parallelised over devices
+(``axis(i).parallelize(ParallelType.mesh_x)``, printed ``deviceIdx.x``). ``_StridedShard(dim, k)``
+is an outer split by k first, then by d. A partial sum is a *reduction* axis split the same
+way (``rdeviceIdx.x``): nvFuser then lowers the reduction across devices to the collective.
+
+Loop domains include reduction axes: a ``sum`` keeps its reduced axes in place, ``linear`` and
+``matmul`` append the contracted axis, ``var_mean``'s mean keeps them and its variance does not
+(``loop_axes``; checked against nvfuser_direct in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nvtp.ir.graph import Fusion, Op, TensorValue
+from nvtp.ir.ops import norm_dim
+from nvtp.ir.parser import ScheduleStep
+from nvtp.sharding.placements import REPLICATE, Partial, Placement, axis_split, is_partial, make_shard
+from nvtp.sharding.rules import factors_of, tensor_operands
+
+_REDUCTIONS = {"sum", "max", "min", "prod"}
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
+    """nvFuser's loop domain of ``op``'s result ``result`` before scheduling: ("dim", i) for
+    logical axis i, ("reduce", j) for a reduction over operand axis j."""
+    v = op.outputs[result]
+    dims = [("dim", i) for i in range(len(v.shape))]
+    if op.kind in _REDUCTIONS or (op.kind == "var_mean" and result == 1) or op.kind == "welford":
+        x = tensor_operands(op)[0]
+        if op.arg_dict.get("keepdim"):
+            return dims
+        red = op.arg("dims")
+        red = set(range(x.ndim)) if red is None else {norm_dim(d, x.ndim) for d in red}
+        out, k = [], 0
+        for j in range(x.ndim):
+            if j in red:
+                out.append(("reduce", j))
+            else:
+                out.append(("dim", k))
+                k += 1
+        return out
+    if op.kind in ("linear", "matmul"):
+        return dims + [("reduce", tensor_operands(op)[0].ndim - 1)]
+    return dims
+
+
+def _partial_axis(op: Op, result: int, sharded_operand_axis: int | None) -> int:
+    axes = loop_axes(op, result)
+    reduce = [i for i, (kind, j) in enumerate(axes) if kind == "reduce" and (sharded_operand_axis is None or j == sharded_operand_axis)]
+    if not reduce:
+        raise ScheduleError(f"{op}: nvFuser has no reduction axis to hold a partial {op.outputs[result].name}; "
+                            "only sums, max/min and matmuls lower partial results to nvFuser")
+    return reduce[0]
+
+
+def _split_lines(name: str, axis: int, split_factor: int, d: int) -> list[str]:
+    if split_factor == 1:
+        return [f"{name}.outer_split({axis}, {d})", f"{name}.axis({axis}).parallelize(ParallelType.mesh_x)"]
+    return [f"{name}.outer_split({axis}, {split_factor})", f"{name}.outer_split({axis + 1}, {d})",
+            f"{name}.axis({axis + 1}).parallelize(ParallelType.mesh_x)"]
+
+
+def device_axis(sharded, op: Op | None, result: int, v: TensorValue) -> tuple[int, int] | None:
+    """(loop axis, split factor) nvtp splits over devices for value ``v``; None if replicated."""
+    p = sharded.placement(v.name)
+    split = axis_split(p)
+    axes = loop_axes(op, result) if op is not None else [("dim", i) for i in range(v.ndim)]
+    if split is not None:
+        dim, sf = split
+        return axes.index(("dim", dim)), sf
+    if is_partial(p):
+        decision = sharded.propagation.decisions.get(_op_index(sharded, op))
+        if decision is None or decision.factor is None:
+            raise ScheduleError(f"{op}: no decision recorded for partial {v.name}")
+        f = factors_of(op)
+        operand_axis = None
+        for ax_i, factors in enumerate(f.operands[0]):
+            if decision.factor in factors:
+                operand_axis = ax_i
+        return _partial_axis(op, result, operand_axis), decision.split
+    return None
+
+
+def _op_index(sharded, op: Op) -> int | None:
+    for i, o in enumerate(sharded.source.ops):
+        if o.outputs and op.outputs and o.outputs[0].name == op.outputs[0].name:
+            return i
+    return None
+
+
+def schedule_lines(sharded) -> list[str]:
+    """The device schedule of a sharded fusion, as statements for the end of its definition."""
+    d = sharded.mesh.size
+    lines = [f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(sharded.mesh.devices)})"]
+    for op in sharded.fusion.ops:
+        for r, v in enumerate(op.outputs):
+            if not isinstance(v, TensorValue) or v.name not in sharded.shardings:
+                continue
+            lines.append(f"{v.name}.set_device_mesh(mesh)")
+            where = device_axis(sharded, None if op.kind == "define_tensor" else op, r, v)
+            if where is not None and d > 1:
+                lines.extend(_split_lines(v.name, where[0], where[1], d))
+    return lines
+
+
+@dataclass
+class _LoopAxis:
+    origin: tuple[str, int]  # ("dim", i) or ("reduce", j)
+    outer: int  # product of the extents split off outside this axis
+    size: int
+
+
+def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple[dict[str, Placement], tuple[int, ...] | None]:
+    """Placements (and the mesh's devices) a parsed device schedule gives each tensor."""
+    producers = fusion.producers()
+    values = fusion.values
+    loops: dict[str, list[_LoopAxis]] = {}
+    placements: dict[str, Placement] = {}
+    devices: tuple[int, ...] | None = None
+
+    def loop_of(name: str) -> list[_LoopAxis]:
+        if name not in loops:
+            op = producers[name]
+            v = values[name]
+            axes = loop_axes(op, op.outputs.index(v)) if op.kind != "define_tensor" else [("dim", i) for i in range(v.ndim)]
+            sizes = []
+            for kind, j in axes:
+                if kind == "dim":
+                    sizes.append(v.shape[j])
+                else:
+                    sizes.append(tensor_operands(op)[0].shape[j] if op.kind not in ("linear", "matmul") else tensor_operands(op)[0].shape[-1])
+            loops[name] = [_LoopAxis(a, 1, n) for a, n in zip(axes, sizes)]
+        return loops[name]
+
+    for step in steps:
+        if step.tensor not in values:
+            raise ScheduleError(f"the schedule names {step.tensor}, which the fusion does not define")
+        if step.kind == "mesh":
+            if devices is not None and tuple(step.args) != devices:
+                raise ScheduleError(f"{step.tensor} uses mesh {list(step.args)}, another tensor {list(devices)}; nvtp handles one mesh")
+            devices = tuple(step.args)
+            placements.setdefault(step.tensor, REPLICATE)
+            continue
+        axes = loop_of(step.tensor)
+        if step.kind == "split":
+            axis, factor, inner = step.args
+            axis = axis % len(axes)
+            a = axes[axis]
+            if factor <= 0 or a.size % factor:
+                raise ScheduleError(f"{step.tensor}: cannot split loop axis {axis} of extent {a.size} by {factor}")
+            outer_size = a.size // factor if inner else factor
+            axes[axis:axis + 1] = [_LoopAxis(a.origin, a.outer, outer_size), _LoopAxis(a.origin, a.outer * outer_size, a.size // outer_size)]
+        elif step.kind == "parallelize":
+            axis = step.args[0] % len(axes)
+            a = axes[axis]
+            kind, j = a.origin
+            if kind == "dim":
+                placements[step.tensor] = make_shard(j, a.outer)
+            else:
+                placements[step.tensor] = Partial("sum") if producers[step.tensor].kind != "max" else Partial("max")
+    if devices is not None:
+        for name, p in placements.items():
+            split = axis_split(p)
+            if split is not None:
+                v = values[name]
+                dim, sf = split
+                loop = loops.get(name, [])
+                par = [a for a in loop if a.origin == ("dim", dim) and a.outer == sf]
+                if par and par[0].size != len(devices):
+                    raise ScheduleError(f"{name}: axis {dim} is split into {par[0].size} device pieces but the mesh has {len(devices)} devices")
+                _ = v
+    return placements, devices
