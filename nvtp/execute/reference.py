@@ -658,6 +658,19 @@ def _resolve(x: Any, env: dict[str, Any]) -> Any:
     return x
 
 
+def _local_part(ctx: Context, v: Value, r: torch.Tensor) -> torch.Tensor:
+    """This rank's part of result ``v`` when the implementation computed all of it.
+
+    A factor that appears only in an op's results may be split with the operands whole (the
+    rules' "results computed locally": a ``cat`` of unequal parts, ``gather``, ``index_select``,
+    ``scatter`` or a ``reshape`` without a common refinement whose output axis is split); the
+    torch implementation then computes the whole result from the whole operands and each rank
+    keeps its slice."""
+    if isinstance(v, TensorValue) and tuple(r.shape) == tuple(v.shape) != ctx.local_shape(v):
+        return ctx.take_local(r, v)
+    return r
+
+
 def run(
     fusion: Fusion,
     inputs: Sequence[Any],
@@ -669,12 +682,15 @@ def run(
     compute_dtype: torch.dtype | None = None,
     log: list[Communication] | None = None,
     strict: bool = False,
+    values: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
     Results are cast to the dtype the op table infers; with ``strict`` an implementation whose
     result has another dtype or shape raises instead (the op tests use it to keep the table and
-    the implementations in agreement).
+    the implementations in agreement). ``values``, if given, receives every value of the run by
+    name (inputs, constants and op results, as this rank holds them; scalars as 0-d tensors),
+    e.g. for the rule tests, which re-run each op on its own from its operands.
     """
     ctx = Context(fusion, shardings, mesh, comm or SoloComm(), seed, compute_dtype)
     if log is not None:
@@ -714,7 +730,7 @@ def run(
         if len(results) != len(op.outputs):
             raise ExecutionError(f"{op.kind} implementation returned {len(results)} results, expected {len(op.outputs)}")
         for v, r in zip(op.outputs, results):
-            r = _as_tensor(r)
+            r = _local_part(ctx, v, _as_tensor(r))
             want = ctx.dtype(v.dtype)
             if strict and (r.dtype != want or tuple(r.shape) != ctx.local_shape(v)):
                 raise ExecutionError(f"while executing {op}: the implementation gave {v.name} as {r.dtype}{list(r.shape)}, "
@@ -722,4 +738,6 @@ def run(
             if r.dtype != want:
                 r = r.to(want)
             env[v.name] = r
+    if values is not None:
+        values.update(env)
     return [env[v.name] if isinstance(v, TensorValue) else env[v.name].item() for v in fusion.outputs]

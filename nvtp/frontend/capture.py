@@ -94,10 +94,11 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
                 binfo[v.name] = ValueInfo("saved", "", proxy_to_fwd_value[proxy])
             else:
                 binfo[v.name] = ValueInfo("grad", "grad(y)")
-        bret = [p for p in _flat(bwd_trace_return(bwd)) if p is not None]
+        bret = _flat(bwd_trace_return(bwd))  # one entry per forward flat arg; None where no gradient
         grads_of = {}
         for proxy_name, arg in zip(bret, flat_args):
-            grads_of[proxy_name] = params.get(arg, arg)
+            if proxy_name is not None:
+                grads_of[proxy_name] = params.get(arg, arg)
         for v, proxy in zip(b.outputs, bwd.output_proxies):
             binfo.setdefault(v.name, ValueInfo("grad", f"grad({grads_of[proxy]})" if proxy in grads_of else ""))
         backward = replace(b, info=binfo, attrs={**b.attrs, "role": "backward"})

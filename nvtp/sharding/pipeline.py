@@ -106,7 +106,7 @@ def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple
             continue  # removed as dead after a gather moved
         f = factors_of(op)
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            want = implied(axes, f, decision, result=False)
+            want = implied(axes, f, decision, result=False, position=pos)
             if shardings[v.name][0] != want:
                 raise ShardingError(f"{op}: operand {v.name} is {shardings[v.name][0]} but the op needs {want}")
         for axes, v in zip(f.results, op.outputs):
@@ -117,15 +117,21 @@ def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple
             raise ShardingError(f"output {v.name} is a partial sum; outputs must be resolved")
 
 
+TARGETS = ("reference", "nvfuser")
+
+
 def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
           annotations: Mapping[str, Placement] | None = None, output_hints: Mapping[str, Placement] | None = None,
-          check: bool = True) -> ShardedFusion:
+          check: bool = True, target: str = "nvfuser") -> ShardedFusion:
     """Shard ``fusion`` over ``mesh`` following ``plan``.
 
     ``annotations`` (input name -> placement) override the plan's, e.g. a backward fusion's saved
     inputs placed as their forward values are. Raises ``ShardingError`` before any work when the
-    plan does not fit the fusion or mesh.
+    plan does not fit the fusion or mesh. ``target`` "nvfuser" resolves partial sums where they
+    are produced (nvFuser's representation); "reference" lets them flow through linear ops.
     """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
     state: dict[str, Any] = {"seconds": {}}
 
     def _annotate(s):
@@ -136,7 +142,7 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
         s["annotations"] = ann
 
     def _propagate(s):
-        s["prop"] = propagate_shardings(fusion, mesh, s["annotations"].placements, output_hints)
+        s["prop"] = propagate_shardings(fusion, mesh, s["annotations"].placements, output_hints, partial_pass=target == "reference")
 
     def _plan(s):
         s["steps"] = plan_reshards(fusion, s["prop"], mesh, dict(output_hints or {}))
@@ -189,13 +195,14 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
     return inputs, hints
 
 
-def shard_backward(backward: Fusion, forward: ShardedFusion) -> ShardedFusion:
+def shard_backward(backward: Fusion, forward: ShardedFusion, target: str = "nvfuser") -> ShardedFusion:
     """Shard a backward fusion consistently with its sharded forward."""
     inputs, hints = backward_annotations(backward, forward)
-    return shard(backward, "replicate", forward.mesh, annotations=inputs, output_hints=hints)
+    return shard(backward, "replicate", forward.mesh, annotations=inputs, output_hints=hints, target=target)
 
 
-def shard_pair(forward: Fusion, backward: Fusion | None, plan: str | Mapping[str, Any], mesh: DeviceMesh) -> tuple[ShardedFusion, ShardedFusion | None]:
-    fwd = shard(forward, plan, mesh)
-    bwd = shard_backward(backward, fwd) if backward is not None else None
+def shard_pair(forward: Fusion, backward: Fusion | None, plan: str | Mapping[str, Any], mesh: DeviceMesh,
+               target: str = "nvfuser") -> tuple[ShardedFusion, ShardedFusion | None]:
+    fwd = shard(forward, plan, mesh, target=target)
+    bwd = shard_backward(backward, fwd, target) if backward is not None else None
     return fwd, bwd

@@ -32,6 +32,8 @@ from nvtp.sharding.placements import (
 )
 from nvtp.sharding.rules import OpFactors, factors_of, tensor_operands
 
+SUM = Partial("sum")
+
 
 class ShardingError(ValueError):
     """A plan or fusion nvtp cannot shard; says which tensor, axis and sizes, and what to change."""
@@ -39,13 +41,27 @@ class ShardingError(ValueError):
 
 @dataclass(frozen=True)
 class Decision:
-    """Factor ``factor`` of the op split over the mesh with inner split factor ``split``; None: replicated."""
+    """Factor ``factor`` of the op split over the mesh with inner split factor ``split``; None: replicated.
+
+    ``partial`` (positions of tensor operands) marks a partial sum passing through a linear op:
+    those operands are partial sums, the others whole, and every result is a partial sum."""
 
     factor: int | None
     split: int = 1
+    partial: tuple[int, ...] = ()
 
 
 NONE = Decision(None)
+
+# Ops through which a partial sum can pass unresolved, and which operands may then be partial:
+# "all" of them (sums of partial sums), "one" of them (the others replicated), or the "first".
+PARTIAL_PASS = {
+    "add": "all", "sub": "all", "cat": "all",
+    "mul": "one", "matmul": "one",
+    "div": "first", "neg": "first", "cast": "first", "reshape": "first", "permute": "first",
+    "broadcast_in_dim": "first", "expand": "first", "squeeze": "first", "set": "first",
+    "segment_set": "first", "stride_order": "first", "sum": "first", "slice": "first",
+}
 
 
 @dataclass
@@ -89,10 +105,12 @@ def _axis_placement(axes: list[tuple[int, ...]], f: OpFactors, decision: Decisio
     return None
 
 
-def implied(axes: list[tuple[int, ...]] | None, f: OpFactors, decision: Decision, *, result: bool) -> Placement:
+def implied(axes: list[tuple[int, ...]] | None, f: OpFactors, decision: Decision, *, result: bool, position: int = -1) -> Placement:
     """Where a tensor of the op lives under ``decision``: results of a split reduce factor are
     partial; operands without the split factor are whole (a bias is then added on one rank,
-    as nvFuser does for a row-parallel linear with a bias)."""
+    as nvFuser does for a row-parallel linear with a bias). ``position`` is an operand's index."""
+    if decision.partial:
+        return SUM if result or position in decision.partial else REPLICATE
     if axes is None:
         return REPLICATE
     p = _axis_placement(axes, f, decision)
@@ -130,8 +148,10 @@ def _valid(f: OpFactors, decision: Decision, d: int) -> bool:
 
 
 class _Propagator:
-    def __init__(self, fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement], output_hints: Mapping[str, Placement]):
+    def __init__(self, fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement], output_hints: Mapping[str, Placement],
+                 partial_pass: bool = True):
         self.fusion, self.d = fusion, mesh.size
+        self.partial_pass = partial_pass
         self.placement: dict[str, Placement] = dict(annotations)
         self.source = {name: "plan" for name in annotations}
         self.hints: dict[str, list[Placement]] = {name: [p] for name, p in output_hints.items()}
@@ -159,6 +179,11 @@ class _Propagator:
         known = [self.placement.get(v.name) for v in tensor_operands(op)]
         if any(p is not None and axis_split(p) is not None for p in known):
             return True
+        if self.partial_pass and op.kind in PARTIAL_PASS:
+            if sum(p == SUM for p in known) >= 2:
+                return True  # partial sums meeting: add them before resolving
+            if known and known[0] == SUM and _shrinks_or_keeps(op):
+                return True  # a layout op passes a partial sum on at no cost
         for v in op.outputs:
             if isinstance(v, TensorValue):
                 hints = self.hints.get(v.name, [])
@@ -180,27 +205,41 @@ class _Propagator:
                     dec = as_decision(axes, f, p, self.d)
                     if dec is not None and dec not in found:
                         found.append(dec)
-        # Reduce factors: sharding them is a candidate when an operand is split along them.
+        if self.partial_pass and op.kind in PARTIAL_PASS and not (op.kind == "cast" and not _float_cast(op)):
+            partial = [pos for pos, v in enumerate(tensor_operands(op)) if self.placement.get(v.name) == SUM]
+            style = PARTIAL_PASS[op.kind]
+            options = {"all": [tuple(range(len(tensor_operands(op))))] if partial else [],
+                       "one": [(pos,) for pos in partial],
+                       "first": [(0,)] if 0 in partial else []}[style]
+            found += [Decision(None, 1, o) for o in options if Decision(None, 1, o) not in found]
         return [c for c in found if _valid(f, c, self.d)]
 
-    def cost(self, op: Op, f: OpFactors, dec: Decision) -> tuple[float, int, int]:
+    def cost(self, op: Op, f: OpFactors, dec: Decision) -> tuple[float, int, int, int]:
         total, support = 0.0, 0
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
             p = self.placement.get(v.name)
             if p is None:
                 continue
-            want = implied(axes, f, dec, result=False)
-            total += reshard_bytes(p, want, v.nbytes, self.d)
+            want = implied(axes, f, dec, result=False, position=pos)
+            if want not in self.hints.get(v.name, []):  # a reshard another consumer needs is shared
+                total += reshard_bytes(p, want, v.nbytes, self.d)
             if p == want and self.source.get(v.name) == "plan":
                 support += 1
         for axes, v in zip(f.results, op.outputs):
             if not isinstance(v, TensorValue):
                 continue
             have = implied(axes, f, dec, result=True)
-            for hint in self.hints.get(v.name, []):
+            hints = self.hints.get(v.name, [])
+            for hint in hints:
                 total += reshard_bytes(have, hint, v.nbytes, self.d)
+            if dec.partial and not hints:
+                total += reshard_bytes(SUM, REPLICATE, v.nbytes, self.d)  # a partial sum is resolved later
         sharded = 0 if dec.factor is not None else 1
-        return total, -support, sharded
+        # Ties: decisions the plan supports, then splitting over replicating; a partial sum is
+        # carried through layout ops (it can only shrink there) but otherwise resolved early,
+        # where Megatron resolves it.
+        carry = 0 if dec.partial and _shrinks_or_keeps(op) else (2 if dec.partial else 1)
+        return total, -support, sharded, carry
 
     def decide(self, i: int, op: Op) -> None:
         f = self.factors(i, op)
@@ -212,7 +251,7 @@ class _Propagator:
                 self.placement[v.name] = implied(axes, f, best, result=True)
                 self.source.setdefault(v.name, "propagated")
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            want = implied(axes, f, best, result=False)
+            want = implied(axes, f, best, result=False, position=pos)
             self.requirements.append(Requirement(i, v.name, want))
             self.hints.setdefault(v.name, []).append(want)
 
@@ -253,19 +292,62 @@ class _Propagator:
         for name in self.inputs:
             self.placement.setdefault(name, REPLICATE)
             self.source.setdefault(name, "default")
+        self.refine()
         return Propagation(self.placement, self.decisions, self.requirements, self.source)
+
+    def refine(self) -> None:
+        """Revisit partial sums carried through ops, now that every consumer has spoken: where the
+        operand is resolved anyway for another consumer, use the resolved value instead (e.g. a
+        bias gradient summed from an activation gradient that is all-reduced for the LayerNorm
+        backward needs no all-reduce of its own)."""
+        for i, op in self.compute:
+            dec = self.decisions.get(i)
+            if dec is None or not dec.partial:
+                continue
+            f = self.factors(i, op)
+            if self.cost(op, f, NONE)[0] >= self.cost(op, f, dec)[0]:
+                continue
+            self.decisions[i] = NONE
+            for v, axes in zip(op.outputs, f.results):
+                if isinstance(v, TensorValue):
+                    self.placement[v.name] = implied(axes, f, NONE, result=True)
+            self.requirements = [r for r in self.requirements if r.op_index != i]
+            for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
+                want = implied(axes, f, NONE, result=False, position=pos)
+                self.requirements.append(Requirement(i, v.name, want))
+                self.hints.setdefault(v.name, []).append(want)
 
 
 def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement],
-                        output_hints: Mapping[str, Placement] | None = None) -> Propagation:
+                        output_hints: Mapping[str, Placement] | None = None, *, partial_pass: bool = True) -> Propagation:
     """Placements for every tensor of ``fusion`` on a 1-D ``mesh``.
 
     Requires: a verified fusion; ``annotations`` (input name -> placement) that divide evenly
     (see ``check_annotations``). Ensures: every tensor value has a placement, annotated inputs
     keep theirs, every op has a decision, and each operand use records the placement it needs.
     ``output_hints`` says where outputs should end up (e.g. a gradient where its parameter is).
+    ``partial_pass`` lets partial sums flow through linear ops (``PARTIAL_PASS``) when that
+    communicates less; nvFuser holds a partial sum only on a split reduction axis, so programs
+    for nvFuser resolve each partial sum where it is produced.
     """
-    return _Propagator(fusion, mesh, annotations, output_hints or {}).run()
+    return _Propagator(fusion, mesh, annotations, output_hints or {}, partial_pass).run()
+
+
+_LAYOUT = {"reshape", "permute", "squeeze", "set", "segment_set", "stride_order", "neg", "slice", "cast"}
+
+
+def _shrinks_or_keeps(op: Op) -> bool:
+    """A single-operand op whose result is no bigger than its operand (so carrying a partial sum
+    through it never costs more bytes later)."""
+    xs = tensor_operands(op)
+    return op.kind in _LAYOUT and len(xs) == 1 and op.outputs[0].nbytes <= xs[0].nbytes and (op.kind != "cast" or _float_cast(op))
+
+
+def _float_cast(op: Op) -> bool:
+    from nvtp.ir.graph import TensorValue as _T
+
+    x = op.arg("arg")
+    return isinstance(x, _T) and x.dtype.is_float and op.arg("dtype").is_float
 
 
 def check_annotations(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement]) -> None:
