@@ -242,8 +242,8 @@ for _n in _BINARY_TORCH:
 def _set(ctx: Context, op: Op, a):
     x = a["arg"]
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
-    if src is None or dst is None or src == dst:
-        return x
+    if src is None or dst is None or src == dst or ctx.comm.size == 1:
+        return x  # on one device every placement is the whole tensor
     out = x
     v = op.outputs[0]
     for s, d in zip(src, dst):
@@ -395,7 +395,13 @@ def _expand(ctx, op, a):
 
 @impl("reshape")
 def _reshape(ctx, op, a):
-    return a["arg"].reshape(ctx.local_shape(op.outputs[0]))
+    x, out = a["arg"], op.outputs[0]
+    local = ctx.local_shape(out)
+    if x.numel() == out.numel != math.prod(local):
+        # A whole operand and a split result (a reshape without a common refinement, e.g.
+        # [6, 4] -> [4, 6]): reshape all of it; run() keeps this rank's part (_local_part).
+        return x.reshape(out.shape)
+    return x.reshape(local)
 
 
 @impl("permute")

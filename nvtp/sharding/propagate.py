@@ -179,7 +179,7 @@ class _Propagator:
         known = [self.placement.get(v.name) for v in tensor_operands(op)]
         if any(p is not None and axis_split(p) is not None for p in known):
             return True
-        if self.partial_pass and op.kind in PARTIAL_PASS:
+        if self.partial_pass and partial_passes(op):
             if sum(p == SUM for p in known) >= 2:
                 return True  # partial sums meeting: add them before resolving
             if known and known[0] == SUM and _shrinks_or_keeps(op):
@@ -205,10 +205,12 @@ class _Propagator:
                     dec = as_decision(axes, f, p, self.d)
                     if dec is not None and dec not in found:
                         found.append(dec)
-        if self.partial_pass and op.kind in PARTIAL_PASS and not (op.kind == "cast" and not _float_cast(op)):
+        if self.partial_pass and partial_passes(op):
             partial = [pos for pos, v in enumerate(tensor_operands(op)) if self.placement.get(v.name) == SUM]
             style = PARTIAL_PASS[op.kind]
-            options = {"all": [tuple(range(len(tensor_operands(op))))] if partial else [],
+            # A number added to a partial sum would be added on every rank.
+            all_tensors = op.kind not in ("add", "sub") or all(isinstance(op.arg(n), TensorValue) for n in ("lhs", "rhs"))
+            options = {"all": [tuple(range(len(tensor_operands(op))))] if partial and all_tensors else [],
                        "one": [(pos,) for pos in partial],
                        "first": [(0,)] if 0 in partial else []}[style]
             found += [Decision(None, 1, o) for o in options if Decision(None, 1, o) not in found]
@@ -331,6 +333,18 @@ def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[s
     for nvFuser resolve each partial sum where it is produced.
     """
     return _Propagator(fusion, mesh, annotations, output_hints or {}, partial_pass).run()
+
+
+def partial_passes(op: Op) -> bool:
+    """Whether a partial sum may flow through ``op``: a linear op computing in floating point
+    (integer division truncates; casts to integers round)."""
+    if op.kind not in PARTIAL_PASS or not op.outputs or not isinstance(op.outputs[0], TensorValue):
+        return False
+    if op.kind == "cast":
+        return _float_cast(op)
+    if op.kind == "div" and not isinstance(op.arg("lhs"), TensorValue):
+        return False  # 2 / (a + b) is not 2 / a + 2 / b: only the dividend may be partial
+    return op.outputs[0].dtype.is_float
 
 
 _LAYOUT = {"reshape", "permute", "squeeze", "set", "segment_set", "stride_order", "neg", "slice", "cast"}
