@@ -7,3 +7,15 @@ __version__ = "0.1.0"
 
 # Thunder warns on import when the optional Transformer Engine is absent; nvtp never uses it.
 warnings.filterwarnings("ignore", message="transformer_engine module not found")
+
+
+def __getattr__(name):  # keep `import nvtp` light: torch and Thunder load on first use
+    if name in ("jit", "full_tensor", "ShardedModule"):
+        from nvtp import parallel
+
+        return getattr(parallel, name)
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from nvtp import checkpoint as _ckpt
+
+        return getattr(_ckpt, name)
+    raise AttributeError(f"module 'nvtp' has no attribute {name!r}")

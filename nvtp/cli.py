@@ -165,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
         c.set_defaults(fn=fn)
 
-    m = sub.add_parser("demo", help="the main job: trace a GPT block, shard it on a local CPU mesh, check it")
-    m.add_argument("--devices", type=int, default=4)
-    m.add_argument("--config", default="tiny", choices=["tiny", "gpt2"])
+    m = sub.add_parser("demo", help="the main job: train a small GPT sharded over a local CPU mesh, checked against one process")
+    m.add_argument("--devices", type=int, default=4, help="processes in the local mesh (default 4)")
+    m.add_argument("--plan", default="megatron", help="megatron (default) or megatron-sp")
+    m.add_argument("--steps", type=int, default=20)
+    m.add_argument("--config", default="tiny", choices=["tiny"])
     m.set_defaults(fn=cmd_demo)
     return p
 

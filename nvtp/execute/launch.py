@@ -34,6 +34,10 @@ def backend_for_this_machine() -> str:
 def init_group(rank: int, world: int, init_method: str | None, timeout_s: float = 60.0) -> None:
     import torch.distributed as dist
 
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return  # the caller (e.g. a torchrun script) already joined
     backend = backend_for_this_machine()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())

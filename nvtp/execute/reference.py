@@ -644,7 +644,15 @@ def _gather(ctx, op, a):
 
 @impl("index_select")
 def _index_select(ctx, op, a):
-    return torch.index_select(a["arg"], a["dim"], a["index"])
+    x, idx = a["arg"], a["index"]
+    dim = a["dim"] % x.dim()
+    pos, present = _masked_lookup(ctx, op.operands[0], dim, idx)
+    out = torch.index_select(x, dim, pos)
+    if present is not None:  # a table split along dim: rows this rank lacks contribute zero
+        shape = [1] * out.dim()
+        shape[dim] = present.numel()
+        out = out * present.reshape(shape).to(out.dtype)
+    return out
 
 
 @impl("scatter")

@@ -36,10 +36,10 @@ from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
 
 from nvtp.frontend import attention
-from nvtp.frontend.translate import TRANSLATORS, supports_dtype, to_dtype
+from nvtp.frontend.translate import CHECKS, TRANSLATORS, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
-from nvtp.ir.simplify import common_subexpressions, fold_casts
+from nvtp.ir.simplify import common_subexpressions, fold_casts, unpad_gathers
 from nvtp.ir.verify import verify
 
 
@@ -149,6 +149,13 @@ def _tensors_supported(*args) -> bool:
     return True
 
 
+def _checker(extra):
+    def check(*args, **kwargs) -> bool:
+        return _tensors_supported(args, kwargs) and (extra is None or bool(extra(*args, **kwargs)))
+
+    return check
+
+
 class NvtpExecutor(FusionExecutor):
     """Thunder executor that fuses whole regions of a trace into nvtp fusions."""
 
@@ -157,7 +164,8 @@ class NvtpExecutor(FusionExecutor):
 
         super().__init__("nvtp", version=nvtp.__version__)
         for prim_id in TRANSLATORS:
-            self.register_supported(prim_id, lambda *a, **k: _tensors_supported(a, k))
+            check = CHECKS.get(prim_id)
+            self.register_supported(prim_id, _checker(check))
         attention.register(self)
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
@@ -289,7 +297,7 @@ def translate_region(name: str, inputs: Sequence[Proxy], outputs: Sequence[Proxy
         if not hasattr(v, "name"):
             v = b.op("full", [], v, to_dtype(type(v)))  # a constant result
         b.add_output(v)
-    fusion = common_subexpressions(fold_casts(b.build()))
+    fusion = common_subexpressions(unpad_gathers(fold_casts(b.build())))
     return verify(_outputs_are_results(fusion))
 
 

@@ -32,12 +32,6 @@ def translates(*ids):
     return deco
 
 
-_DTYPES = {
-    tdtypes.float64: DType.Double, tdtypes.float32: DType.Float, tdtypes.float16: DType.Half,
-    tdtypes.bfloat16: DType.BFloat16, tdtypes.int64: DType.Int, tdtypes.int32: DType.Int32,
-    tdtypes.bool8: DType.Bool, tdtypes.complex64: DType.ComplexFloat, tdtypes.complex128: DType.ComplexDouble,
-    tdtypes.uint64: DType.UInt64, tdtypes.float8_e4m3fn: DType.Float8_e4m3fn, tdtypes.float8_e5m2: DType.Float8_e5m2,
-}
 _PYTHON_TYPES = {float: DType.Double, int: DType.Int, bool: DType.Bool, complex: DType.ComplexDouble}
 
 
@@ -45,11 +39,10 @@ def to_dtype(dtype: Any) -> DType:
     """A Thunder (or Python) dtype as an nvFuser DataType."""
     if dtype in _PYTHON_TYPES:
         return _PYTHON_TYPES[dtype]
-    base = tdtypes.to_dtype(dtype)
-    for k, v in _DTYPES.items():
-        if tdtypes.to_dtype(k) == base or k == base:
-            return v
-    raise TypeError(f"no nvFuser DataType for {dtype}")
+    try:
+        return DType.from_torch(tdtypes.to_torch_dtype(dtype))  # weak and strong variants alike
+    except (ValueError, KeyError, TypeError):
+        raise TypeError(f"no nvFuser DataType for {dtype}") from None
 
 
 def supports_dtype(dtype: Any) -> bool:
@@ -270,3 +263,85 @@ def _embedding(b, a, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     if max_norm is not None:
         raise NotImplementedError("embedding with max_norm")
     return b.op("embedding_fwd", a, weight, padding_idx=padding_idx if padding_idx is not None and padding_idx >= 0 else None)
+
+
+# -- backward ops Thunder leaves as library calls ---------------------------------------------
+#
+# Thunder computes these two gradients with ATen kernels (scatter-adds). nvtp writes them as a
+# one-hot matmul and a one-hot select, from ops nvFuser has; with the vocabulary split over
+# devices, the one-hot (built from an iota) splits with it and needs no communication.
+
+CHECKS: dict[Any, Callable[..., bool]] = {}
+
+
+def _one_hot(b: FusionBuilder, index: TensorValue, classes: int) -> TensorValue:
+    """[N] integer indices -> [N, classes] bool one-hot."""
+    n = index.shape[0]
+    ids = b.op("iota", classes, 0, 1, DType.Int)
+    wide = b.op("broadcast_in_dim", index, shape=[n, classes], broadcast_dims=[0])
+    cls = b.op("broadcast_in_dim", ids, shape=[n, classes], broadcast_dims=[1])
+    return b.op("eq", wide, cls)
+
+
+@translates(PrimIDs.EMBEDDING_BACKWARD)
+def _embedding_backward(b, grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse):
+    n = 1
+    for s in indices.shape:
+        n *= s
+    e = grad.shape[-1]
+    flat_idx = b.op("reshape", indices, new_shape=[n]) if indices.ndim != 1 else indices
+    flat_grad = b.op("reshape", grad, new_shape=[n, e]) if grad.ndim != 2 else grad
+    hit = _one_hot(b, flat_idx, num_weights)
+    if padding_idx is not None and padding_idx >= 0:
+        hit = b.op("logical_and", hit, b.op("ne", b.op("broadcast_in_dim", flat_idx, shape=[n, num_weights], broadcast_dims=[0]), padding_idx))
+    onehot = b.op("cast", hit, dtype=flat_grad.dtype)
+    return b.op("matmul", b.op("permute", onehot, dims=[1, 0]), flat_grad)  # [V, e]
+
+
+CHECKS[PrimIDs.EMBEDDING_BACKWARD] = lambda grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse: not scale_grad_by_freq and not sparse
+
+
+@translates("nll_loss_backward")
+def _nll_loss_backward(b, g, a, target, weight, reduction, ignore_index, total_weight):
+    n, classes = a.shape
+    hit = _one_hot(b, target, classes)
+    valid = b.op("ne", target, ignore_index)
+    hit = b.op("logical_and", hit, b.op("broadcast_in_dim", valid, shape=[n, classes], broadcast_dims=[0]))
+    if reduction == "mean":
+        scale = b.op("div", b.op("neg", g), total_weight)
+    else:
+        scale = b.op("neg", g)
+    if isinstance(scale, TensorValue) and scale.ndim == 1:  # reduction "none": one gradient per row
+        scale = b.op("broadcast_in_dim", scale, shape=[n, classes], broadcast_dims=[0])
+    elif isinstance(scale, TensorValue):
+        scale = b.op("broadcast_in_dim", scale, shape=[n, classes], broadcast_dims=[])
+    out = b.op("where", hit, scale, 0.0)
+    return b.op("cast", out, dtype=a.dtype) if out.dtype != a.dtype else out
+
+
+CHECKS["nll_loss_backward"] = lambda g, a, target, weight, reduction, ignore_index, total_weight: (
+    weight is None and isinstance(a, object) and getattr(a, "ndim", 0) == 2 and reduction in ("mean", "sum", "none")
+)
+
+
+@translates("torch.nn.functional.nll_loss")
+def _nll_loss(b, a, target, weight=None, ignore_index=None, reduction="mean"):
+    """Thunder pads the class axis with a zero column for ignored targets; nvtp picks with a
+    masked take_along_axis instead, so a class axis split over devices stays split (Megatron's
+    parallel cross-entropy: each rank picks the logits it holds, one small all-reduce adds them)."""
+    ignore = -1 if ignore_index is None else ignore_index
+    n, _ = a.shape
+    valid = b.op("ne", target, ignore)
+    safe = b.op("where", valid, target, 0)
+    picked = b.op("take_along_axis", a, b.op("broadcast_in_dim", safe, shape=[n, 1], broadcast_dims=[0]), 1)
+    picked = b.op("where", valid, b.op("reshape", picked, new_shape=[n]), 0.0)
+    total = b.op("neg", b.op("sum", picked, dims=[0]))
+    if reduction == "sum":
+        return total
+    count = b.op("cast", b.op("sum", b.op("cast", valid, dtype=DType.Int), dims=[0]), dtype=a.dtype)
+    return b.op("div", total, count)
+
+
+CHECKS["torch.nn.functional.nll_loss"] = lambda a, target, weight=None, ignore_index=None, reduction="mean": (
+    getattr(a, "ndim", 0) == 2 and getattr(target, "ndim", 0) == 1 and weight is None and reduction in ("mean", "sum")
+)

@@ -101,3 +101,57 @@ def common_subexpressions(fusion: Fusion) -> Fusion:
         seen[key] = op.outputs
         ops.append(op)
     return fusion.with_ops(tuple(ops), tuple(_substitute(v, sub) for v in fusion.outputs))
+
+
+def unpad_gathers(fusion: Fusion) -> Fusion:
+    """Rewrite Thunder's ``nll_loss`` trick for ignored targets into a masked pick:
+
+        p = pad(x, one zero column after axis d)        g = take_along_axis(x, where(c, t, 0), d)
+        i = where(c, t, C)            (C = x.shape[d])   ->   r = where(c, g, 0)
+        r = take_along_axis(p, i, d)
+
+    Exact (an index C picks the zero column), and a class axis split over devices then stays
+    split: each rank picks what it holds (Megatron's parallel cross-entropy).
+
+    Requires: a verified fusion. Ensures: the same outputs, bit for bit.
+    """
+    from nvtp.ir.ops import norm_dim, pad_pairs
+
+    producers = fusion.producers()
+    taken = set(fusion.values)
+    counter = [len(taken)]
+
+    def fresh() -> str:
+        while f"T{counter[0]}" in taken:
+            counter[0] += 1
+        taken.add(f"T{counter[0]}")
+        return f"T{counter[0]}"
+
+    ops: list[Op] = []
+    sub: dict[str, Value] = {}
+    for op in fusion.ops:
+        op = Op(op.kind, tuple((k, _substitute(v, sub)) for k, v in op.args), op.outputs)
+        if op.kind == "take_along_axis":
+            padded, index = op.arg("arg"), op.arg("index")
+            dim = norm_dim(op.arg("dim"), padded.ndim)
+            pad_op, where_op = producers.get(padded.name), producers.get(index.name)
+            if pad_op is not None and pad_op.kind == "pad" and where_op is not None and where_op.kind == "where":
+                x = pad_op.arg("arg")
+                pairs = pad_pairs(x.ndim, pad_op.arg("pad_widths"))
+                value = pad_op.arg("value")
+                only_last = all(p == ((0, 1) if i == dim else (0, 0)) for i, p in enumerate(pairs))
+                cond, t, c = where_op.arg("condition"), where_op.arg("x"), where_op.arg("y")
+                if only_last and value in (0, 0.0, None) and c == x.shape[dim] and is_value(t) and is_value(cond):
+                    safe = make_op("where", (cond, t, 0), {}, [fresh()])
+                    if safe.outputs[0].dtype != t.dtype:
+                        safe = make_op("cast", (safe.outputs[0],), {"dtype": t.dtype}, [safe.outputs[0].name])
+                    picked = make_op("take_along_axis", (x, safe.outputs[0], dim), {}, [fresh()])
+                    masked = make_op("where", (cond, picked.outputs[0], 0.0), {}, [op.outputs[0].name])
+                    if masked.outputs[0].dtype != op.outputs[0].dtype:
+                        masked = make_op("cast", (make_op("where", (cond, picked.outputs[0], 0.0), {}, [fresh()]).outputs[0],),
+                                         {"dtype": op.outputs[0].dtype}, [op.outputs[0].name])
+                    ops.extend([safe, picked, masked] if masked.kind == "where" else
+                               [safe, picked, make_op("where", (cond, picked.outputs[0], 0.0), {}, [masked.arg("arg").name]), masked])
+                    continue
+        ops.append(op)
+    return dead_code(fusion.with_ops(tuple(ops), tuple(_substitute(v, sub) for v in fusion.outputs)))

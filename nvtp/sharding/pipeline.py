@@ -142,7 +142,8 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
         s["annotations"] = ann
 
     def _propagate(s):
-        s["prop"] = propagate_shardings(fusion, mesh, s["annotations"].placements, output_hints, partial_pass=target == "reference")
+        hints = {**s["annotations"].hints, **(output_hints or {})}
+        s["prop"] = propagate_shardings(fusion, mesh, s["annotations"].placements, hints, partial_pass=target == "reference")
 
     def _plan(s):
         s["steps"] = plan_reshards(fusion, s["prop"], mesh, dict(output_hints or {}))

@@ -47,6 +47,7 @@ class Annotations:
     notes: list[str] = field(default_factory=list)
     column: list[str] = field(default_factory=list)
     row: list[str] = field(default_factory=list)
+    hints: dict[str, Placement] = field(default_factory=dict)  # soft wishes for values inside the fusion
 
 
 def projections(fusion: Fusion) -> list[Projection]:
@@ -92,9 +93,12 @@ def _activation_inputs(fusion: Fusion) -> list[TensorValue]:
     return [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) in ("activation", "input", "")]
 
 
-def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Annotations:
-    """Column/row-parallel pairs found by propagation; everything else replicated (or, with
-    sequence parallelism, activations split along the sequence axis, the second to last)."""
+def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = True) -> Annotations:
+    """Column/row-parallel pairs found by propagation; with ``vocab_parallel``, token embeddings
+    split along the vocabulary and an unpaired projection split along its outputs when what it
+    then communicates is smaller than its output (an LM head feeding cross-entropy: Megatron's
+    parallel cross-entropy); everything else replicated. With sequence parallelism, activation
+    inputs ``[batch, seq, ...]`` are split along the sequence (axis 1)."""
     projs = projections(fusion)
     column: dict[str, Projection] = {}
     row: dict[str, Projection] = {}
@@ -107,10 +111,18 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
         column[p.weight] = p
         if partner.weight not in column:
             row[partner.weight] = partner
+    vocab: list[str] = []
+    if vocab_parallel:
+        vocab = _vocab_parallel_embeddings(fusion, mesh)
+        for p in projs:
+            if p.weight not in column and p.weight not in row and _pays_to_split(fusion, mesh, p):
+                column[p.weight] = p
     placements: dict[str, Placement] = {}
     for v in fusion.inputs:
         if isinstance(v, TensorValue):
             placements[v.name] = REPLICATE
+    for w in vocab:
+        placements[w] = Shard(0)
     for w, p in column.items():
         placements[w] = make_shard(0, p.split_factor)
         if p.bias:
@@ -119,15 +131,89 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
         placements[w] = Shard(1)
     notes = [f"column-parallel {fusion.label(w)} ({'fused, ' + str(p.split_factor) + ' parts' if p.split_factor > 1 else 'split output features'})" for w, p in column.items()]
     notes += [f"row-parallel {fusion.label(w)}" for w in row]
+    notes += [f"vocab-parallel {fusion.label(w)} (embedding rows split; lookups give partial sums)" for w in vocab]
     unpaired = [fusion.label(p.weight) for p in projs if p.weight not in column and p.weight not in row]
     if unpaired:
         notes.append("replicated (no row-parallel partner): " + ", ".join(unpaired))
+    hints: dict[str, Placement] = {}
     if sequence_parallel:
         for v in _activation_inputs(fusion):
+            if v.ndim >= 2 and v.dtype.is_float and v.shape[1] % mesh.size == 0:
+                placements[v.name] = Shard(1)
+                notes.append(f"sequence-parallel {fusion.label(v.name)}: split along axis 1")
+        for name in _embedding_streams(fusion):
+            v = fusion.value(name)
+            if v.shape[1] % mesh.size == 0:
+                hints[name] = Shard(1)
+                notes.append(f"sequence-parallel from the embedding on ({name}: {v.dtype.value}{list(v.shape)} split along axis 1)")
+    return Annotations(placements, notes, [fusion.label(w) for w in column], [fusion.label(w) for w in row], hints)
+
+
+def _embedding_streams(fusion: Fusion) -> list[str]:
+    """The [batch, seq, ...] activations token-embedding lookups produce (after the reshape back
+    from the flattened lookup): where the residual stream of a whole model starts."""
+    inputs = {v.name for v in fusion.inputs}
+    consumers = fusion.consumers()
+    found = []
+    for op in fusion.ops:
+        if op.kind in ("embedding_fwd", "index_select") and op.operands[0].name in inputs:
+            v = op.outputs[0]
+            while v.ndim < 3:
+                users = [u for u in consumers.get(v.name, []) if u.kind in ("reshape", "cast")]
+                if len(users) != 1:
+                    break
+                v = users[0].outputs[0]
             if v.ndim >= 3:
-                placements[v.name] = Shard(v.ndim - 2)
-                notes.append(f"sequence-parallel {fusion.label(v.name)}: split along axis {v.ndim - 2}")
-    return Annotations(placements, notes, [fusion.label(w) for w in column], [fusion.label(w) for w in row])
+                found.append(v.name)
+    return found
+
+
+def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
+    """Weights of embedding lookups (``embedding_fwd``, or ``index_select`` of rows) of token ids:
+    indices that come from a fusion input, not computed positions."""
+    inputs = {v.name for v in fusion.inputs}
+    producers = fusion.producers()
+
+    def from_input(v) -> bool:
+        while v.name not in inputs:
+            op = producers.get(v.name)
+            if op is None or op.kind not in ("reshape", "cast", "set", "squeeze", "broadcast_in_dim"):
+                return False
+            v = op.operands[0]
+        return True
+
+    found = []
+    for op in fusion.ops:
+        if op.kind == "embedding_fwd":
+            w, idx = op.arg("weight"), op.arg("input")
+        elif op.kind == "index_select" and op.arg("dim") == 0:
+            w, idx = op.arg("arg"), op.arg("index")
+        else:
+            continue
+        if w.name in inputs and w.ndim == 2 and idx.dtype.is_int and from_input(idx) and w.shape[0] % mesh.size == 0 and w.name not in found:
+            found.append(w.name)
+    return found
+
+
+def _pays_to_split(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> bool:
+    """An unpaired projection is split along its outputs when everything that then has to be
+    communicated is smaller than gathering its output would be."""
+    d = mesh.size if mesh.size > 1 else 2
+    w = fusion.value(p.weight)
+    if w.shape[0] % (p.split_factor * d):
+        return False
+    trial = {p.weight: make_shard(0, p.split_factor)}
+    if p.bias:
+        trial[p.bias] = make_shard(0, p.split_factor)
+    for v in fusion.inputs:
+        if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
+            trial[v.name] = REPLICATE
+    mesh_d = DeviceMesh.of_size(d)
+    prop = propagate_shardings(fusion, mesh_d, trial, {v.name: REPLICATE for v in fusion.outputs if isinstance(v, TensorValue)})
+    comm = sum(reshard_bytes(prop.placements[r.value], r.placement, fusion.value(r.value).nbytes, d)
+               for r in prop.requirements if r.op_index > p.op_index)
+    out = p.op.outputs[0]
+    return comm < (d - 1) / d * out.nbytes
 
 
 def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Projection]) -> Projection | None:

@@ -493,7 +493,22 @@ def _take_along_axis(op: Op) -> OpFactors:
     return f
 
 
-@rule("gather", "index_select", "scatter")
+@rule("index_select")
+def _index_select(op: Op) -> OpFactors:
+    """A table lookup: with the table split along ``dim`` each rank looks up the rows it holds
+    (zero elsewhere), so the result is a partial sum (vocab-parallel embedding)."""
+    x, idx = op.arg("arg"), op.arg("index")
+    dim = norm_dim(op.arg("dim"), x.ndim)
+    f = OpFactors()
+    shared = [f.factor(n) if i != dim else None for i, n in enumerate(x.shape)]
+    table = f.factor(x.shape[dim], "reduce", "sum")
+    picked = f.factor(idx.shape[0])
+    f.operands = [[(table,) if i == dim else (a,) for i, a in enumerate(shared)], [(picked,)]]
+    f.results = [[(picked,) if i == dim else (a,) for i, a in enumerate(shared)]]
+    return f
+
+
+@rule("gather", "scatter")
 def _indexing(op: Op) -> OpFactors:
     """Conservative: only axes other than ``dim`` that all tensors share pass through."""
     ts = tensor_operands(op)

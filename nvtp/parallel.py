@@ -1,0 +1,323 @@
+"""``nvtp.jit``: a module whose forward and backward run sharded fusions on a mesh.
+
+    model = nvtp.jit(GPT(cfg), plan="megatron")          # after torch.distributed.init_process_group
+    loss = model(idx, targets); loss.backward(); opt.step()
+
+On the first call nvtp traces the module with ``thunder.jit`` and nvtp's executor (on meta
+tensors: the parameters are not touched), shards the forward and backward fusions with the plan,
+and replaces every sharded parameter's data by this rank's shard, so each rank holds 1/d of a
+split weight. Calls run the sharded forward fusion on the reference backend with
+torch.distributed collectives inside a ``torch.autograd.Function`` whose backward runs the
+sharded backward fusion; gradients land on the local shards, so a plain ``torch.optim``
+optimizer steps them. ``nvtp.full_tensor(t)`` gathers any parameter or gradient whole.
+
+Inputs and outputs at the module's boundary are whole tensors on every rank (each rank slices
+what its shards need; outputs and the gradients of inputs are gathered or reduced to whole).
+Bad input is refused on every rank before any collective: a plan that does not divide, an
+argument of the wrong shape, dtype or device, or an op nvtp cannot fuse (named with its line).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from nvtp.execute import reference, spmd
+from nvtp.execute.collectives import Comm, DistComm, SoloComm
+from nvtp.frontend.capture import Captured, capture
+from nvtp.ir.graph import TensorValue
+from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate
+from nvtp.sharding.propagate import ShardingError
+
+__all__ = ["ShardedModule", "jit", "full_tensor", "InputError"]
+
+
+class InputError(ValueError):
+    """An argument that does not match what the module was compiled for."""
+
+
+@dataclass
+class _Compiled:
+    forward: ShardedFusion
+    backward: ShardedFusion | None
+    captured: Captured
+    arg_names: list[str]
+    signature: tuple
+
+
+_PARAMS: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
+_PLACED: dict[int, tuple[Placement, tuple[int, ...], "ShardedModule"]] = {}
+
+
+def _default_mesh() -> DeviceMesh:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return DeviceMesh.of_size(dist.get_world_size())
+    return DeviceMesh.of_size(1)
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The module with every parameter and buffer on the meta device (nothing copied)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+class ShardedModule(torch.nn.Module):
+    """``module`` sharded over ``mesh`` by ``plan``; call it as you would call ``module``."""
+
+    def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
+                 comm: Comm | None = None, dynamic: bool = False):
+        super().__init__()
+        self.module = module
+        self.dynamic = dynamic
+        self.plan = plan
+        self.mesh = mesh or _default_mesh()
+        self._comm = comm
+        self._meta = _meta_copy(module)
+        self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        self._placements: dict[str, Placement] = {}
+        self._compiled: dict[tuple, _Compiled] = {}
+        self.last: _Compiled | None = None
+
+    # -- where things are ---------------------------------------------------------------------
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            self._comm = DistComm() if self.mesh.size > 1 else SoloComm()
+        return self._comm
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def placement(self, name: str) -> Placement:
+        """Where parameter ``name`` lives (Replicate until the first call has sharded it)."""
+        return self._placements.get(name, REPLICATE)
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return self._global_shapes[name]
+
+    # -- compile ------------------------------------------------------------------------------
+
+    def _signature(self, args: tuple) -> tuple:
+        sig = [self.module.training]
+        for a in args:
+            sig.append((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a)))
+        return tuple(sig)
+
+    def _compile(self, args: tuple) -> _Compiled:
+        names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
+        meta_args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
+                     if isinstance(a, torch.Tensor) else a for a in args]
+        self._meta.train(self.module.training)
+        captured = capture(self._meta, *meta_args)  # raises CaptureError naming unfused ops and lines
+        annotations = {}
+        if self._placements:  # a new input shape: keep the parameters where they already are
+            for v in captured.forward.inputs:
+                label = captured.forward.label(v.name)
+                if label in self._placements:
+                    annotations[v.name] = self._placements[label]
+        hints = {v.name: REPLICATE for v in captured.forward.outputs if captured.forward.role(v.name) == "output"}
+        forward = shard(captured.forward, self.plan, self.mesh, annotations=annotations, output_hints=hints, target="reference")
+        backward = None
+        if captured.backward is not None:
+            # Parameters' gradients land where the parameters live; arguments' gradients whole.
+            inputs, grad_hints = backward_annotations(captured.backward, forward)
+            for v in captured.backward.outputs:
+                label = captured.backward.label(v.name)
+                if label.startswith("grad(") and label[5:-1] in names:
+                    grad_hints[v.name] = REPLICATE
+            backward = shard(captured.backward, "replicate", self.mesh, annotations=inputs, output_hints=grad_hints, target="reference")
+        compiled = _Compiled(forward, backward, captured, names, self._signature(args))
+        self._shard_parameters(forward)
+        return compiled
+
+    def _shard_parameters(self, forward: ShardedFusion) -> None:
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        for v in forward.source.inputs:
+            label = forward.source.label(v.name)
+            placement = forward.placement(v.name)
+            if label in params:
+                p = params[label]
+                if label in self._placements:
+                    if self._placements[label] != placement:
+                        raise ShardingError(f"{label} is placed {self._placements[label]} but a new trace wants {placement}")
+                    continue
+                self._placements[label] = placement
+                if not is_replicate(placement):
+                    with torch.no_grad():
+                        p.data = spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
+                _PARAMS[id(p)] = p
+                _PLACED[id(p)] = (placement, self._global_shapes[label], self)
+            elif label in buffers and not is_replicate(placement):
+                raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def compile(self, *args) -> "ShardedModule":
+        """Trace and shard for arguments like ``args`` now (the parameters become shards), without
+        running anything: before loading a checkpoint, or to fail fast on a bad plan."""
+        self._compiled_for(args)
+        return self
+
+    def _compiled_for(self, args: tuple) -> _Compiled:
+        key = self._signature(args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._check_new_signature(args)
+            compiled = self._compile(args)
+            self._compiled[key] = compiled
+        return compiled
+
+    def _check_new_signature(self, args: tuple) -> None:
+        """Refuse arguments unlike those compiled for (unless ``dynamic``), before any work."""
+        device = next((p.device.type for p in self.module.parameters()), "cpu")
+        names = list(inspect.signature(self.module.forward).parameters)
+        if len(args) > len(names):
+            raise InputError(f"{type(self.module).__name__}.forward takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
+        for name, a in zip(names, args):
+            if isinstance(a, torch.Tensor) and a.device.type != device:
+                raise InputError(f"argument {name} is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
+        if self._compiled and not self.dynamic:
+            have = next(iter(self._compiled.values()))
+            for name, a, old in zip(names, args, have.signature[1:]):
+                new = (tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a))
+                if new != old:
+                    raise InputError(f"argument {name}: the module was compiled for {_describe(old)}, got {_describe(new)}; "
+                                     "pass the same shapes and dtypes, or nvtp.jit(..., dynamic=True) to compile each new one")
+            if have.signature[0] != self.module.training:
+                raise InputError("the module was compiled in " + ("training" if have.signature[0] else "eval")
+                                 + " mode; switch back, or nvtp.jit(..., dynamic=True) to compile each mode")
+
+    def forward(self, *args):
+        compiled = self._compiled_for(args)
+        self.last = compiled
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        named = {}
+        for v in compiled.forward.source.inputs:
+            label = compiled.forward.source.label(v.name)
+            if label in params:
+                named[label] = params[label]
+            elif label in buffers:
+                named[label] = buffers[label]
+        _check_args(compiled, args)
+        user = dict(zip(compiled.arg_names, args))
+        tensors = [named[k] for k in named] + [user[k] for k in compiled.arg_names if isinstance(user[k], torch.Tensor)]
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        outs = _Run.apply(self, compiled, list(named), seed, *tensors)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _describe(sig) -> str:
+    if sig[0] == "value":
+        return sig[1]
+    shape, dtype, device = sig
+    return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+
+
+def _check_args(compiled: _Compiled, args: tuple) -> None:
+    f = compiled.forward.source
+    by_label = {f.label(v.name): v for v in f.inputs}
+    for name, a in zip(compiled.arg_names, args):
+        v = by_label.get(name)
+        if v is None or not isinstance(a, torch.Tensor):
+            continue
+        if tuple(a.shape) != tuple(v.shape) or a.dtype != v.dtype.torch:
+            raise InputError(f"argument {name}: expected {v.dtype.value}{list(v.shape)}, got {a.dtype}{list(a.shape)}")
+
+
+class _Run(torch.autograd.Function):
+    """Forward: the sharded forward fusion. Backward: the sharded backward fusion."""
+
+    @staticmethod
+    def forward(ctx, module: ShardedModule, compiled: _Compiled, param_labels: list[str], seed: int, *tensors):
+        fwd = compiled.forward
+        f = fwd.source
+        n_params = len(param_labels)
+        named = dict(zip(param_labels, tensors[:n_params]))
+        user_tensors = iter(tensors[n_params:])
+        for name in compiled.arg_names:
+            if any(f.label(v.name) == name for v in f.inputs):
+                named[name] = next(user_tensors)
+        inputs = []
+        for v in f.inputs:
+            label = f.label(v.name)
+            t = named[label].detach()
+            if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's whole tensor: take our part
+                t = spmd.shard_tensor(t, fwd.placement(v.name), fwd.mesh, module.rank)
+            inputs.append(t)
+        outputs = reference.run(fwd.fusion, inputs, shardings=fwd.shardings, mesh=fwd.mesh, comm=module.comm, seed=seed)
+        values = {v.name: t for v, t in zip(f.inputs, inputs)}
+        values.update({src.name: t for src, t in zip(f.outputs, outputs)})
+        ctx.module, ctx.compiled, ctx.values, ctx.named, ctx.n_params = module, compiled, values, named, n_params
+        ctx.param_labels = param_labels
+        user_outputs = [t for v, t in zip(f.outputs, outputs) if f.role(v.name) == "output"]
+        for t in user_outputs:
+            ctx.mark_non_differentiable(t) if not t.is_floating_point() else None
+        return tuple(user_outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        compiled: _Compiled = ctx.compiled
+        bwd = compiled.backward
+        if bwd is None:
+            return (None,) * (4 + ctx.n_params + len(compiled.arg_names))
+        b = bwd.source
+        local_grads = []
+        grad_inputs = [v for v in b.inputs if b.role(v.name) == "grad"]
+        for v, g in zip(grad_inputs, grads):
+            g = torch.zeros(v.shape, dtype=v.dtype.torch) if g is None else g.detach()
+            local_grads.append(spmd.shard_tensor(g, bwd.placement(v.name), bwd.mesh, ctx.module.rank))
+        from nvtp.frontend.capture import backward_inputs
+
+        params = {label: ctx.named[label].detach() for label in ctx.param_labels}
+        inputs = backward_inputs(b, params, ctx.values, local_grads)
+        outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
+        by_label = {b.label(v.name): t for v, t in zip(b.outputs, outs)}
+        result = [None, None, None, None]
+        for label in ctx.param_labels:
+            result.append(by_label.get(f"grad({label})"))
+        f = compiled.forward.source
+        for name in compiled.arg_names:
+            if any(f.label(v.name) == name for v in f.inputs):
+                result.append(by_label.get(f"grad({name})"))
+        return tuple(result)
+
+
+def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
+        comm: Comm | None = None, dynamic: bool = False) -> ShardedModule:
+    """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
+    ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
+    ``dynamic`` compiles again for new argument shapes instead of refusing them."""
+    return ShardedModule(module, plan, mesh, comm, dynamic)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter of an ``nvtp.jit`` module, or of its gradient."""
+    owner = _PLACED.get(id(t))
+    if owner is None:
+        for pid, p in list(_PARAMS.items()):
+            if p.grad is t:
+                owner = _PLACED[pid]
+                break
+    if owner is None:
+        return t
+    placement, shape, module = owner
+    if axis_split(placement) is None:
+        return t.detach().clone()
+    parts = module.comm.all_gather(t.detach().contiguous())
+    return spmd.assemble(parts, placement, shape)
