@@ -465,3 +465,34 @@ def _reachable_ops(fusion: Fusion) -> list[Op]:
             if op.kind not in ("define_tensor", "define_scalar"):
                 needed.append(op)
     return list(reversed(needed))
+
+
+def execute_sharded(sharded, local_inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Run this rank's part of a sharded fusion with nvFuser's multidevice executor.
+
+    One process per GPU, launched by ``mpirun`` or ``torchrun`` (nvFuser's Communicator reads
+    their environment); ``local_inputs`` are this rank's shards. The definition is built from the
+    sharded dump's text, so what runs is exactly what ``nvtp shard`` writes: the fusion with its
+    resharding ``set`` ops and its device schedule. Raises at once without a GPU.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(NO_GPU_MESSAGE)
+    import nvfuser_direct
+
+    from nvtp.dump.sharded import format_sharded
+    from nvtp.ir.parser import parse
+    from nvtp.sharding.placements import local_shape
+
+    dump = parse(format_sharded(sharded, []))
+    fd = build_definition(dump.fusion, dump.schedule)
+    rank = nvfuser_direct.multidevice.Communicator.instance().rank()
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    prepared = []
+    for v, x in zip(sharded.fusion.inputs, local_inputs):
+        if isinstance(v, TensorValue):
+            want = local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)
+            if tuple(x.shape) != tuple(want):
+                raise NvFuserError(f"input {v.name} of rank {rank}: expected its shard {list(want)}, got {list(x.shape)}")
+            x = x.to(device).contiguous()
+        prepared.append(x)
+    return list(fd.execute(prepared))

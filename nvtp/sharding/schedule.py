@@ -97,16 +97,36 @@ def _op_index(sharded, op: Op) -> int | None:
 
 
 def schedule_lines(sharded) -> list[str]:
-    """The device schedule of a sharded fusion, as statements for the end of its definition."""
+    """The device schedule of a sharded fusion, as statements for the end of its definition.
+
+    A partial sum resolved into a split (a reduce-scatter) also gets the destination's split on
+    its own loop domain, next to its split reduction axis: that is how nvFuser says
+    reduce-scatter (its ``test_linear_reduce_scatter``); with the reduction axis alone nvFuser
+    would all-reduce and the ``set`` would slice."""
     d = sharded.mesh.size
+    scattered = {}
+    for step in sharded.set_steps.values():
+        if is_partial(step.src) and axis_split(step.dst) is not None:
+            scattered[step.value] = axis_split(step.dst)
     lines = [f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(sharded.mesh.devices)})"]
     for op in sharded.fusion.ops:
         for r, v in enumerate(op.outputs):
             if not isinstance(v, TensorValue) or v.name not in sharded.shardings:
                 continue
             lines.append(f"{v.name}.set_device_mesh(mesh)")
+            if d == 1:
+                continue
             where = device_axis(sharded, None if op.kind == "define_tensor" else op, r, v)
-            if where is not None and d > 1:
+            if v.name in scattered and where is not None:
+                dim, sf = scattered[v.name]
+                axes = loop_axes(op, r)
+                dst_axis = axes.index(("dim", dim))
+                # Split the later loop axis first so the earlier one's index stays put.
+                red_axis, red_sf = where
+                for axis, split in sorted([(red_axis, red_sf), (dst_axis, sf)], reverse=True):
+                    lines.extend(_split_lines(v.name, axis, split, d))
+                continue
+            if where is not None:
                 lines.extend(_split_lines(v.name, where[0], where[1], d))
     return lines
 
@@ -162,10 +182,12 @@ def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple
             axis = step.args[0] % len(axes)
             a = axes[axis]
             kind, j = a.origin
-            if kind == "dim":
-                placements[step.tensor] = make_shard(j, a.outer)
-            else:
+            if kind == "reduce":
+                # A split reduction axis makes the value a partial sum in nvtp's terms, even when an
+                # iteration axis is split too (nvFuser's reduce-scatter, resolved by the next set).
                 placements[step.tensor] = Partial("sum") if producers[step.tensor].kind != "max" else Partial("max")
+            elif not isinstance(placements.get(step.tensor), Partial):
+                placements[step.tensor] = make_shard(j, a.outer)
     if devices is not None:
         for name, p in placements.items():
             split = axis_split(p)
