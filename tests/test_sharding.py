@@ -373,3 +373,31 @@ def test_sharded_fusion_runs_on_nvfuser(tiny_files):  # pragma: no cover - GPU o
     for v, got, want in zip(sharded.fusion.outputs, outs, single):
         if v.dtype.is_float and sharded.placement(v.name) == Replicate():
             assert dump.relative_error(got.cpu(), want)[0] <= 1e-4
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_nvfuser_holds_the_device_axes_of_the_gpt3_backward(gpt3, plan):
+    """Batch 1: nvFuser squeezes a reduced size-1 axis rather than reducing it (the bias and
+    LayerNorm gradients sum over [b, s]), so the loop axes nvtp splits shift by one there."""
+    import re
+
+    from nvtp.dump.sharded import format_sharded
+    from nvtp.execute.nvfuser import build_definition
+    from nvtp.ir.parser import parse
+    from nvtp.sharding.schedule import device_axis
+
+    _, sharded = shard_pair(*gpt3, plan, DeviceMesh.of_size(4))
+    d = parse(format_sharded(sharded, []))
+    fd = build_definition(d.fusion, d.schedule)
+    producers = sharded.fusion.producers()
+    checked = 0
+    for name, tv in fd.nvtp_values.items():
+        if name not in sharded.shardings or producers[name].kind != "sum":
+            continue
+        op = producers[name]
+        axes = re.search(r"\[(.*?)\]", str(tv)).group(1).split(", ")
+        where = device_axis(sharded, op, op.outputs.index(sharded.fusion.value(name)), sharded.fusion.value(name))
+        device = [i for i, a in enumerate(axes) if "deviceIdx.x" in a]
+        assert device == ([] if where is None else [where[0] + (1 if where[1] > 1 else 0)]), (name, str(tv), where)
+        checked += 1
+    assert checked >= 6

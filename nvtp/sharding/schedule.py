@@ -41,6 +41,8 @@ def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
         red = set(range(x.ndim)) if red is None else {norm_dim(d, x.ndim) for d in red}
         out, k = [], 0
         for j in range(x.ndim):
+            if j in red and x.shape[j] == 1:
+                continue  # nvFuser squeezes a reduced broadcast (size-1) axis instead of reducing it
             if j in red:
                 out.append(("reduce", j))
             else:
