@@ -584,7 +584,9 @@ def _random(kind: str) -> Impl:
         declared = a["dtype"].torch
         if kind == "uniform":
             lo, hi = _scalar(a["minval"]), _scalar(a["maxval"])
-            full = torch.rand(v.shape, generator=g, dtype=declared) * (hi - lo) + lo
+            full = torch.rand(v.shape, generator=g, dtype=declared)
+            if (lo, hi) != (0, 1):  # x * 1.0 + 0.0 is x: dropout's uniform(0, 1) skips two passes
+                full = full * (hi - lo) + lo
         else:
             mean, std = _scalar(a["mean"]), _scalar(a["std"])
             full = torch.randn(v.shape, generator=g, dtype=declared) * std + mean
@@ -685,6 +687,58 @@ def _local_part(ctx: Context, v: Value, r: torch.Tensor) -> torch.Tensor:
     return r
 
 
+# Programs call torch directly for common ops; a changed table (a test's monkeypatch, a new
+# implementation registered at run time) sends every run through the interpreter instead.
+_PRISTINE_IMPLS: dict[str, Impl] = {}
+
+
+def execute_op(ctx: Context, op: Op, args: dict[str, Any], strict: bool = False) -> tuple[torch.Tensor, ...]:
+    """Run one op's implementation on resolved ``args``: its results as this rank holds them, in
+    the dtypes the op table infers (``strict``: raise instead of casting). Errors name the op."""
+    ctx.op = op
+    fn = IMPLS.get(op.kind)
+    if fn is None:
+        raise ExecutionError(f"the reference backend has no implementation of fd.ops.{op.kind}; add one to nvtp/execute/reference.py")
+    try:
+        result = fn(ctx, op, args)
+    except ExecutionError:
+        raise
+    except Exception as e:  # name the op, keep the cause
+        raise ExecutionError(f"while executing {op}: {type(e).__name__}: {e}") from e
+    results = result if isinstance(result, tuple) else (result,)
+    if len(results) != len(op.outputs):
+        raise ExecutionError(f"{op.kind} implementation returned {len(results)} results, expected {len(op.outputs)}")
+    out = []
+    for v, r in zip(op.outputs, results):
+        r = _local_part(ctx, v, _as_tensor(r))
+        want = ctx.dtype(v.dtype)
+        if strict and (r.dtype != want or tuple(r.shape) != ctx.local_shape(v)):
+            raise ExecutionError(f"while executing {op}: the implementation gave {v.name} as {r.dtype}{list(r.shape)}, "
+                                 f"the op table infers {want}{list(ctx.local_shape(v))}")
+        if r.dtype != want:
+            r = r.to(want)
+        out.append(r)
+    return tuple(out)
+
+
+def input_value(ctx: Context, v: Value, x: Any) -> Any:
+    """A fusion input as the run holds it (scalars as 0-d tensors of their dtype); checks tensors."""
+    if isinstance(v, TensorValue):
+        if not isinstance(x, torch.Tensor):
+            raise ExecutionError(f"input {v.name} must be a tensor, got {type(x).__name__}")
+        if ctx.compute_dtype is not None and x.is_floating_point():
+            x = x.to(ctx.compute_dtype)
+        return x
+    return _as_tensor(x).to(ctx.dtype(v.dtype))
+
+
+def constant_value(ctx: Context, op: Op) -> torch.Tensor | None:
+    """The 0-d tensor a ``define_scalar`` with a value defines (None for a scalar input)."""
+    if op.arg("value") is None:
+        return None
+    return _as_tensor(op.arg("value")).to(ctx.dtype(op.outputs[0].dtype))
+
+
 def run(
     fusion: Fusion,
     inputs: Sequence[Any],
@@ -697,6 +751,7 @@ def run(
     log: list[Communication] | None = None,
     strict: bool = False,
     values: dict[str, Any] | None = None,
+    compiled: bool = True,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -705,53 +760,40 @@ def run(
     the implementations in agreement). ``values``, if given, receives every value of the run by
     name (inputs, constants and op results, as this rank holds them; scalars as 0-d tensors),
     e.g. for the rule tests, which re-run each op on its own from its operands.
+
+    By default the fusion runs as a compiled program (``nvtp/execute/compiled.py``: built once per
+    fusion, placements and mesh position, then straight-line steps with fused kernels for the
+    patterns it recognises). ``compiled=False``, ``strict``, ``values`` and ``compute_dtype``
+    interpret the fusion op by op, each op exactly as its implementation here says.
     """
-    ctx = Context(fusion, shardings, mesh, comm or SoloComm(), seed, compute_dtype)
+    comm = comm or SoloComm()
+    if len(inputs) != len(fusion.inputs):
+        raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
+    if compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS:
+        from nvtp.execute.compiled import program_for
+
+        program = program_for(fusion, shardings, mesh, comm.rank, comm.size)
+        if program.accepts(inputs):
+            return program.run(inputs, comm, seed, log)
+    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype)
     if log is not None:
         ctx.log = log
-    fusion_inputs = fusion.inputs
-    if len(inputs) != len(fusion_inputs):
-        raise ExecutionError(f"{fusion.name} takes {len(fusion_inputs)} inputs, got {len(inputs)}")
     env: dict[str, Any] = {}
-    for v, x in zip(fusion_inputs, inputs):
-        if isinstance(v, TensorValue):
-            if not isinstance(x, torch.Tensor):
-                raise ExecutionError(f"input {v.name} must be a tensor, got {type(x).__name__}")
-            if compute_dtype is not None and x.is_floating_point():
-                x = x.to(compute_dtype)
-        else:
-            x = _as_tensor(x).to(ctx.dtype(v.dtype))
-        env[v.name] = x
+    for v, x in zip(fusion.inputs, inputs):
+        env[v.name] = input_value(ctx, v, x)
     for op in fusion.ops:
         if op.kind == "define_tensor":
             continue
         if op.kind == "define_scalar":
             if op.arg("value") is not None:
-                env[op.outputs[0].name] = _as_tensor(op.arg("value")).to(ctx.dtype(op.outputs[0].dtype))
+                env[op.outputs[0].name] = constant_value(ctx, op)
             continue
-        ctx.op = op
-        fn = IMPLS.get(op.kind)
-        if fn is None:
-            raise ExecutionError(f"the reference backend has no implementation of fd.ops.{op.kind}; add one to nvtp/execute/reference.py")
         args = {name: _resolve(value, env) for name, value in op.args}
-        try:
-            result = fn(ctx, op, args)
-        except ExecutionError:
-            raise
-        except Exception as e:  # name the op, keep the cause
-            raise ExecutionError(f"while executing {op}: {type(e).__name__}: {e}") from e
-        results = result if isinstance(result, tuple) else (result,)
-        if len(results) != len(op.outputs):
-            raise ExecutionError(f"{op.kind} implementation returned {len(results)} results, expected {len(op.outputs)}")
-        for v, r in zip(op.outputs, results):
-            r = _local_part(ctx, v, _as_tensor(r))
-            want = ctx.dtype(v.dtype)
-            if strict and (r.dtype != want or tuple(r.shape) != ctx.local_shape(v)):
-                raise ExecutionError(f"while executing {op}: the implementation gave {v.name} as {r.dtype}{list(r.shape)}, "
-                                     f"the op table infers {want}{list(ctx.local_shape(v))}")
-            if r.dtype != want:
-                r = r.to(want)
+        for v, r in zip(op.outputs, execute_op(ctx, op, args, strict)):
             env[v.name] = r
     if values is not None:
         values.update(env)
     return [env[v.name] if isinstance(v, TensorValue) else env[v.name].item() for v in fusion.outputs]
+
+
+_PRISTINE_IMPLS.update(IMPLS)

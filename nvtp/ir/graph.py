@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Iterator, Mapping
 
 from nvtp.ir.dtypes import DType
@@ -95,7 +96,7 @@ class Op:
     def arg_dict(self) -> dict[str, Any]:
         return dict(self.args)
 
-    @property
+    @cached_property
     def operands(self) -> tuple[Value, ...]:
         """Every value this op reads, in argument order (lists such as ``cat``'s are flattened)."""
         found: list[Value] = []
@@ -159,8 +160,9 @@ class Fusion:
     info: Mapping[str, ValueInfo] = field(default_factory=dict)
     attrs: Mapping[str, str] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def inputs(self) -> tuple[Value, ...]:
+        # Cached: ops never change, and runs ask for the inputs several times per call.
         return tuple(op.outputs[0] for op in self.ops if defines_input(op))
 
     @property

@@ -1,0 +1,134 @@
+"""Compiled reference programs compute what the interpreter computes: bit for bit, except the
+fused patterns, which round like eager PyTorch's kernels; patterns fire where they should, and
+only where the rank holds whole rows; no step overwrites an input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvtp.dump import relative_error
+from nvtp.execute import compiled, reference, spmd
+from nvtp.frontend.capture import capture, forward_inputs, run_pair
+from nvtp.ir import DType, FusionBuilder, verify
+from nvtp.models import gpt
+from nvtp.sharding.pipeline import shard_pair
+from nvtp.sharding.placements import DeviceMesh, Shard
+from tests.conftest import make_block
+from tests.op_samples import SAMPLES
+
+
+def _example(s):
+    return s.inputs(torch.Generator().manual_seed(0))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.uint64:
+        a, b = a.view(torch.int64), b.view(torch.int64)
+    if a.is_floating_point() or a.is_complex():
+        return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("s", SAMPLES, ids=str)
+def test_a_program_equals_the_interpreter_on_every_op_sample(s):
+    f = verify(s.build())
+    inputs = _example(s)
+    saved = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    want = reference.run(f, inputs, compiled=False, seed=3)
+    got = compiled.compile_program(f).run(inputs, reference.SoloComm(), seed=3)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert _same(torch.as_tensor(a), torch.as_tensor(b)), f"output {i} of {s.name}"
+    for x, y in zip(inputs, saved):  # inputs are never written
+        assert not isinstance(x, torch.Tensor) or _same(x, y)
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.3], ids=["no-dropout", "dropout"])
+def block(request):
+    cfg = gpt.config("tiny", dropout=request.param)
+    b = make_block(cfg).train()
+    x = gpt.example_input(cfg)
+    return cfg, b, x, capture(b, x)
+
+
+def test_the_gpt_blocks_patterns_fuse(block):
+    _, _, _, c = block
+    fwd, bwd = compiled.compile_program(c.forward), compiled.compile_program(c.backward)
+    assert fwd.fused == {"layer_norm": 2, "gelu": 1, "softmax": 1}
+    assert bwd.fused == {"layer_norm_backward": 2, "gelu": 1, "gelu_backward": 1, "softmax_backward": 1}
+    assert fwd.folded >= 1 and bwd.folded >= 1  # the causal mask is built once
+    assert bwd.in_place >= 5
+
+
+def test_a_compiled_block_matches_the_interpreter_and_eager(block):
+    cfg, b, x, c = block
+    named = {n: p.detach() for n, p in b.named_parameters()} | {"x": x.detach()}
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    inputs = forward_inputs(c.forward, named)
+    saved = [t.clone() for t in inputs]
+    vi, gi = run_pair(c.forward, c.backward, named, g, lambda f, i: reference.run(f, i, seed=5, compiled=False))
+    vc, gc = run_pair(c.forward, c.backward, named, g, lambda f, i: reference.run(f, i, seed=5))
+    for k in vi:  # same dropout masks, values within the fused kernels' rounding
+        if vi[k].dtype == torch.bool:
+            assert torch.equal(vi[k], vc[k]), k
+        else:
+            assert relative_error(vc[k], vi[k])[0] <= 1e-6, k
+    for k in gi:
+        assert relative_error(gc[k], gi[k])[0] <= 1e-6, k
+    assert all(torch.equal(a, b) for a, b in zip(inputs, saved))
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_sharded_programs_fuse_the_same_patterns_on_every_rank(tiny_capture, plan):
+    sf, sb = shard_pair(tiny_capture.forward, tiny_capture.backward, plan, DeviceMesh.of_size(2), target="reference")
+    for s, kinds in ((sf, {"layer_norm", "gelu", "softmax"}), (sb, {"layer_norm_backward", "gelu_backward", "softmax_backward"})):
+        programs = [compiled.compile_program(s.fusion, s.shardings, s.mesh, r, 2) for r in range(2)]
+        assert programs[0].fused == programs[1].fused
+        assert kinds <= set(programs[0].fused), (plan, programs[0].fused)
+
+
+def test_a_pattern_needs_whole_rows():
+    """LayerNorm over an axis the rank holds only part of is not a row-wise kernel: the ops run."""
+    b = FusionBuilder()
+    x = b.define_tensor([4, 8], DType.Float)
+    w = b.define_tensor([8], DType.Float)
+    var, mean = b.op("var_mean", x, dims=[1], correction=0)
+    rstd = b.op("rsqrt", b.op("add", b.op("broadcast_in_dim", var, shape=[4, 1], broadcast_dims=[0]), 1e-5))
+    mean_k = b.op("broadcast_in_dim", mean, shape=[4, 1], broadcast_dims=[0])
+    xhat = b.op("mul", b.op("sub", x, b.op("broadcast_in_dim", mean_k, shape=[4, 8], broadcast_dims=[0, 1])),
+                b.op("broadcast_in_dim", rstd, shape=[4, 8], broadcast_dims=[0, 1]))
+    b.add_output(b.op("mul", xhat, b.op("broadcast_in_dim", w, shape=[4, 8], broadcast_dims=[1])))
+    f = verify(b.build())
+    assert compiled.compile_program(f).fused == {"layer_norm": 1}
+    rows = {v.name: (Shard(0),) for v in f.values.values() if v.shape and v.shape[0] == 4}
+    assert compiled.compile_program(f, rows, DeviceMesh.of_size(2), 0, 2).fused == {"layer_norm": 1}
+    cols = {v.name: (Shard(v.ndim - 1),) for v in f.values.values() if v.shape and v.shape[-1] == 8}
+    assert compiled.compile_program(f, cols, DeviceMesh.of_size(2), 0, 2).fused == {}
+    xs, ws = torch.randn(4, 8), torch.randn(8)
+    assert relative_error(reference.run(f, [xs, ws])[0], torch.nn.functional.layer_norm(xs, [8], ws, eps=1e-5))[0] <= 1e-6
+
+
+def test_dropout_masks_are_those_of_the_interpreter_sharded_too(tiny_cfg):
+    cfg = gpt.config("tiny", dropout=0.5)
+    c = capture(make_block(cfg).train(), gpt.example_input(cfg), backward=False)
+    sf, _ = shard_pair(c.forward, None, "megatron", DeviceMesh.of_size(2), target="reference")
+    from nvtp import dump
+
+    inputs = dump.random_inputs(c.forward, seed=0)
+    single = reference.run(c.forward, inputs, seed=7, compiled=False)
+    per_rank, _ = spmd.run_simulated(sf, inputs, seed=7)
+    whole = spmd.assemble_outputs(sf, per_rank)
+    for v, a, b in zip(c.forward.outputs, whole, single):
+        if v.dtype == DType.Bool:
+            assert torch.equal(a, b), v.name
+
+
+def test_a_changed_implementation_table_is_honoured(monkeypatch):
+    """A monkeypatched implementation (tests inject faults that way) sends runs through the interpreter."""
+    s = next(s for s in SAMPLES if s.name == "exp")
+    f = s.build()
+    calls = []
+    original = reference.IMPLS["exp"]
+    monkeypatch.setitem(reference.IMPLS, "exp", lambda ctx, op, a: calls.append(1) or original(ctx, op, a))
+    reference.run(f, _example(s))
+    assert calls == [1]
