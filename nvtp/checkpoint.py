@@ -7,6 +7,11 @@ tensor from all files and takes this rank's part under the new placement.
 
     model.compile(idx, targets)                 # so the parameters are placed
     step = nvtp.load_checkpoint(path, model, opt)
+
+Nothing is lost to a killed run: every file is written to a temporary name, synced and renamed,
+and rank 0 writes ``meta.json`` only after every rank's file is in place (a barrier), so a
+directory with ``meta.json`` is a whole checkpoint. ``save_checkpoint(root / f"step-{n:06d}")``
+every few steps with ``prune(root, keep=2)``, and ``latest_checkpoint(root)`` after a failure.
 """
 
 from __future__ import annotations
@@ -50,28 +55,69 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "rng": torch.get_rng_state(),
     }
-    tmp = out / f".rank{rank}-of-{d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out / f"rank{rank}-of-{d}.pt")  # a killed save never leaves a half-written file
-    if rank == 0:
+    _write_atomically(out / f"rank{rank}-of-{d}.pt", lambda f: torch.save(state, f))  # never half-written
+    if d > 1:
+        model.comm.all_reduce(torch.zeros(1), "sum")  # a barrier: every rank's file is in place
+    if rank == 0:  # meta.json marks the checkpoint whole
         meta = {"format": FORMAT, "devices": d, "step": step, "parameters": names,
                 "placements": {n: _placement_text(model.placement(n)) for n in names},
                 "shapes": {n: list(model.global_shape(n)) for n in names}}
-        (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
-        os.replace(out / "meta.json.tmp", out / "meta.json")
+        _write_atomically(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
     if d > 1:
-        model.comm.all_reduce(torch.zeros(1), "sum")  # a barrier: the checkpoint is whole when this returns
+        model.comm.all_reduce(torch.zeros(1), "sum")  # ... and every rank returns once it is
     return out
 
 
+def _write_atomically(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """``root`` itself if it is a whole checkpoint, else its newest whole ``step-*`` checkpoint
+    (one whose ``meta.json`` exists: a save that was killed half-way is skipped), or None."""
+    root = Path(root)
+    if (root / "meta.json").exists():
+        return root
+    whole = sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
+    return whole[-1] if whole else None
+
+
+def prune(root: str | os.PathLike, keep: int = 2) -> None:
+    """Delete all but the ``keep`` newest whole ``step-*`` checkpoints under ``root`` (and any
+    unfinished one older than the newest whole one)."""
+    import shutil
+
+    root = Path(root)
+    steps = sorted(root.glob("step-*"))
+    whole = [p for p in steps if (p / "meta.json").exists()]
+    if not whole:
+        return
+    keep_set = set(whole[-keep:]) if keep > 0 else set()
+    for p in steps:
+        if p not in keep_set and p < whole[-1]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load into ``model`` (and ``optimizer``) on this rank; returns the saved step."""
+    """Load into ``model`` (and ``optimizer``) on this rank; returns the saved step. ``path`` is a
+    checkpoint, or a directory of ``step-*`` checkpoints (the newest whole one is loaded)."""
     src = Path(path)
-    meta_path = src / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"{src} holds no nvtp checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
+    found = latest_checkpoint(src) if src.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"{src} holds no whole nvtp checkpoint (no meta.json, nor a step-* directory with one)")
+    src = found
+    meta = json.loads((src / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{src}: checkpoint format {meta.get('format')!r}, this nvtp reads format {FORMAT}")
     saved_d, rank, d = meta["devices"], model.rank, model.mesh.size
+    missing = [f"rank{r}-of-{saved_d}.pt" for r in range(saved_d) if not (src / f"rank{r}-of-{saved_d}.pt").exists()]
+    if missing:
+        raise FileNotFoundError(f"{src}: checkpoint of {saved_d} ranks lacks {', '.join(missing)}")
     if saved_d == d:
         states = {rank: torch.load(src / f"rank{rank}-of-{d}.pt", weights_only=False)}
     else:

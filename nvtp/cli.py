@@ -1,24 +1,32 @@
-"""The ``nvtp`` command line: dump, replay, shard, explain and demo."""
+"""The ``nvtp`` command line: dump, replay, shard, explain and demo.
+
+Every failure ends in one line on stderr, ``nvtp COMMAND: what went wrong`` (ranks of a mesh
+print ``nvtp: rank r failed: ...`` / ``nvtp: rank r stopping: rank k failed: ...``), and an exit
+code saying whose fault it was (``nvtp --help``). ``NVTP_DEBUG=1`` adds the Python traceback of
+an unexpected error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-EXIT_USAGE = 2
-EXIT_BAD_INPUT = 3
-EXIT_RUNTIME = 4
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
 
 EPILOG = """\
 exit codes:
   0  success
   1  a --check found results outside tolerance
   2  usage error (bad command-line arguments)
-  3  bad input (a dump, plan or mesh nvtp refuses, with the reason)
-  4  failure at run time (an op failed, a rank died, a GPU is needed)
+  3  bad input, refused before any work: a dump nvtp cannot read (file:line and what was
+     expected), a plan or mesh that does not fit (tensor, axis, sizes and the fix), inputs
+     unlike the compiled ones, a replay too big for this machine
+  4  failure at run time: an op failed, a rank died or hung (the first to fail is named;
+     the others stop within --timeout seconds), a GPU is needed
 
 examples:
   nvtp demo                                   shard a GPT block over a local CPU mesh and check it
@@ -47,6 +55,26 @@ def cmd_dump(args) -> int:
     fwd, bwd = dump.dump_model(args.model, args.config, args.out, dtype=args.dtype, dropout=args.dropout)
     print(f"wrote {fwd} and {bwd} in {time.perf_counter() - start:.1f} s")
     return EXIT_OK
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not t > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return t
 
 
 def _load_sharded(args):
@@ -88,8 +116,11 @@ def cmd_replay(args) -> int:
         from nvtp.dump.mesh import MeshJob, run
 
         return run(MeshJob(args.file, args.plan, args.devices, args.seed, args.check, args.timeout))
+    from nvtp.dump.mesh import check_memory
+
     d = dump.load(args.file)
     fusion = d.fusion
+    check_memory(fusion, args.file, check=args.check)
     if args.backend == "nvfuser":
         import torch
 
@@ -116,7 +147,7 @@ def _has_schedule(path: str) -> bool:
 
     try:
         return bool(dump.load(path).schedule)
-    except Exception:  # noqa: BLE001 - the replay itself reports a bad file
+    except Exception:  # noqa: BLE001 - the replay itself reports a bad file, with its line
         return False
 
 
@@ -149,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", default="reference", choices=["reference", "nvfuser"])
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--plan", default=None, help="shard with this plan: megatron, megatron-sp, or 'glob=placement;...'")
-    r.add_argument("--devices", type=int, default=None, help="run on a local mesh of N processes (gloo on CPU)")
-    r.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for the others before failing")
+    r.add_argument("--devices", type=_positive_int, default=None, help="run on a local mesh of N processes (gloo on CPU)")
+    r.add_argument("--timeout", type=_seconds, default=60.0,
+                   help="seconds a rank waits for a silent peer before the mesh stops (default 60); a rank that dies stops the others at once")
     r.set_defaults(fn=cmd_replay)
 
     for name, fn, helptext in [("shard", cmd_shard, "write the sharded fusion, with its device schedule, in nvFuser's format"),
@@ -158,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=helptext)
         c.add_argument("file")
         c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
-        c.add_argument("--devices", type=int, required=True)
+        c.add_argument("--devices", type=_positive_int, required=True)
         if name == "shard":
             c.add_argument("--out", required=True, help="file to write")
         else:
@@ -166,34 +198,51 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(fn=fn)
 
     m = sub.add_parser("demo", help="the main job: train a small GPT sharded over a local CPU mesh, checked against one process")
-    m.add_argument("--devices", type=int, default=4, help="processes in the local mesh (default 4)")
+    m.add_argument("--devices", type=_positive_int, default=4, help="processes in the local mesh (default 4)")
     m.add_argument("--plan", default="megatron", help="megatron (default) or megatron-sp")
-    m.add_argument("--steps", type=int, default=20)
+    m.add_argument("--steps", type=_positive_int, default=20)
     m.add_argument("--config", default="tiny", choices=["tiny"])
+    m.add_argument("--timeout", type=_seconds, default=60.0,
+                   help="seconds a rank waits for a silent peer before the mesh stops (default 60); a rank that dies stops the others at once")
     m.set_defaults(fn=cmd_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nvtp.ir.ops import IRError
-    from nvtp.ir.parser import DumpError
-    from nvtp.sharding.propagate import ShardingError
+    """Run one command; returns its exit code (never raises, never prints a traceback unless
+    ``NVTP_DEBUG`` is set)."""
+    from nvtp.errors import RankFailure, bad_input_types
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage error (or the help)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     if not getattr(args, "fn", None):
         parser.print_help()
         return EXIT_USAGE
     try:
         return args.fn(args)
-    except (DumpError, IRError, ShardingError) as e:
+    except bad_input_types() as e:
         print(f"nvtp {args.command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Usage as e:
         print(f"nvtp {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RankFailure as e:
+        print(f"nvtp {args.command}: {e}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - an op failed, or a bug: one line, the traceback on request
+        if os.environ.get("NVTP_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        text = str(e).strip()
+        hint = "" if os.environ.get("NVTP_DEBUG") else " (NVTP_DEBUG=1 prints the traceback)"
+        print(f"nvtp {args.command}: failed: {type(e).__name__}: {text}{hint}", file=sys.stderr)
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

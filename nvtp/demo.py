@@ -9,7 +9,9 @@ with plain PyTorch, and the losses of every step and the final parameters are co
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,7 +30,35 @@ class TrainJob:
     optimizer: str = "sgd"  # SGD with momentum; "adamw" normalises rounding noise in zero gradients into full steps
     save_at: int | None = None  # save a checkpoint after this many steps ...
     save_dir: str | None = None  # ... here
-    load_dir: str | None = None  # resume from this checkpoint
+    load_dir: str | None = None  # resume from this checkpoint (or the newest whole one under it)
+    timeout: float = 60.0  # seconds a rank waits for a silent peer before the mesh stops (docs/faults.md)
+    save_every: int | None = None  # checkpoint save_dir/step-NNNNNN every this many steps, keeping the newest two
+    log_dir: str | None = None  # each rank appends {"step", "loss", "rss_kib", "seconds"} to rank<r>.jsonl here ...
+    log_every: int = 1  # ... every this many steps
+    inject_fault: tuple[int, int, str] | None = None  # (rank, step, "kill" | "raise" | "hang"): for tests of failure handling
+
+
+def rss_kib() -> int:
+    """This process's resident memory (VmRSS), in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _inject(job: TrainJob, rank: int, step: int) -> None:
+    if job.inject_fault is None or (job.inject_fault[0], job.inject_fault[1]) != (rank, step):
+        return
+    kind = job.inject_fault[2]
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise RuntimeError(f"fault injected at step {step}")
+    elif kind == "hang":
+        time.sleep(10**6)
+    else:
+        raise ValueError(f"unknown fault {kind!r}; use kill, raise or hang")
 
 
 def make_optimizer(job: TrainJob, params) -> torch.optim.Optimizer:
@@ -42,18 +72,27 @@ def _mib(n: float) -> str:
 
 
 def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) -> int:
+    """One rank of the training (under ``spawn``, ``torchrun`` or alone); returns its exit code.
+    A failure prints ``nvtp: rank r failed: ...`` and stops the other ranks (docs/faults.md)."""
+    from nvtp.execute.launch import run_rank
+
+    return run_rank(rank, lambda: _train(rank, world, init_method, job))
+
+
+def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int:
     import torch.distributed as dist
 
     import nvtp
+    from nvtp.checkpoint import latest_checkpoint, prune
     from nvtp.execute.launch import init_group
     from nvtp.models import gpt
 
     if world > 1:
-        init_group(rank, world, init_method)
+        init_group(rank, world, init_method, job.timeout)
     try:
         torch.manual_seed(0)
         cfg = gpt.config(job.config)
-        model = nvtp.jit(gpt.GPT(cfg), plan=job.plan)
+        model = nvtp.jit(gpt.GPT(cfg), plan=job.plan, timeout=job.timeout)
         whole_bytes = sum(p.nbytes for p in model.parameters())
         idx, tgt = gpt.example_tokens(cfg, seed=0)
         start = time.perf_counter()
@@ -63,7 +102,6 @@ def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) 
         opt = make_optimizer(job, model.parameters())
         show = rank == 0 and job.verbose
         if show:
-            fwd, bwd = model.last.forward if model.last else None, None
             compiled = next(iter(model._compiled.values()))
             fwd, bwd = compiled.forward, compiled.backward
             print(f"1. nvtp.jit traced the GPT with Thunder into one forward fusion ({len(list(fwd.source.compute_ops()))} ops) "
@@ -80,11 +118,16 @@ def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) 
             print(f"2. training {job.steps} steps ({type(opt).__name__}, lr {job.lr}) on {world} processes (gloo):", flush=True)
         first = 0
         if job.load_dir:
-            first = nvtp.load_checkpoint(job.load_dir, model, opt)
+            found = latest_checkpoint(job.load_dir)
+            if found is None:
+                raise FileNotFoundError(f"{job.load_dir} holds no whole checkpoint to resume from")
+            first = nvtp.load_checkpoint(found, model, opt)
             if show:
-                print(f"   resumed from {job.load_dir} at step {first}", flush=True)
+                print(f"   resumed from {found} at step {first}", flush=True)
+        log = open(os.path.join(job.log_dir, f"rank{rank}.jsonl"), "a") if job.log_dir else None
         losses, times = [], []
         for step in range(first, job.steps):
+            _inject(job, rank, step)
             idx, tgt = gpt.example_tokens(cfg, seed=step)
             t0 = time.perf_counter()
             loss = model(idx, tgt)
@@ -97,6 +140,15 @@ def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) 
                 print(f"   step {step + 1:3d}/{job.steps}  loss {losses[-1]:.6f}  {1000 * times[-1]:6.1f} ms", flush=True)
             if job.save_at is not None and step + 1 == job.save_at:
                 nvtp.save_checkpoint(job.save_dir, model, opt, step=step + 1)
+            if job.save_every and (step + 1) % job.save_every == 0:
+                nvtp.save_checkpoint(os.path.join(job.save_dir, f"step-{step + 1:06d}"), model, opt, step=step + 1)
+                if rank == 0:
+                    prune(job.save_dir, keep=2)
+            if log is not None and ((step + 1) % job.log_every == 0 or step + 1 == job.steps):
+                log.write(json.dumps({"step": step + 1, "loss": losses[-1], "rss_kib": rss_kib(), "seconds": times[-1]}) + "\n")
+                log.flush()
+        if log is not None:
+            log.close()
         params = {n: nvtp.full_tensor(p) for n, p in model.module.named_parameters()}
         local = {n: (tuple(p.shape), model.global_shape(n), str(model.placement(n))) for n, p in model.module.named_parameters()}
         if rank == 0:
@@ -104,7 +156,7 @@ def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) 
                         "first": first}, job.out)
         return 0
     finally:
-        if world > 1:
+        if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -135,13 +187,25 @@ def compare(sharded: dict, single: dict) -> tuple[float, float]:
     return loss_diff, param_err
 
 
-def run(job: TrainJob, devices: int) -> tuple[dict, dict]:
+def run_sharded(job: TrainJob, devices: int) -> dict:
+    """Train on a local mesh of ``devices`` processes; rank 0's results. Raises ``RankFailure``
+    naming the rank that failed first (and how) if any rank fails."""
+    from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RankFailure
     from nvtp.execute.launch import spawn
 
-    codes = spawn(train_worker, devices, job) if devices > 1 else [train_worker(0, 1, None, job)]
-    if any(codes):
-        raise RuntimeError(f"a rank failed: exit codes {codes}")
-    return torch.load(job.out, weights_only=False), single_process(job)
+    if devices > 1:
+        codes = spawn(train_worker, devices, job)
+        if any(codes):
+            raise RankFailure(codes.summary(), EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_RUNTIME)
+    else:
+        code = train_worker(0, 1, None, job)
+        if code:
+            raise RankFailure(f"rank 0 exited with code {code}", code)
+    return torch.load(job.out, weights_only=False)
+
+
+def run(job: TrainJob, devices: int) -> tuple[dict, dict]:
+    return run_sharded(job, devices), single_process(job)
 
 
 def main(args) -> int:
@@ -154,7 +218,7 @@ def main(args) -> int:
           f"{n_params:,} parameters, fp32) sharded with plan {args.plan} over a local CPU mesh of {d} processes, "
           "and check it against one process\n", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"))
+        job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout)
         start = time.perf_counter()
         sharded, single = run(job, d)
         elapsed = time.perf_counter() - start

@@ -13,33 +13,36 @@ optimizer steps them. ``nvtp.full_tensor(t)`` gathers any parameter or gradient 
 
 Inputs and outputs at the module's boundary are whole tensors on every rank (each rank slices
 what its shards need; outputs and the gradients of inputs are gathered or reduced to whole).
-Bad input is refused on every rank before any collective: a plan that does not divide, an
-argument of the wrong shape, dtype or device, or an op nvtp cannot fuse (named with its line).
+Bad input is refused on every rank before any collective: a mesh unlike the process group, a
+plan that does not divide, an argument of the wrong shape, dtype or device, or an op nvtp cannot
+fuse (named with its line). ``check_replicas=True`` (a debug option) compares checksums of every
+replicated parameter, buffer and argument across ranks before each call and names any that
+differ. On a mesh of processes a watchdog stops this rank, naming the culprit, when another
+rank fails or stays silent for ``timeout`` seconds (``nvtp.execute.launch``, docs/faults.md).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from nvtp.errors import InputError
 from nvtp.execute import reference, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
-from nvtp.frontend.capture import Captured, capture
+from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate
 from nvtp.sharding.propagate import ShardingError
 
 __all__ = ["ShardedModule", "jit", "full_tensor", "InputError"]
-
-
-class InputError(ValueError):
-    """An argument that does not match what the module was compiled for."""
 
 
 @dataclass
@@ -77,13 +80,19 @@ class ShardedModule(torch.nn.Module):
     """``module`` sharded over ``mesh`` by ``plan``; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
-                 comm: Comm | None = None, dynamic: bool = False):
+                 comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False):
         super().__init__()
         self.module = module
         self.dynamic = dynamic
         self.plan = plan
         self.mesh = mesh or _default_mesh()
+        self.check_replicas = check_replicas
         self._comm = comm
+        _check_mesh(self.mesh, comm)
+        if timeout is not None and comm is None and self.mesh.size > 1:
+            from nvtp.execute.launch import start_watchdog
+
+            start_watchdog(timeout)  # once per process; init_group may have started it already
         self._meta = _meta_copy(module)
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         self._placements: dict[str, Placement] = {}
@@ -122,7 +131,15 @@ class ShardedModule(torch.nn.Module):
         meta_args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
-        captured = capture(self._meta, *meta_args)  # raises CaptureError naming unfused ops and lines
+        try:
+            captured = capture(self._meta, *meta_args)  # raises CaptureError naming unfused ops and lines
+        except CaptureError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:  # Thunder's checks of the arguments
+            given = ", ".join(f"{n}: {_describe(self._signature((a,))[1])}" for n, a in zip(names, args))
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"{type(self.module).__name__}.forward cannot be traced with {given}: {first}; "
+                             "pass arguments of the shapes and dtypes the module expects") from e
         annotations = {}
         if self._placements:  # a new input shape: keep the parameters where they already are
             for v in captured.forward.inputs:
@@ -216,10 +233,73 @@ class ShardedModule(torch.nn.Module):
                 named[label] = buffers[label]
         _check_args(compiled, args)
         user = dict(zip(compiled.arg_names, args))
+        if self.check_replicas and self.mesh.size > 1:
+            self._check_replicas(named, user)
         tensors = [named[k] for k in named] + [user[k] for k in compiled.arg_names if isinstance(user[k], torch.Tensor)]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         outs = _Run.apply(self, compiled, list(named), seed, *tensors)
         return outs[0] if len(outs) == 1 else outs
+
+
+    def _check_replicas(self, named: Mapping[str, torch.Tensor], user: Mapping[str, Any]) -> None:
+        """Raise ``InputError`` on every rank if a replicated parameter, buffer or argument differs
+        between ranks (one all-gather of checksums), naming it and the ranks on each side."""
+        mine = {}
+        for label, t in named.items():
+            if is_replicate(self.placement(label)):
+                mine[label] = _checksum(t)
+        for name, a in user.items():
+            mine[f"argument {name}"] = _checksum(a) if isinstance(a, torch.Tensor) else repr(a)
+        per_rank = _all_gather_json(self.comm, mine)
+        names = sorted(set().union(*per_rank), key=lambda n: (not n.startswith("argument"), n))
+        differ = []
+        for name in names:
+            groups: dict[str, list[int]] = {}
+            for r, sums in enumerate(per_rank):
+                groups.setdefault(sums.get(name, "(absent)"), []).append(r)
+            if len(groups) > 1:
+                sides = sorted(groups.values(), key=len, reverse=True)
+                differ.append(f"{name}: " + " / ".join(f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}" for g in sides))
+        if differ:
+            more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+            raise InputError(f"replicated inputs differ between ranks: {'; '.join(differ[:5])}{more}. Every rank must hold the "
+                             "same replicated parameters and the same whole arguments: seed every rank alike "
+                             "(torch.manual_seed) before building the model, and give every rank the same batch")
+
+
+def _checksum(t: torch.Tensor) -> str:
+    """A checksum of a tensor's shape, dtype and bytes."""
+    t = t.detach().contiguous().cpu()
+    h = hashlib.blake2b(f"{str(t.dtype)}{list(t.shape)}".encode(), digest_size=8)
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _all_gather_json(comm: Comm, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), with the tensor collectives any ``Comm`` has."""
+    payload = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+    sizes = [int(n) for n in comm.all_gather(torch.tensor([payload.numel()]))]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = comm.all_gather(padded)
+    return [json.loads(bytes(p[:n].tolist()).decode()) for p, n in zip(parts, sizes)]
+
+
+def _check_mesh(mesh: DeviceMesh, comm: Comm | None) -> None:
+    """The mesh must be the process group: refuse a mismatch before anything starts."""
+    import torch.distributed as dist
+
+    if comm is not None:
+        world, how = comm.size, f"the given comm has {comm.size} rank(s)"
+    elif dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        how = f"the process group has {world} rank(s)"
+    else:
+        world, how = 1, "torch.distributed is not initialized (one process)"
+    if mesh.size != world:
+        raise ShardingError(f"the mesh has {mesh.size} device(s) but {how}; start {mesh.size} processes (torchrun "
+                            f"--nproc-per-node {mesh.size}, or nvtp demo --devices {mesh.size}) and init_process_group in each, "
+                            f"or pass mesh=DeviceMesh.of_size({world})")
 
 
 def _describe(sig) -> str:
@@ -299,11 +379,13 @@ class _Run(torch.autograd.Function):
 
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
-        comm: Comm | None = None, dynamic: bool = False) -> ShardedModule:
+        comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
-    ``dynamic`` compiles again for new argument shapes instead of refusing them."""
-    return ShardedModule(module, plan, mesh, comm, dynamic)
+    ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
+    seconds a rank waits for a silent peer before the watchdog stops it (None: no watchdog).
+    ``check_replicas``: before each call, check that replicated inputs agree across ranks."""
+    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -206,12 +206,40 @@ def check_outputs(fusion: Fusion, actual: Sequence[Any], expected: Sequence[Any]
     return checks
 
 
+def check_inputs(fusion: Fusion, inputs: Sequence[Any], device: str | None = None) -> None:
+    """Raise ``InputError`` unless ``inputs`` are what ``fusion``'s inputs declare (count,
+    tensor or number, shape, dtype; all on ``device``, or on one device), naming the first
+    that is not."""
+    from nvtp.errors import InputError
+
+    declared = fusion.inputs
+    if len(inputs) != len(declared):
+        raise InputError(f"{fusion.name} takes {len(declared)} inputs ({', '.join(v.name for v in declared)}), got {len(inputs)}")
+    for i, (v, x) in enumerate(zip(declared, inputs)):
+        what = f"input {i} ({fusion.label(v.name) or v.name}, {v.describe()})"
+        if isinstance(v, TensorValue):
+            if not isinstance(x, torch.Tensor):
+                raise InputError(f"{what}: expected a tensor, got {type(x).__name__}")
+            if tuple(x.shape) != tuple(v.shape) or x.dtype != v.dtype.torch:
+                raise InputError(f"{what}: expected {v.dtype.value}{list(v.shape)}, got {str(x.dtype).replace('torch.', '')}{list(x.shape)}")
+            if device is None:
+                device = x.device.type
+            elif x.device.type != device:
+                raise InputError(f"{what}: expected a tensor on {device}, got one on {x.device}; move it with .to({device!r})")
+        elif isinstance(x, torch.Tensor) and x.numel() != 1:
+            raise InputError(f"{what}: expected a number, got a tensor of shape {list(x.shape)}")
+        elif not isinstance(x, (bool, int, float, complex, torch.Tensor)):
+            raise InputError(f"{what}: expected a number, got {type(x).__name__}")
+
+
 def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: bool = False, inputs: Sequence[Any] | None = None) -> ReplayReport:
     """Run ``fusion`` on random (or given) inputs; with ``check``, compare with float64."""
     import time
 
     from nvtp.execute import reference
 
+    if inputs is not None:
+        check_inputs(fusion, inputs, "cuda" if backend == "nvfuser" else None)
     inputs = list(inputs) if inputs is not None else random_inputs(fusion, seed)
     start = time.perf_counter()
     if backend == "reference":

@@ -55,6 +55,13 @@ def prepare(job: MeshJob):
 
 
 def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
+    """One rank of the replay; returns its exit code (a failure stops the other ranks)."""
+    from nvtp.execute.launch import run_rank
+
+    return run_rank(rank, lambda: _replay_rank(rank, world, init_method, job))
+
+
+def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
     import torch
     import torch.distributed as dist
 
@@ -63,10 +70,8 @@ def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
     from nvtp.execute.collectives import DistComm
     from nvtp.execute.launch import init_group
 
-    sharded = prepare(job)
-    if sharded.mesh.size != world:
-        print(f"nvtp replay: the sharding needs {sharded.mesh.size} ranks, the process group has {world}", file=sys.stderr)
-        return 3
+    sharded = prepare(job)  # bad input is refused before joining the group
+    check_world(sharded, world)
     init_group(rank, world, init_method, job.timeout)
     try:
         inputs = dump.random_inputs(sharded.source, seed=job.seed)
@@ -93,25 +98,92 @@ def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
         print(f"check of {world} ranks against a single-device run: {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_world(sharded, world: int) -> None:
+    """The sharding's mesh must be the process group."""
+    from nvtp.sharding.propagate import ShardingError
+
+    if sharded.mesh.size != world:
+        raise ShardingError(f"the sharding is for a mesh of {sharded.mesh.size} devices but the process group has {world} rank(s); "
+                            f"launch {sharded.mesh.size} processes (torchrun --nproc-per-node {sharded.mesh.size}) or shard for {world}")
 
 
 def run(job: MeshJob) -> int:
-    """Run ``job`` on a local mesh of processes, or as this rank under ``torchrun``."""
+    """Run ``job`` on a local mesh of processes, or as this rank under ``torchrun``; an exit code
+    (0 ok, 1 check failed, 3 bad input, 4 a rank failed: the one that failed first is named)."""
     import os
 
+    from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
     from nvtp.execute.launch import spawn, under_torchrun
 
     sharded = prepare(job)  # refuse bad input here, before starting anything
     if under_torchrun():
+        check_world(sharded, int(os.environ["WORLD_SIZE"]))
+        check_memory(sharded.source, job.file, ranks=1, sharded=sharded, check=job.check)
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, job)
+    check_memory(sharded.source, job.file, ranks=sharded.mesh.size, sharded=sharded, check=job.check)
     codes = spawn(worker, sharded.mesh.size, job)
-    if any(c == 3 for c in codes):
-        return 3
+    if any(c == EXIT_BAD_INPUT for c in codes):
+        return EXIT_BAD_INPUT
     if codes[0] == 1 and all(c in (0, 1) for c in codes):
         return 1
     if any(codes):
-        bad = [r for r, c in enumerate(codes) if c]
-        print(f"nvtp replay: rank(s) {bad} failed with exit code(s) {[codes[r] for r in bad]}", file=sys.stderr)
-        return 4
+        print(f"nvtp replay: {codes.summary()}", file=sys.stderr)
+        return EXIT_RUNTIME
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: refuse a replay this machine cannot hold, before allocating anything
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def replay_bytes(fusion, *, sharded=None, check: bool = False) -> tuple[int, str]:
+    """Bytes the reference backend holds to replay ``fusion`` (it keeps every value of a run),
+    per rank when ``sharded``; and the largest value, described."""
+    from nvtp.ir.graph import TensorValue
+    from nvtp.sharding.placements import axis_split
+
+    values = [v for op in fusion.ops for v in op.outputs if isinstance(v, TensorValue)]
+    largest = max(values, key=lambda v: v.nbytes, default=None)
+    total = sum(v.nbytes for v in values)
+    if sharded is not None:
+        inputs = sum(v.nbytes for v in sharded.source.inputs if isinstance(v, TensorValue))  # each rank draws them whole
+        local = 0
+        for op in sharded.fusion.ops:
+            for v in op.outputs:
+                if isinstance(v, TensorValue):
+                    split = axis_split(sharded.placement(v.name)) if v.name in sharded.shardings else None
+                    local += v.nbytes // (sharded.mesh.size if split else 1)
+        total = inputs + local
+    if check:  # a second run in float64
+        total += sum(v.numel * 8 for v in values if v.dtype.is_float)
+    what = largest.describe() if largest is not None else "none"
+    return total, what
+
+
+def check_memory(fusion, path: str | None, *, ranks: int = 1, sharded=None, check: bool = False) -> None:
+    """Raise ``DumpError`` if replaying needs more memory than this machine has available."""
+    need, largest = replay_bytes(fusion, sharded=sharded, check=check)
+    need *= ranks
+    have = available_bytes()
+    if have is None or need <= 0.9 * have:
+        return
+    gib = 2**30
+    raise DumpError(f"replaying needs about {need / gib:.1f} GiB on this machine (the reference backend keeps every value; "
+                    f"the largest is {largest}), more than the {have / gib:.1f} GiB available; replay a smaller configuration "
+                    "or shard it over more machines", path)

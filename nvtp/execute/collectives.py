@@ -9,6 +9,7 @@ GPU); ``ThreadComm`` runs the ranks of one process as threads for the fast simul
 from __future__ import annotations
 
 import threading
+import time
 from typing import Protocol, Sequence
 
 import torch
@@ -92,6 +93,28 @@ class ThreadComm:
         return _reduce([c[self.rank] for c in everything], op)
 
 
+class Progress:
+    """How many collectives this process has started, and since when it waits in the current
+    one (None between collectives): the watchdog (``nvtp.execute.launch``) names the ranks that
+    never reach a collective another rank waits in."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since: float | None = None
+
+    def __enter__(self) -> "Progress":
+        self.count += 1
+        self.since = time.monotonic()
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:  # a collective that raised never completed: keep when it started
+            self.since = None
+
+
+PROGRESS = Progress()
+
+
 class DistComm:
     """torch.distributed collectives on a process group (gloo or NCCL)."""
 
@@ -110,19 +133,22 @@ class DistComm:
 
     def all_reduce(self, t, op):
         t = t.contiguous().clone()
-        self.dist.all_reduce(t, op=self._op(op), group=self.group)
+        with PROGRESS:
+            self.dist.all_reduce(t, op=self._op(op), group=self.group)
         return t
 
     def all_gather(self, t):
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self.dist.all_gather(parts, t, group=self.group)
+        with PROGRESS:
+            self.dist.all_gather(parts, t, group=self.group)
         return parts
 
     def reduce_scatter(self, chunks, op):
         chunks = [c.contiguous() for c in chunks]
         out = torch.empty_like(chunks[self.rank])
-        self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group)
+        with PROGRESS:
+            self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group)
         return out
 
 

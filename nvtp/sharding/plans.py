@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Replicate, Shard, _StridedShard, make_shard
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Replicate, Shard, _StridedShard, axis_split, make_shard
 from nvtp.sharding.propagate import ShardingError, propagate_shardings, reshard_bytes
 
 
@@ -138,15 +138,25 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     hints: dict[str, Placement] = {}
     if sequence_parallel:
         for v in _activation_inputs(fusion):
-            if v.ndim >= 2 and v.dtype.is_float and v.shape[1] % mesh.size == 0:
+            if v.ndim >= 2 and v.dtype.is_float:
+                _check_sequence(fusion, v, mesh)
                 placements[v.name] = Shard(1)
                 notes.append(f"sequence-parallel {fusion.label(v.name)}: split along axis 1")
         for name in _embedding_streams(fusion):
             v = fusion.value(name)
+            _check_sequence(fusion, v, mesh)
             if v.shape[1] % mesh.size == 0:
                 hints[name] = Shard(1)
                 notes.append(f"sequence-parallel from the embedding on ({name}: {v.dtype.value}{list(v.shape)} split along axis 1)")
     return Annotations(placements, notes, [fusion.label(w) for w in column], [fusion.label(w) for w in row], hints)
+
+
+def _check_sequence(fusion: Fusion, v: TensorValue, mesh: DeviceMesh) -> None:
+    n, d = v.shape[1], mesh.size
+    if n % d:
+        label = fusion.label(v.name)
+        raise ShardingError(f"{label} ({v.describe()}): sequence parallelism splits axis 1 (the sequence, size {n}) over {d} devices, "
+                            f"but {d} does not divide {n}; choose a mesh size that divides {n}, or plan megatron (no sequence parallelism)")
 
 
 def _embedding_streams(fusion: Fusion) -> list[str]:
@@ -190,7 +200,13 @@ def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
             w, idx = op.arg("arg"), op.arg("index")
         else:
             continue
-        if w.name in inputs and w.ndim == 2 and idx.dtype.is_int and from_input(idx) and w.shape[0] % mesh.size == 0 and w.name not in found:
+        if w.name in inputs and w.ndim == 2 and idx.dtype.is_int and from_input(idx) and w.name not in found:
+            vocab, d = w.shape[0], mesh.size
+            if vocab % d:
+                label = fusion.label(w.name)
+                raise ShardingError(f"{label} ({w.describe()}): the vocabulary-parallel embedding splits axis 0 (the vocabulary, size "
+                                    f"{vocab}) over {d} devices, but {d} does not divide {vocab}; pad the vocabulary to a multiple "
+                                    f"of {d} ({-(-vocab // d) * d}, as Megatron-LM pads it) or choose a mesh size that divides {vocab}")
             found.append(w.name)
     return found
 
@@ -227,14 +243,79 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
     sizes += [k for k in range(2, 8) if features % k == 0]
     if not sizes:
         return None
-    d_mesh = DeviceMesh.of_size(sizes[0])
+    partner = _partner_on(fusion, DeviceMesh.of_size(sizes[0]), p, projs)
+    smaller = [k for k in sizes[1:] if k < sizes[0]]
+    if partner is None and sizes[0] == mesh.size and smaller:
+        # It pairs on a smaller mesh: some axis on the way (heads, KV heads) does not divide by this one.
+        q = _partner_on(fusion, DeviceMesh.of_size(smaller[0]), p, projs)
+        if q is not None:
+            raise ShardingError(_blocked_pair(fusion, mesh, p, q))
+    return partner
+
+
+def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection):
     trial = {p.weight: make_shard(0, p.split_factor)}
     if p.bias:
         trial[p.bias] = make_shard(0, p.split_factor)
     for v in fusion.inputs:
         if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
             trial[v.name] = REPLICATE
-    prop = propagate_shardings(fusion, d_mesh, trial)
+    return propagate_shardings(fusion, d_mesh, trial)
+
+
+def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection) -> str:
+    """Why P's split output cannot reach Q on ``mesh``: the first op that would communicate."""
+    from nvtp.ir.printer import format_op
+
+    prop = _trial(fusion, mesh, p)
+    d = mesh.size
+    head = (f"{fusion.label(p.weight)} ({fusion.value(p.weight).describe()}) cannot be column-parallel with row-parallel "
+            f"{fusion.label(q.weight)} over {d} devices")
+    for r in prop.requirements:
+        if not p.op_index <= r.op_index <= q.op_index:
+            continue
+        v = fusion.value(r.value)
+        if not reshard_bytes(prop.placements[r.value], r.placement, v.nbytes, d):
+            continue
+        op = fusion.ops[r.op_index]
+        split = axis_split(prop.placements[r.value])
+        if op.kind == "reshape" and split is not None:
+            group = _reshape_group(v.shape, op.outputs[0].shape, split[0])
+            if group and len(group) > 1 and group[0] % d:
+                return (f"{head}: its split output reaches `{format_op(op)}`, which splits axis {split[0]} (size "
+                        f"{v.shape[split[0]]}) into {group}, and {d} devices do not divide the outer {group[0]} (attention "
+                        f"heads, or KV heads with grouped-query attention); choose a mesh size that divides {group[0]}")
+        return (f"{head}: its split output reaches `{format_op(op)}`, which would need {v.name} as {r.placement} instead of "
+                f"{prop.placements[r.value]} (a communication inside the pair); choose a mesh size that divides the "
+                f"axes on the way (it pairs over {_smallest_pairing(fusion, p, q)} devices)")
+    return f"{head}; choose a mesh size that divides the axes between them"
+
+
+def _smallest_pairing(fusion: Fusion, p: Projection, q: Projection) -> int:
+    features = fusion.value(p.weight).shape[0] // p.split_factor
+    return next(k for k in range(2, features + 1) if features % k == 0)
+
+
+def _reshape_group(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> list[int] | None:
+    """The output sizes axis ``axis`` of ``src`` becomes under a reshape to ``dst`` (None if it merges)."""
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        a, group, b = src[i], [dst[j]], dst[j]
+        j += 1
+        while b < a and j < len(dst):
+            group.append(dst[j])
+            b *= dst[j]
+            j += 1
+        if b != a:
+            return None
+        if i == axis:
+            return group
+        i += 1
+    return None
+
+
+def _partner_on(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, projs: list[Projection]) -> Projection | None:
+    prop = _trial(fusion, d_mesh, p)
     for q in projs:
         if q is p or q.op_index < p.op_index:
             continue
@@ -273,6 +354,9 @@ def parse_placement(text: str) -> Any:
 def parse_plan_text(text: str) -> dict[str, Any]:
     """``glob=placement;glob=placement`` as written on the command line."""
     plan: dict[str, Any] = {}
+    if "=" not in text:
+        raise ShardingError(f"unknown plan {text!r}; use megatron, megatron-sp, replicate, or an explicit plan "
+                            "'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
     for item in filter(None, (s.strip() for s in re.split(r"[;\n]", text))):
         if "=" not in item:
             raise ShardingError(f"plan entry {item!r} is not `name-or-glob=placement`")
@@ -303,7 +387,17 @@ def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annot
     by_value = {v.name: v for v in fusion.inputs if isinstance(v, TensorValue)}
     projs = {p.weight: p for p in projections(fusion)}
     placements: dict[str, Placement] = {v.name: REPLICATE for v in by_value.values()}
+    placed_by: dict[str, str] = {}  # value -> the plan entry that placed it
     notes = []
+
+    def place(v: TensorValue, placement: Placement, pattern: str) -> None:
+        other = placed_by.get(v.name)
+        if other is not None and placements[v.name] != placement:
+            label = fusion.label(v.name)
+            raise ShardingError(f"plan entries {other!r} and {pattern!r} both place {label} ({v.describe()}), as {placements[v.name]} "
+                                f"and as {placement}; make the globs disjoint or give them the same placement")
+        placements[v.name], placed_by[v.name] = placement, pattern
+
     for pattern, raw in plan.items():
         style = _style(raw)
         matched = [name for name in labels if fnmatch.fnmatchcase(name, pattern)]
@@ -311,15 +405,16 @@ def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annot
         modules = sorted({n.rsplit(".", 1)[0] for n in labels if "." in n and fnmatch.fnmatchcase(n.rsplit(".", 1)[0], pattern)})
         if not matched and not modules:
             known = ", ".join(sorted(labels)[:12])
-            raise ShardingError(f"plan entry {pattern!r} matches no input of {fusion.name}; inputs are: {known}{', ...' if len(labels) > 12 else ''}")
+            raise ShardingError(f"plan entry {pattern!r} matches no input of {fusion.name}; correct the name or glob "
+                                f"(globs match parameter or module names); inputs are: {known}{', ...' if len(labels) > 12 else ''}")
         for name in matched:
             v = labels.get(name) or by_value[name]
-            placements[v.name] = _resolve(style, v, fusion, projs, is_bias=name.endswith(".bias"))
+            place(v, _resolve(style, v, fusion, projs, is_bias=name.endswith(".bias")), pattern)
         for module in modules:
             for suffix in ("weight", "bias"):
                 v = labels.get(f"{module}.{suffix}")
                 if v is not None:
-                    placements[v.name] = _resolve(style, v, fusion, projs, is_bias=suffix == "bias")
+                    place(v, _resolve(style, v, fusion, projs, is_bias=suffix == "bias"), pattern)
         notes.append(f"{pattern} -> {raw if isinstance(raw, str) else type(raw).__name__ if not isinstance(raw, (Shard, _StridedShard, Replicate)) else raw}")
     return Annotations(placements, notes)
 
