@@ -1,0 +1,93 @@
+"""Measuring side by side: implementations run in turn, round after round, in one process, so
+a slow patch of a noisy machine slows each of them alike and their ratios hold.
+
+``interleave`` is the one timing loop of the suite; ``Timing`` summarises one implementation's
+samples (median and spread, in milliseconds); ``record`` files a case's numbers for the session
+summary (``.benchmarks/nvtp-latest.json``) that ``tools/bench_report.py`` turns into
+docs/benchmarks.md and its plot.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Mapping
+
+import torch
+
+RESULTS: dict[str, dict] = {}  # case id -> what the case recorded, in the order the cases ran
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    q1_ms: float
+    q3_ms: float
+    rounds: int
+
+    @staticmethod
+    def of(seconds: list[float]) -> "Timing":
+        ms = sorted(1000.0 * s for s in seconds)
+        q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+        return Timing(round(statistics.median(ms), 3), round(ms[0], 3), round(q[0], 3), round(q[2], 3), len(ms))
+
+
+def interleave(impls: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Run every implementation once per round, starting each round with the next one in turn;
+    the first ``warmup`` rounds are not kept. Returns seconds per call, per implementation."""
+    names = list(impls)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    gc.collect()
+    for r in range(warmup + rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            start = time.perf_counter()
+            impls[n]()
+            seconds = time.perf_counter() - start
+            if r >= warmup:
+                samples[n].append(seconds)
+    return samples
+
+
+def ratios(timings: Mapping[str, Timing], of: str = "nvtp") -> dict[str, float]:
+    """nvtp's median over each alternative's."""
+    return {f"{of}/{n}": round(timings[of].median_ms / t.median_ms, 3) for n, t in timings.items() if n != of}
+
+
+def record(case: str, **data) -> dict:
+    """File ``data`` (JSON-able; Timings are converted) under ``case`` for the session summary."""
+    def plain(x):
+        if isinstance(x, Timing):
+            return asdict(x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    RESULTS[case] = plain(data)
+    return RESULTS[case]
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "cuda": torch.cuda.is_available(),
+        "load_average_1min_at_start": load,
+    }

@@ -1,0 +1,58 @@
+"""Sharded: a forward+backward step of GPT-2's block on a CPU gloo mesh of d = 1, 2, 4 processes,
+nvtp (plan "megatron", derived from the graph) against PyTorch's DTensor tensor parallelism
+(``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``) on the same block and mesh.
+
+The block is GPT-2 small's (hidden 768, 12 heads, batch 1, fp32) at sequence length 256 on CPU,
+with q, k and v as separate linears so that PyTorch's plan is correct (``benchmarks/blocks.py``).
+Each process gets max(1, cores // d) threads (both frameworks alike); on a 2-core machine the
+4 ranks of d = 4 share 2 cores, so d = 4 measures contention as well as sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+
+from benchmarks.harness import Timing, record
+from benchmarks.tp_worker import Job, worker
+
+MESHES = [1, 2, 4]
+
+
+def _run(job: Job) -> dict:
+    from nvtp.execute.launch import spawn
+
+    codes = spawn(worker, job.d, job)
+    assert codes == [0] * job.d, f"a rank failed: exit codes {codes}"
+    with open(job.out) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("d", MESHES, ids=lambda d: f"d{d}")
+def test_tensor_parallel_step(benchmark, d, tmp_path, request):
+    benchmark.group = "sharded gpt2 block, forward+backward step, CPU gloo mesh"
+    job = Job(d=d, out=str(tmp_path / f"tp{d}.json"), threads=max(1, (os.cpu_count() or 1) // d))
+    result = benchmark.pedantic(_run, args=(job,), rounds=1, iterations=1)
+    timings = {n: Timing.of(s) for n, s in result["seconds"].items()}
+    ratio = round(timings["nvtp"].median_ms / timings["dtensor"].median_ms, 3)
+    sent = {k: sum(c["sent_per_rank"] for c in result["nvtp_collectives"] if c["kind"] == k) for k in ("allreduce", "allgather", "reduce_scatter")}
+    n = job.batch * job.seq * job.n_embd * 4  # one [b, s, e] fp32 activation
+    data = record(
+        f"sharded d={d}", nodeid=request.node.nodeid,
+        kind="sharded", d=d, config={"n_embd": job.n_embd, "n_head": job.n_head, "seq": job.seq, "batch": job.batch, "dtype": "fp32",
+                                     "threads_per_rank": job.threads, "rounds": job.rounds},
+        timings=timings, ratios={"nvtp/dtensor": ratio},
+        errors_vs_unsharded=result["errors"], first_call_seconds=result["first_call_seconds"],
+        nvtp_collectives_per_step=[c["kind"] for c in result["nvtp_collectives"]],
+        nvtp_bytes_sent_per_rank_per_step=round(sum(sent.values())),
+        megatron_formula_bytes_per_rank_per_step=round(2 * 2 * 2 * (d - 1) / d * n),  # 2 all-reduces forward, 2 backward
+        dtensor_collectives_per_step=result["dtensor_collectives"],
+        # every collective DTensor runs on this block is an all-reduce of a [b, s, e] activation
+        dtensor_bytes_sent_per_rank_per_step=round(result["dtensor_collectives"].get("all_reduce", 0) * 2 * (d - 1) / d * n),
+    )
+    benchmark.extra_info.update(data)
+    # Both must compute the unsharded block's numbers; a wrong result is no benchmark.
+    assert result["errors"]["nvtp"] <= 1e-5 and result["errors"]["dtensor"] <= 1e-5, result["errors"]

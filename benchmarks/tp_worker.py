@@ -1,0 +1,140 @@
+"""One rank of the sharded benchmark: nvtp and PyTorch DTensor tensor parallelism on the same
+block (``TPBlock``) and the same gloo mesh, forward+backward steps timed in turn.
+
+Every rank builds the block from one seed and wraps a copy of it each way: ``nvtp.jit(block,
+plan="megatron")`` (the plan derived from the graph) and ``parallelize_module(block, mesh,
+dtensor_plan())`` with ``attn.n_head = n_head // d``. Both are checked against the unsharded
+block before anything is timed. Each timed step starts after a barrier; a step takes as long as
+its slowest rank (the times are max-reduced). nvtp's collectives are counted as they run (a
+counting wrapper around its torch.distributed comm), DTensor's with ``CommDebugMode``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Job:
+    d: int
+    out: str
+    n_embd: int = 768
+    n_head: int = 12
+    seq: int = 256
+    batch: int = 1
+    rounds: int = 10
+    warmup: int = 2
+    threads: int = 1
+
+
+class CountingComm:
+    """nvtp's torch.distributed comm, tallying each collective and the bytes a rank sends for it
+    with the ring algorithm (all-reduce 2(d-1)/d N, all-gather and reduce-scatter (d-1)/d N)."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+        self.calls: list[tuple[str, int, float]] = []
+
+    def _count(self, kind: str, whole_bytes: int, factor: float):
+        self.calls.append((kind, whole_bytes, factor * (self.size - 1) / self.size * whole_bytes))
+
+    def all_reduce(self, t, op):
+        self._count("allreduce", t.numel() * t.element_size(), 2.0)
+        return self.inner.all_reduce(t, op)
+
+    def all_gather(self, t):
+        self._count("allgather", t.numel() * t.element_size() * self.size, 1.0)
+        return self.inner.all_gather(t)
+
+    def reduce_scatter(self, chunks, op):
+        self._count("reduce_scatter", sum(c.numel() * c.element_size() for c in chunks), 1.0)
+        return self.inner.reduce_scatter(chunks, op)
+
+
+def worker(rank: int, world: int, init_method: str, job: Job) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import nvtp
+    from benchmarks.blocks import TPBlock, dtensor_plan
+    from nvtp.dump import relative_error
+    from nvtp.execute.collectives import DistComm
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method, timeout_s=600.0)
+    torch.set_num_threads(job.threads)
+    try:
+        torch.manual_seed(0)
+        block = TPBlock(job.n_embd, job.n_head)
+        x = torch.randn(job.batch, job.seq, job.n_embd, generator=torch.Generator().manual_seed(1))
+        g = torch.randn(job.batch, job.seq, job.n_embd, generator=torch.Generator().manual_seed(2))
+
+        def step(m):
+            xx = x.detach().requires_grad_()
+            y = m(xx)
+            y.backward(g)
+            m.zero_grad(set_to_none=True)
+            return y.detach(), xx.grad
+
+        reference = copy.deepcopy(block)
+        y_ref, gx_ref = step(reference)
+
+        comm = CountingComm(DistComm())
+        start = time.perf_counter()
+        nv = nvtp.jit(copy.deepcopy(block), plan="megatron", comm=comm)
+        y_nv, gx_nv = step(nv)
+        compile_nvtp = time.perf_counter() - start
+
+        mesh = init_device_mesh("cpu", (world,))
+        start = time.perf_counter()
+        dt = parallelize_module(copy.deepcopy(block), mesh, dtensor_plan())
+        dt.attn.n_head = job.n_head // world  # the model edit DTensor needs: heads per rank
+        y_dt, gx_dt = step(dt)
+        compile_dtensor = time.perf_counter() - start
+
+        errors = {
+            "nvtp": max(relative_error(y_nv, y_ref)[0], relative_error(gx_nv, gx_ref)[0]),
+            "dtensor": max(relative_error(y_dt, y_ref)[0], relative_error(gx_dt, gx_ref)[0]),
+        }
+        comm.calls.clear()
+        step(nv)
+        nvtp_comms = list(comm.calls)
+        with CommDebugMode() as debug:
+            step(dt)
+        dtensor_comms = {str(k).split(".")[-1]: int(v) for k, v in debug.get_comm_counts().items()}
+        compiled = nv.last
+
+        impls = {"dtensor": dt, "nvtp": nv}
+        names = list(impls)
+        local = {n: [] for n in names}
+        for r in range(job.warmup + job.rounds):
+            for n in names[r % 2:] + names[: r % 2]:
+                dist.barrier()
+                start = time.perf_counter()
+                step(impls[n])
+                if r >= job.warmup:
+                    local[n].append(time.perf_counter() - start)
+        times = torch.tensor([local[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        if rank == 0:
+            result = {
+                "job": asdict(job), "world": world, "errors": errors,
+                "seconds": {n: times[i].tolist() for i, n in enumerate(names)},
+                "first_call_seconds": {"nvtp": compile_nvtp, "dtensor": compile_dtensor},
+                "nvtp_collectives": [{"kind": k, "bytes": n, "sent_per_rank": s} for k, n, s in nvtp_comms],
+                "nvtp_planned": {"forward": [c.kind for c in compiled.forward.communications],
+                                 "backward": [c.kind for c in compiled.backward.communications]},
+                "dtensor_collectives": dtensor_comms,
+            }
+            with open(job.out, "w") as f:
+                json.dump(result, f)
+        return 0
+    finally:
+        dist.destroy_process_group()
