@@ -22,6 +22,7 @@ from nvtp.ir import ops as opstable
 from nvtp.ir.dtypes import DType, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.printer import strides_for
+from nvtp.registry import registrar
 
 if TYPE_CHECKING:  # pragma: no cover
     import nvfuser_direct
@@ -48,15 +49,7 @@ Emitter = Callable[["nvfuser_direct.FusionDefinition", Op, dict[str, Any]], Any]
 EMITTERS: dict[str, Emitter] = {}
 
 
-def emitter(*kinds: str):
-    def deco(fn: Emitter) -> Emitter:
-        for k in kinds:
-            if k in EMITTERS:
-                raise ValueError(f"nvFuser emitter for {k} registered twice")
-            EMITTERS[k] = fn
-        return fn
-
-    return deco
+emitter = registrar(EMITTERS, "nvFuser emitter")
 
 
 def data_type(dt: DType) -> "nvfuser_direct.DataType":

@@ -27,6 +27,7 @@ from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.ops import pad_pairs, slice_bounds
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices, local_shape
+from nvtp.registry import registrar
 
 
 class ExecutionError(RuntimeError):
@@ -37,15 +38,7 @@ Impl = Callable[["Context", Op, dict[str, Any]], Any]
 IMPLS: dict[str, Impl] = {}
 
 
-def impl(*names: str):
-    def deco(fn: Impl) -> Impl:
-        for n in names:
-            if n in IMPLS:
-                raise ValueError(f"reference impl for {n} registered twice")
-            IMPLS[n] = fn
-        return fn
-
-    return deco
+impl = registrar(IMPLS, "reference impl")
 
 
 @dataclass

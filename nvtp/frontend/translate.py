@@ -16,20 +16,13 @@ from thunder.core.prims import PrimIDs
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import TensorValue
+from nvtp.registry import registrar
 
 Translator = Callable[..., Any]
 TRANSLATORS: dict[Any, Translator] = {}
 
 
-def translates(*ids):
-    def deco(fn):
-        for i in ids:
-            if i in TRANSLATORS:
-                raise ValueError(f"translator for {i} registered twice")
-            TRANSLATORS[i] = fn
-        return fn
-
-    return deco
+translates = registrar(TRANSLATORS, "translator")
 
 
 _PYTHON_TYPES = {float: DType.Double, int: DType.Int, bool: DType.Bool, complex: DType.ComplexDouble}

@@ -218,14 +218,7 @@ def _pays_to_split(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> bool:
     w = fusion.value(p.weight)
     if w.shape[0] % (p.split_factor * d):
         return False
-    trial = {p.weight: make_shard(0, p.split_factor)}
-    if p.bias:
-        trial[p.bias] = make_shard(0, p.split_factor)
-    for v in fusion.inputs:
-        if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
-            trial[v.name] = REPLICATE
-    mesh_d = DeviceMesh.of_size(d)
-    prop = propagate_shardings(fusion, mesh_d, trial, {v.name: REPLICATE for v in fusion.outputs if isinstance(v, TensorValue)})
+    prop = _trial(fusion, DeviceMesh.of_size(d), p, {v.name: REPLICATE for v in fusion.outputs if isinstance(v, TensorValue)})
     comm = sum(reshard_bytes(prop.placements[r.value], r.placement, fusion.value(r.value).nbytes, d)
                for r in prop.requirements if r.op_index > p.op_index)
     out = p.op.outputs[0]
@@ -253,14 +246,16 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
     return partner
 
 
-def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection):
+def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, output_hints: Mapping[str, Placement] | None = None):
+    """Propagation with only P column-parallel (its weight and bias split along their outputs,
+    the other non-parameter inputs replicated): where P's split output goes by itself."""
     trial = {p.weight: make_shard(0, p.split_factor)}
     if p.bias:
         trial[p.bias] = make_shard(0, p.split_factor)
     for v in fusion.inputs:
         if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
             trial[v.name] = REPLICATE
-    return propagate_shardings(fusion, d_mesh, trial)
+    return propagate_shardings(fusion, d_mesh, trial, output_hints)
 
 
 def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection) -> str:

@@ -28,6 +28,7 @@ from typing import Callable
 from nvtp.ir import ops as opstable
 from nvtp.ir.graph import Op, TensorValue
 from nvtp.ir.ops import norm_dim, pad_pairs, slice_bounds
+from nvtp.registry import registrar
 
 Axis = tuple[int, ...]  # factor ids, outermost first; () for a size-1 axis with no factor
 
@@ -58,15 +59,7 @@ class RuleError(KeyError):
     pass
 
 
-def rule(*names: str):
-    def deco(fn: Rule) -> Rule:
-        for n in names:
-            if n in RULES:
-                raise ValueError(f"sharding rule for {n} registered twice")
-            RULES[n] = fn
-        return fn
-
-    return deco
+rule = registrar(RULES, "sharding rule")
 
 
 def tensor_operands(op: Op) -> list[TensorValue]:
