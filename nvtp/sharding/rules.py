@@ -413,30 +413,32 @@ def _matmul(op: Op) -> OpFactors:
 # attention: batch and heads pass through; sequences and the head dim stay whole
 
 
-@rule("sdpfa_fwd")
-def _sdpfa_fwd(op: Op) -> OpFactors:
+def _attention(op: Op, value_dim: str) -> tuple[OpFactors, list, list, list, list]:
+    """The factors both attention ops share: batch and heads free; the sequences and the
+    query/key head dim blocked (``value_dim``: how the value head dim may split). Returns them
+    with the query, key, value and output layouts."""
     q, k, v = (op.arg(n) for n in ("query", "key", "value"))
     f = OpFactors()
     b, h = f.factor(q.shape[0]), f.factor(q.shape[1])
     sq, skv = f.factor(q.shape[2], "blocked"), f.factor(k.shape[2], "blocked")
-    e, ev = f.factor(q.shape[3], "blocked"), f.factor(v.shape[3])
-    f.operands = [[(b,), (h,), (sq,), (e,)], [(b,), (h,), (skv,), (e,)], [(b,), (h,), (skv,), (ev,)]]
-    f.results = [[(b,), (h,), (sq,), (ev,)], [(b,), (h,), (sq,)], [(f.factor(2, "blocked"),)], []]
+    e, ev = f.factor(q.shape[3], "blocked"), f.factor(v.shape[3], value_dim)
+    return f, [(b,), (h,), (sq,), (e,)], [(b,), (h,), (skv,), (e,)], [(b,), (h,), (skv,), (ev,)], [(b,), (h,), (sq,), (ev,)]
+
+
+@rule("sdpfa_fwd")
+def _sdpfa_fwd(op: Op) -> OpFactors:
+    f, qa, ka, va, out = _attention(op, "pass")
+    f.operands = [qa, ka, va]
+    f.results = [out, out[:3], [(f.factor(2, "blocked"),)], []]
     return f
 
 
 @rule("sdpfa_bwd")
 def _sdpfa_bwd(op: Op) -> OpFactors:
-    q, k, v = (op.arg(n) for n in ("query", "key", "value"))
-    f = OpFactors()
-    b, h = f.factor(q.shape[0]), f.factor(q.shape[1])
-    sq, skv = f.factor(q.shape[2], "blocked"), f.factor(k.shape[2], "blocked")
-    e, ev = f.factor(q.shape[3], "blocked"), f.factor(v.shape[3], "blocked")
+    f, qa, ka, va, out = _attention(op, "blocked")
     seed = f.factor(2, "blocked")
-    qa, ka, va = [(b,), (h,), (sq,), (e,)], [(b,), (h,), (skv,), (e,)], [(b,), (h,), (skv,), (ev,)]
-    out = [(b,), (h,), (sq,), (ev,)]
     # operands: grad_output, query, key, value, output, logsumexp, philox_seed, philox_offset
-    f.operands = [out, qa, ka, va, out, [(b,), (h,), (sq,)], [(seed,)], []]
+    f.operands = [out, qa, ka, va, out, out[:3], [(seed,)], []]
     f.results = [qa, ka, va]
     return f
 
