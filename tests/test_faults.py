@@ -151,12 +151,6 @@ def test_a_sharded_file_for_more_ranks_than_torchrun_started_is_refused(tiny, tm
 # -- 2. dumps: file, line and what was expected; nothing in a file ever runs -------------------------------
 
 
-def _edit(text: str, old: str, new: str) -> tuple[str, int]:
-    """``text`` with the first ``old`` replaced, and the line number of the change."""
-    at = text.index(old)
-    return text[:at] + new + text[at + len(old):], text[:at].count("\n") + 1
-
-
 # case: (old text, new text, the line the error must point at (a substring of it), expected message)
 DUMP_CASES = {
     "syntax": ("fd.ops.linear(T26, T3, bias=T4)", "fd.ops.linear((T26, T3, bias=T4)", "fd.ops.linear((", r"not valid Python: invalid syntax"),

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 from nvtp.execute import patterns as patterns_mod
 from nvtp.execute.reference import (
-    _BINARY_TORCH, _COMPARISONS, _UNARY_TORCH, Communication, Context, ExecutionError, _as_tensor, constant_value,
-    execute_op,
+    _BINARY_TORCH, _COMPARISONS, _UNARY_TORCH, NEEDS_TENSORS, Communication, Context, ExecutionError, _as_tensor, bias_applies,
+    constant_value, execute_op, reshapes_whole, set_is_local,
 )
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, TensorValue, Value, is_value
-from nvtp.sharding.placements import DeviceMesh, Placement, is_partial
+from nvtp.sharding.placements import DeviceMesh, Placement
 
 Step = Callable[[Context, list], None]
 
@@ -231,7 +231,7 @@ def compile_program(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...
     for f in fused_steps:
         counts[f.name] = counts.get(f.name, 0) + 1
     return Program(fusion, shardings, mesh, len(b.slots), inputs, constants, steps, what, outs, counts, folded,
-                   sum(1 for i in into))
+                   len(into))
 
 
 @dataclass
@@ -244,7 +244,8 @@ class _Item:
 
 
 # Ops whose results are new tensors (never views of an operand), when run by their fast step.
-_FRESH = {*(n for n in _UNARY_TORCH if n not in ("set", "segment_set")), *_BINARY_TORCH, "where", "matmul", "linear",
+_UNARY_FAST = [n for n in _UNARY_TORCH if n not in ("set", "segment_set")]  # set and segment_set run as _alias
+_FRESH = {*_UNARY_FAST, *_BINARY_TORCH, "where", "matmul", "linear",
           "sum", "max", "min", "var_mean"}
 # Unary torch functions that take out= (the in-place candidates).
 _UNARY_OUT = {"abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "exp2", "expm1", "floor", "log",
@@ -423,13 +424,6 @@ def _generic(b: _Builder, o: Op) -> Step:
     return step
 
 
-def _operand(b: _Builder, x: Any, want: torch.dtype | None):
-    """(slot, cast-to or None) for a value; None for a literal."""
-    if not is_value(x):
-        return None
-    return b.slot(x), (want if want is not None and b.dtype(x) != want else None)
-
-
 def _unary(b: _Builder, o: Op, into: str | None = None) -> Step | None:
     x = o.arg("arg")
     if not is_value(x) or x.name in b.constants:
@@ -453,7 +447,6 @@ def _unary(b: _Builder, o: Op, into: str | None = None) -> Step | None:
 
 
 _ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "pow", "maximum", "minimum", "fmod", "remainder", "mod"}
-_NEEDS_TENSORS = {"maximum", "minimum", "nextafter", "atan2", "gcd", "logical_and", "logical_or", "bitwise_left_shift", "bitwise_right_shift"}
 
 
 def _binary(b: _Builder, o: Op, into: str | None = None) -> Step | None:
@@ -477,13 +470,9 @@ def _binary(b: _Builder, o: Op, into: str | None = None) -> Step | None:
     if name not in _ARITHMETIC or not want.is_floating_point:
         return None
     fn = torch.div if name == "div" else _BINARY_TORCH[name]  # float operands: _div is torch.div
-    if not is_value(lhs) or name in _NEEDS_TENSORS:
-        # _promote_pair: both operands as tensors of the result type
-        left = _tensor_operand(b, lhs, want)
-        right = _tensor_operand(b, rhs, want)
-    else:
-        left = _tensor_operand(b, lhs, want)
-        right = _tensor_operand(b, rhs, want) if is_value(rhs) else (0, rhs)
+    left = _tensor_operand(b, lhs, want)
+    # as _promote_pair: both operands tensors of the result type, unless only rhs is a literal
+    right = _tensor_operand(b, rhs, want) if is_value(rhs) or not is_value(lhs) or name in NEEDS_TENSORS else (0, rhs)
     compute = _apply2(fn, left, right)
     for g, x in ((left, lhs), (right, rhs)):
         if into is not None and is_value(x) and x.name == into and g[0] == 1 and left[0] != 3 and right[0] != 3:
@@ -593,7 +582,7 @@ def _reshape(b: _Builder, o: Op) -> Step | None:
     if not is_value(x) or x.name in b.constants:
         return None
     local = b.local(out)
-    if math.prod(b.local(x)) == out.numel != math.prod(local):
+    if reshapes_whole(math.prod(b.local(x)), out, local):
         return None  # the whole-operand case: run() keeps this rank's part
     a, r = b.slot(x), b.slot(out)
 
@@ -620,10 +609,8 @@ def _alias(b: _Builder, o: Op) -> Step | None:
     x = o.arg("arg")
     if not is_value(x) or x.name in b.constants:
         return None
-    if o.kind == "set":
-        src, dst = b.ctx.sharding(x), b.ctx.sharding(o.outputs[0])
-        if not (src is None or dst is None or src == dst or b.ctx.comm.size == 1):
-            return None  # a collective: the generic step runs it
+    if o.kind == "set" and not set_is_local(b.ctx, o):
+        return None  # a collective: the generic step runs it
     if b.dtype(x) != b.dtype(o.outputs[0]):
         return None
     a, r = b.slot(x), b.slot(o.outputs[0])
@@ -653,8 +640,7 @@ def _linear(b: _Builder, o: Op) -> Step | None:
     x, w, bias = o.arg("arg1"), o.arg("arg2"), o.arg("bias")
     if not is_value(x) or not is_value(w) or x.name in b.constants or w.name in b.constants:
         return None
-    sharding = b.ctx.sharding(o.outputs[0])
-    if bias is not None and sharding is not None and any(is_partial(p) for p in sharding) and b.rank != 0:
+    if not bias_applies(b.ctx, o):
         bias = None  # a partial sum: the bias is added once, on mesh position 0
     if bias is not None and (not is_value(bias) or bias.name in b.constants):
         return None
@@ -721,9 +707,9 @@ def _var_mean(b: _Builder, o: Op) -> Step | None:
     return step
 
 
-_IN_PLACE_MAKERS = {*(n for n in _UNARY_TORCH if n not in ("set", "segment_set")), *_BINARY_TORCH, "where"}
+_IN_PLACE_MAKERS = {*_UNARY_FAST, *_BINARY_TORCH, "where"}
 _FAST: dict[str, Callable[..., Step | None]] = {
-    **{n: _unary for n in _UNARY_TORCH if n not in ("set", "segment_set")},
+    **{n: _unary for n in _UNARY_FAST},
     **{n: _binary for n in _BINARY_TORCH},
     "where": _where, "cast": _cast, "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape, "permute": _permute,
     "set": _alias, "stride_order": _alias, "slice": _slice, "linear": _linear, "matmul": _matmul, "sum": _sum,

@@ -185,9 +185,14 @@ _BINARY_TORCH = {
 _COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
 
 
+# Binary ops whose torch function takes only tensors: both operands become tensors of the result type.
+NEEDS_TENSORS = frozenset({"maximum", "minimum", "nextafter", "atan2", "gcd", "logical_and", "logical_or", "bitwise_left_shift",
+                           "bitwise_right_shift"})
+
+
 def _binary_impl(name: str) -> Impl:
     fn = _BINARY_TORCH[name]
-    needs_tensors = name in ("maximum", "minimum", "nextafter", "atan2", "gcd", "logical_and", "logical_or", "bitwise_left_shift", "bitwise_right_shift")
+    needs_tensors = name in NEEDS_TENSORS
 
     def run(ctx: Context, op: Op, a: dict[str, Any]):
         lhs, rhs = a["lhs"], a["rhs"]
@@ -234,9 +239,9 @@ for _n in _BINARY_TORCH:
 @impl("set")
 def _set(ctx: Context, op: Op, a):
     x = a["arg"]
+    if set_is_local(ctx, op):
+        return x
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
-    if src is None or dst is None or src == dst or ctx.comm.size == 1:
-        return x  # on one device every placement is the whole tensor
     out = x
     v = op.outputs[0]
     for s, d in zip(src, dst):
@@ -244,6 +249,13 @@ def _set(ctx: Context, op: Op, a):
             out = reshard(out, s, d, v.shape, ctx.comm)
             ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes))
     return out
+
+
+def set_is_local(ctx: Context, op: Op) -> bool:
+    """True when a ``set`` moves nothing: no placements, the same ones, or one device (on which
+    every placement is the whole tensor)."""
+    src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
+    return src is None or dst is None or src == dst or ctx.comm.size == 1
 
 
 def _collective_kind(src: Placement, dst: Placement) -> str:
@@ -386,11 +398,16 @@ def _expand(ctx, op, a):
     return a["arg"].expand(ctx.local_shape(op.outputs[0]))
 
 
+def reshapes_whole(in_numel: int, out: TensorValue, local: tuple[int, ...]) -> bool:
+    """A reshape of a whole operand to a split result (no common refinement, e.g. [6, 4] -> [4, 6])."""
+    return in_numel == out.numel != math.prod(local)
+
+
 @impl("reshape")
 def _reshape(ctx, op, a):
     x, out = a["arg"], op.outputs[0]
     local = ctx.local_shape(out)
-    if x.numel() == out.numel != math.prod(local):
+    if reshapes_whole(x.numel(), out, local):
         # A whole operand and a split result (a reshape without a common refinement, e.g.
         # [6, 4] -> [4, 6]): reshape all of it; run() keeps this rank's part (_local_part).
         return x.reshape(out.shape)
@@ -469,11 +486,14 @@ def _cat(ctx, op, a):
 
 @impl("linear")
 def _linear(ctx, op, a):
-    bias = a["bias"]
-    out_sharding = ctx.sharding(op.outputs[0])
-    if bias is not None and out_sharding is not None and any(is_partial(p) for p in out_sharding) and ctx.comm.rank != 0:
-        bias = None  # a partial sum: the bias is added once, on mesh position 0
-    return F.linear(a["arg1"], a["arg2"], bias)
+    return F.linear(a["arg1"], a["arg2"], a["bias"] if bias_applies(ctx, op) else None)
+
+
+def bias_applies(ctx: Context, op: Op) -> bool:
+    """False on every mesh position but 0 when a ``linear``'s result is a partial sum: the bias
+    is added once."""
+    s = ctx.sharding(op.outputs[0])
+    return not (s is not None and any(is_partial(p) for p in s) and ctx.comm.rank != 0)
 
 
 @impl("matmul")
