@@ -401,3 +401,33 @@ def test_nvfuser_holds_the_device_axes_of_the_gpt3_backward(gpt3, plan):
         assert device == ([] if where is None else [where[0] + (1 if where[1] > 1 else 0)]), (name, str(tv), where)
         checked += 1
     assert checked >= 6
+
+
+@pytest.fixture(scope="module")
+def whole_gpt_capture():
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny")
+    torch.manual_seed(0)
+    return capture(gpt.GPT(cfg), *gpt.example_tokens(cfg))
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_a_whole_gpt_shards_for_nvfuser_with_replicated_embeddings(whole_gpt_capture, plan):
+    """nvFuser keeps partial sums only on reduction axes, so for the nvFuser target the plan
+    leaves the embedding table whole (the reference target splits it along the vocabulary); the
+    sharded fusions lower to nvFuser with their schedule and compute the single-device result."""
+    from nvtp.dump.sharded import format_sharded
+    from nvtp.execute.nvfuser import build_definition, compare_definition
+    from nvtp.ir.parser import parse
+
+    c = whole_gpt_capture
+    mesh = DeviceMesh.of_size(2)
+    fwd, bwd = shard_pair(c.forward, c.backward, plan, mesh)
+    assert by_label(c.forward, fwd)["wte.weight"] == Replicate()
+    assert by_label(c.forward, shard_pair(c.forward, None, plan, mesh, target="reference")[0])["wte.weight"] == Shard(0)
+    for sharded in (fwd, bwd):
+        d = parse(format_sharded(sharded, []))
+        assert compare_definition(d.fusion, build_definition(d.fusion, d.schedule)) == []
+    check_simulated(fwd)
+    check_simulated(bwd)

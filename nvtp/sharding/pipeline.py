@@ -75,13 +75,15 @@ def run_passes(passes: list[tuple[str, Callable[[dict], Any]]], state: dict) -> 
     return state
 
 
-def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh) -> plans_mod.Annotations:
-    """Apply ``plan`` (a plan name, an explicit glob plan, or a per-input plan) to ``fusion``."""
+def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str = "nvfuser") -> plans_mod.Annotations:
+    """Apply ``plan`` (a plan name, an explicit glob plan, or a per-input plan) to ``fusion``.
+
+    The Megatron plans split embedding tables along the vocabulary only for the reference
+    target: a vocabulary-parallel lookup gives a partial sum on an ``index_select``, which
+    nvFuser cannot hold (it keeps partial sums only on reduction axes)."""
     if isinstance(plan, str):
-        if plan == "megatron":
-            return plans_mod.megatron(fusion, mesh)
-        if plan == "megatron-sp":
-            return plans_mod.megatron(fusion, mesh, sequence_parallel=True)
+        if plan in ("megatron", "megatron-sp"):
+            return plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target == "reference")
         if plan in ("replicate", "none"):
             return plans_mod.Annotations({v.name: REPLICATE for v in fusion.inputs if isinstance(v, TensorValue)})
         return _explicit_or_per_input(fusion, plans_mod.parse_plan_text(plan), mesh)
@@ -135,7 +137,7 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
     state: dict[str, Any] = {"seconds": {}}
 
     def _annotate(s):
-        ann = annotate(fusion, plan, mesh)
+        ann = annotate(fusion, plan, mesh, target)
         if annotations:
             ann.placements.update(annotations)
         check_annotations(fusion, mesh, ann.placements)
