@@ -9,6 +9,7 @@ an unexpected error.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -72,8 +73,8 @@ def _seconds(text: str) -> float:
         t = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not t > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not 0 < t < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds more than 0, got {text}")
     return t
 
 

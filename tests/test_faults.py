@@ -455,6 +455,7 @@ def test_under_torchrun_the_surviving_ranks_name_the_killed_one(tmp_path):
 def test_the_command_line_exits_with_distinct_codes(tiny, capsys, monkeypatch):
     assert _cli(capsys, "replay", str(tiny[0]), "--devices", "0")[0] == EXIT_USAGE
     assert _cli(capsys, "demo", "--timeout", "-1")[0] == EXIT_USAGE
+    assert _cli(capsys, "demo", "--timeout", "inf")[0] == EXIT_USAGE
     assert _cli(capsys, "nonsense")[0] == EXIT_USAGE
     assert _cli(capsys, "replay", "/nonexistent/dump.py")[0] == EXIT_BAD_INPUT
     from nvtp import demo

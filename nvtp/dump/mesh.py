@@ -70,8 +70,7 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
     from nvtp.execute.collectives import DistComm
     from nvtp.execute.launch import init_group
 
-    sharded = prepare(job)  # bad input is refused before joining the group
-    check_world(sharded, world)
+    sharded = prepare(job)  # bad input is refused before joining the group (run() checked the world size)
     init_group(rank, world, init_method, job.timeout)
     try:
         inputs = dump.random_inputs(sharded.source, seed=job.seed)

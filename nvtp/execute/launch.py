@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from nvtp.errors import EXIT_RUNTIME, exit_code_for
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, exit_code_for
 
 HEARTBEAT_S = 0.5  # how often each rank beats and looks at its peers
 GRACE_S = 5.0  # how long the launcher lets the other ranks stop by themselves after a failure
@@ -64,7 +64,7 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def init_group(rank: int, world: int, init_method: str | None, timeout_s: float = 60.0, *, watch: bool = True) -> None:
+def init_group(rank: int, world: int, init_method: str | None, timeout_s: float = 60.0) -> None:
     """Join the default process group (unless the caller already did) and start this rank's
     watchdog. ``init_method``: ``nvtp://host:port`` (the store ``spawn`` hosts), ``tcp://...``,
     or None for torchrun's environment. ``timeout_s`` bounds every wait on a silent peer (the
@@ -76,7 +76,7 @@ def init_group(rank: int, world: int, init_method: str | None, timeout_s: float 
         backend = backend_for_this_machine()
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        group_timeout = max(timeout_s, JOIN_TIMEOUT_S) if watch else timeout_s
+        group_timeout = max(timeout_s, JOIN_TIMEOUT_S)
         kwargs: dict[str, Any] = {"backend": backend, "timeout": _td(group_timeout)}
         with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every rank
             if init_method is None:
@@ -87,7 +87,7 @@ def init_group(rank: int, world: int, init_method: str | None, timeout_s: float 
                 dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
             else:
                 dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
-    if watch and dist.get_world_size() > 1:
+    if dist.get_world_size() > 1:
         start_watchdog(timeout_s, init_method)
 
 
@@ -139,7 +139,7 @@ def _process_state(pid: int) -> tuple[bool, str | None]:
         status = int(fields[49]) if len(fields) > 49 else None
         if status is None:
             return False, None
-        return False, describe_exit(-(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF)
+        return False, describe_exit(os.waitstatus_to_exitcode(status))
     return True, None
 
 
@@ -488,11 +488,6 @@ def _say(line: str) -> None:
 _WATCHDOG: Watchdog | None = None
 
 
-def watchdog() -> Watchdog | None:
-    """This process's watchdog, if one runs."""
-    return _WATCHDOG
-
-
 def start_watchdog(timeout_s: float, init_method: str | None = None) -> Watchdog | None:
     """Start this rank's watchdog in the default process group (once per process); None when
     the group's store is not a TCP store nvtp can reach."""
@@ -517,9 +512,6 @@ def _store_address(init_method: str | None) -> tuple[str, int, bool, str] | None
     if init_method and init_method.startswith("nvtp://"):
         host, port = _address(init_method)
         return host, port, False, f"the launcher's, {host}:{port}"
-    if init_method and init_method.startswith("tcp://"):
-        host, port = _address(init_method)
-        return host, port, True, f"rank 0's, {host}:{port}"
     if init_method is None and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ and "RANK" in os.environ:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -589,13 +581,12 @@ def _report(rank: int, e: BaseException, wd: Watchdog | None, print_traceback: b
         if found is not None:
             wd.abort(found)
     message = describe_error(e)
-    from nvtp.errors import bad_input_types
-
-    if print_traceback and not isinstance(e, bad_input_types()) and os.environ.get("NVTP_DEBUG"):
-        traceback.print_exception(e)
-    print(f"nvtp: rank {rank} failed: {message}" + ("" if isinstance(e, bad_input_types()) or os.environ.get("NVTP_DEBUG")
-                                                    else " (NVTP_DEBUG=1 prints the traceback)"), file=sys.stderr, flush=True)
     code = exit_code_for(e)
+    bad_input = code == EXIT_BAD_INPUT
+    if print_traceback and not bad_input and os.environ.get("NVTP_DEBUG"):
+        traceback.print_exception(e)
+    print(f"nvtp: rank {rank} failed: {message}" + ("" if bad_input or os.environ.get("NVTP_DEBUG")
+                                                    else " (NVTP_DEBUG=1 prints the traceback)"), file=sys.stderr, flush=True)
     if wd is not None:
         wd.record_failure(rank, message, code)
     return code
@@ -620,7 +611,7 @@ def run_rank(rank: int, body: Callable[[], int | None]) -> int:
     wd = _WATCHDOG
     if wd is not None:
         if code not in (0, 1):  # 1: a check found results outside tolerance, the run itself completed
-            wd.record_failure(rank, f"exited with code {code}", code if code == 3 else EXIT_RUNTIME)
+            wd.record_failure(rank, f"exited with code {code}", _failure_code(code))
             wd.stop()
         else:
             wd.finish()
@@ -668,7 +659,13 @@ class ExitCodes(list):
         return f"{cause}; {codes}{stopped}"
 
 
-def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S, quiet: bool = False) -> ExitCodes:
+def _failure_code(code: int) -> int:
+    """The code a failed rank's exit records for the mesh: bad input stays bad input, anything
+    else (an error, a signal) is a failure at run time."""
+    return EXIT_BAD_INPUT if code == EXIT_BAD_INPUT else EXIT_RUNTIME
+
+
+def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S) -> ExitCodes:
     """Run ``fn(rank, world, init_method, *args)`` in ``world`` processes; their exit codes.
 
     When a rank exits non-zero or is killed, the launcher records how in the mesh's store (the
@@ -703,11 +700,11 @@ def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S
             if p.exitcode != 0:
                 how = describe_exit(p.exitcode)
                 with contextlib.suppress(Exception):
-                    _record(store, r, how, EXIT_RUNTIME if p.exitcode != 3 else 3)
+                    _record(store, r, how, _failure_code(p.exitcode))
                 if result.first_failure is None:
                     result.first_failure = RankExit(r, p.exitcode, now - start)
                     deadline = now + grace
-                    if not quiet and any(c is None for c in codes):
+                    if any(c is None for c in codes):
                         cause = _first_recorded(store, world)
                         why = f" (the first failure recorded is rank {cause.rank}'s)" if cause is not None and cause.rank != r else ""
                         _say(f"nvtp: {result.first_failure}{why}; stopping the other ranks (they get {grace:.0f} s)")
