@@ -27,11 +27,12 @@ import copy
 import hashlib
 import inspect
 import json
-import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from nvtp.errors import InputError
 from nvtp.execute import reference, spmd
@@ -53,9 +54,17 @@ class _Compiled:
     arg_names: list[str]
     signature: tuple
 
+    @cached_property
+    def traced_args(self) -> list[str]:
+        """The arguments the forward fusion reads (tensors; an argument the model ignores is not
+        one): the tensors ``_Run`` takes after the parameters, and returns gradients for."""
+        labels = {self.forward.source.label(v.name) for v in self.forward.source.inputs}
+        return [n for n in self.arg_names if n in labels]
 
-_PARAMS: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
-_PLACED: dict[int, tuple[Placement, tuple[int, ...], "ShardedModule"]] = {}
+
+# Each parameter of an nvtp.jit module -> (placement, whole shape, comm), for full_tensor; weak,
+# so a module and its parameters are freed as usual (the entry holds no reference to either).
+_PLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def _default_mesh() -> DeviceMesh:
@@ -177,8 +186,7 @@ class ShardedModule(torch.nn.Module):
                 if not is_replicate(placement):
                     with torch.no_grad():
                         p.data = spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
-                _PARAMS[id(p)] = p
-                _PLACED[id(p)] = (placement, self._global_shapes[label], self)
+                _PLACED[p] = (placement, self._global_shapes[label], self.comm)
             elif label in buffers and not is_replicate(placement):
                 raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
 
@@ -231,11 +239,10 @@ class ShardedModule(torch.nn.Module):
                 named[label] = params[label]
             elif label in buffers:
                 named[label] = buffers[label]
-        _check_args(compiled, args)
         user = dict(zip(compiled.arg_names, args))
         if self.check_replicas and self.mesh.size > 1:
             self._check_replicas(named, user)
-        tensors = [named[k] for k in named] + [user[k] for k in compiled.arg_names if isinstance(user[k], torch.Tensor)]
+        tensors = [named[k] for k in named] + [user[k] for k in compiled.traced_args]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         outs = _Run.apply(self, compiled, list(named), seed, *tensors)
         return outs[0] if len(outs) == 1 else outs
@@ -309,17 +316,6 @@ def _describe(sig) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
 
 
-def _check_args(compiled: _Compiled, args: tuple) -> None:
-    f = compiled.forward.source
-    by_label = {f.label(v.name): v for v in f.inputs}
-    for name, a in zip(compiled.arg_names, args):
-        v = by_label.get(name)
-        if v is None or not isinstance(a, torch.Tensor):
-            continue
-        if tuple(a.shape) != tuple(v.shape) or a.dtype != v.dtype.torch:
-            raise InputError(f"argument {name}: expected {v.dtype.value}{list(v.shape)}, got {a.dtype}{list(a.shape)}")
-
-
 class _Run(torch.autograd.Function):
     """Forward: the sharded forward fusion. Backward: the sharded backward fusion."""
 
@@ -328,11 +324,7 @@ class _Run(torch.autograd.Function):
         fwd = compiled.forward
         f = fwd.source
         n_params = len(param_labels)
-        named = dict(zip(param_labels, tensors[:n_params]))
-        user_tensors = iter(tensors[n_params:])
-        for name in compiled.arg_names:
-            if any(f.label(v.name) == name for v in f.inputs):
-                named[name] = next(user_tensors)
+        named = dict(zip(param_labels, tensors[:n_params])) | dict(zip(compiled.traced_args, tensors[n_params:]))
         inputs = []
         for v in f.inputs:
             label = f.label(v.name)
@@ -355,7 +347,7 @@ class _Run(torch.autograd.Function):
         compiled: _Compiled = ctx.compiled
         bwd = compiled.backward
         if bwd is None:
-            return (None,) * (4 + ctx.n_params + len(compiled.arg_names))
+            return (None,) * (4 + ctx.n_params + len(compiled.traced_args))
         b = bwd.source
         local_grads = []
         grad_inputs = [v for v in b.inputs if b.role(v.name) == "grad"]
@@ -371,10 +363,7 @@ class _Run(torch.autograd.Function):
         result = [None, None, None, None]
         for label in ctx.param_labels:
             result.append(by_label.get(f"grad({label})"))
-        f = compiled.forward.source
-        for name in compiled.arg_names:
-            if any(f.label(v.name) == name for v in f.inputs):
-                result.append(by_label.get(f"grad({name})"))
+        result += [by_label.get(f"grad({name})") for name in compiled.traced_args]
         return tuple(result)
 
 
@@ -390,16 +379,13 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a parameter of an ``nvtp.jit`` module, or of its gradient."""
-    owner = _PLACED.get(id(t))
+    owner = _PLACED.get(t)
     if owner is None:
-        for pid, p in list(_PARAMS.items()):
-            if p.grad is t:
-                owner = _PLACED[pid]
-                break
+        owner = next((o for p, o in list(_PLACED.items()) if p.grad is t), None)
     if owner is None:
         return t
-    placement, shape, module = owner
+    placement, shape, comm = owner
     if axis_split(placement) is None:
         return t.detach().clone()
-    parts = module.comm.all_gather(t.detach().contiguous())
+    parts = comm.all_gather(t.detach().contiguous())
     return spmd.assemble(parts, placement, shape)

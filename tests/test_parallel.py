@@ -89,6 +89,7 @@ def test_checkpoint_resumes_exactly_and_on_another_mesh(tmp_path):
     other = TrainJob("tiny", "megatron", 8, 0.1, str(tmp_path / "other.pt"), verbose=False, load_dir=str(ckpt))
     assert spawn(train_worker, 4, other) == [0, 0, 0, 0]
     moved = torch.load(other.out, weights_only=False)["losses"]
+    assert len(moved) == len(reference) - 4
     assert max(abs(a - b) / b for a, b in zip(moved, reference[4:])) <= 1e-5  # 4 ranks add partial sums in another order
 
 
@@ -167,3 +168,40 @@ def test_full_tensor_gives_whole_values_on_one_device():
     model(idx, tgt).backward()
     p = dict(model.module.named_parameters())["h.0.attn.c_attn.weight"]
     assert nvtp.full_tensor(p).shape == (192, 64) and nvtp.full_tensor(p.grad).shape == (192, 64)
+
+
+class _IgnoresAnArgument(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, unused):
+        return self.down(torch.relu(self.up(x))).sum()
+
+
+def test_an_argument_the_model_ignores_gets_no_gradient_and_breaks_nothing():
+    from nvtp.dump import relative_error
+
+    torch.manual_seed(0)
+    model, ref = _IgnoresAnArgument(), _IgnoresAnArgument()
+    ref.load_state_dict(model.state_dict())
+    jitted = nvtp.jit(model, mesh=DeviceMesh.of_size(1))
+    x, unused = torch.randn(4, 8, requires_grad=True), torch.randn(3, requires_grad=True)
+    jitted(x, unused).backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref, unused).backward()
+    assert relative_error(x.grad, x_ref.grad)[0] <= 1e-6 and unused.grad is None
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(p.grad, q.grad)[0] <= 1e-6, n
+
+
+def test_a_jitted_module_is_freed_with_its_parameters():
+    import gc
+    import weakref
+
+    model = nvtp.jit(_IgnoresAnArgument(), mesh=DeviceMesh.of_size(1))
+    model(torch.randn(4, 8), torch.randn(3))
+    alive = [weakref.ref(model), weakref.ref(model.module.up.weight)]
+    del model
+    gc.collect()
+    assert [r() for r in alive] == [None, None]
