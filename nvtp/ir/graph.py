@@ -205,3 +205,15 @@ class Fusion:
         from nvtp.ir.printer import format_definition
 
         return format_definition(self)
+
+
+def fresh_names(fusion: Fusion) -> Iterator[str]:
+    """Value names (``T<n>``) the fusion does not use yet, in order, for ops a pass adds."""
+    taken = set(fusion.values)
+    n = len(taken)
+    while True:
+        name = f"T{n}"
+        n += 1
+        if name not in taken:
+            taken.add(name)
+            yield name

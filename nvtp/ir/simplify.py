@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nvtp.ir.build import make_op
 from nvtp.ir.dtypes import DType
-from nvtp.ir.graph import Fusion, Op, Value, defines_input, is_value
+from nvtp.ir.graph import Fusion, Op, Value, defines_input, fresh_names, is_value
 
 # (from, to) casts that are exact: every value of `from` is a value of `to`.
 _WIDENS = {
@@ -118,19 +118,9 @@ def unpad_gathers(fusion: Fusion) -> Fusion:
     from nvtp.ir.ops import norm_dim, pad_pairs
 
     producers = fusion.producers()
-    taken = set(fusion.values)
-    counter = [len(taken)]
-
-    def fresh() -> str:
-        while f"T{counter[0]}" in taken:
-            counter[0] += 1
-        taken.add(f"T{counter[0]}")
-        return f"T{counter[0]}"
-
+    names = fresh_names(fusion)
     ops: list[Op] = []
-    sub: dict[str, Value] = {}
     for op in fusion.ops:
-        op = Op(op.kind, tuple((k, _substitute(v, sub)) for k, v in op.args), op.outputs)
         if op.kind == "take_along_axis":
             padded, index = op.arg("arg"), op.arg("index")
             dim = norm_dim(op.arg("dim"), padded.ndim)
@@ -142,16 +132,17 @@ def unpad_gathers(fusion: Fusion) -> Fusion:
                 only_last = all(p == ((0, 1) if i == dim else (0, 0)) for i, p in enumerate(pairs))
                 cond, t, c = where_op.arg("condition"), where_op.arg("x"), where_op.arg("y")
                 if only_last and value in (0, 0.0, None) and c == x.shape[dim] and is_value(t) and is_value(cond):
-                    safe = make_op("where", (cond, t, 0), {}, [fresh()])
-                    if safe.outputs[0].dtype != t.dtype:
-                        safe = make_op("cast", (safe.outputs[0],), {"dtype": t.dtype}, [safe.outputs[0].name])
-                    picked = make_op("take_along_axis", (x, safe.outputs[0], dim), {}, [fresh()])
-                    masked = make_op("where", (cond, picked.outputs[0], 0.0), {}, [op.outputs[0].name])
-                    if masked.outputs[0].dtype != op.outputs[0].dtype:
-                        masked = make_op("cast", (make_op("where", (cond, picked.outputs[0], 0.0), {}, [fresh()]).outputs[0],),
-                                         {"dtype": op.outputs[0].dtype}, [op.outputs[0].name])
-                    ops.extend([safe, picked, masked] if masked.kind == "where" else
-                               [safe, picked, make_op("where", (cond, picked.outputs[0], 0.0), {}, [masked.arg("arg").name]), masked])
+                    out = op.outputs[0]
+                    new = [make_op("where", (cond, t, 0), {}, [next(names)])]
+                    if new[-1].outputs[0].dtype != t.dtype:
+                        new.append(make_op("cast", (new[-1].outputs[0],), {"dtype": t.dtype}, [next(names)]))
+                    picked = make_op("take_along_axis", (x, new[-1].outputs[0], dim), {}, [next(names)])
+                    masked = make_op("where", (cond, picked.outputs[0], 0.0), {}, [out.name])
+                    if masked.outputs[0].dtype == out.dtype:
+                        ops.extend([*new, picked, masked])
+                    else:
+                        masked = make_op("where", (cond, picked.outputs[0], 0.0), {}, [next(names)])
+                        ops.extend([*new, picked, masked, make_op("cast", (masked.outputs[0],), {"dtype": out.dtype}, [out.name])])
                     continue
         ops.append(op)
-    return dead_code(fusion.with_ops(tuple(ops), tuple(_substitute(v, sub) for v in fusion.outputs)))
+    return dead_code(fusion.with_ops(tuple(ops), fusion.outputs))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvtp.ir.build import make_op
-from nvtp.ir.graph import Fusion, Op, TensorValue, Value, defines_input, is_value
+from nvtp.ir.graph import Fusion, Op, TensorValue, Value, defines_input, fresh_names, is_value
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
 from nvtp.sharding.propagate import Propagation, reshard_bytes
 
@@ -85,17 +85,6 @@ def plan_reshards(fusion: Fusion, prop: Propagation, mesh: DeviceMesh, output_hi
     return sorted(steps, key=lambda s: (min(c for c in s.consumers if c >= 0) if any(c >= 0 for c in s.consumers) else len(fusion.ops), order.get(s.value, 0)))
 
 
-def _fresh_names(fusion: Fusion):
-    taken = set(fusion.values)
-    n = len(taken)
-    while True:
-        name = f"T{n}"
-        n += 1
-        if name not in taken:
-            taken.add(name)
-            yield name
-
-
 def _substitute(x: Any, old: str, new: Value) -> Any:
     if is_value(x) and x.name == old:
         return new
@@ -111,7 +100,7 @@ def insert_reshards(fusion: Fusion, prop: Propagation, steps: list[ReshardStep])
     the placement its decision requires; returns the new fusion, the placement of every tensor,
     which step each new ``set`` result implements, and where each old op went.
     """
-    names = _fresh_names(fusion)
+    names = fresh_names(fusion)
     ops = list(fusion.ops)
     placements = dict(prop.placements)
     made: dict[str, ReshardStep] = {}
@@ -162,7 +151,7 @@ def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[s
     from nvtp.sharding.propagate import as_decision, implied
     from nvtp.sharding.rules import factors_of
 
-    names = _fresh_names(fusion)
+    names = fresh_names(fusion)
     changed = True
     while changed:
         changed = False
