@@ -205,3 +205,17 @@ def test_a_jitted_module_is_freed_with_its_parameters():
     del model
     gc.collect()
     assert [r() for r in alive] == [None, None]
+
+
+def test_a_model_with_every_parameter_frozen_returns_its_output():
+    """No parameter needs a gradient: Thunder traces no backward and returns the output itself."""
+    from nvtp.dump import relative_error
+
+    cfg = gpt.config("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    want = model(*gpt.example_tokens(cfg)).detach()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    got = nvtp.jit(model, mesh=DeviceMesh.of_size(1))(*gpt.example_tokens(cfg))
+    assert isinstance(got, torch.Tensor) and relative_error(got, want)[0] <= 1e-5

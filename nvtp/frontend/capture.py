@@ -64,11 +64,12 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
     ret = fwd_trace.bound_symbols[-1]
     result = ret.args[0]
     flat_args = [a.name for a in result.get("flat_args", []) if hasattr(a, "name")] if isinstance(result, dict) else []
-    user_outputs = set()
-    if isinstance(result, dict):
-        from thunder.core.pytree import tree_flatten
+    from thunder.core.pytree import tree_flatten
 
-        user_outputs = {p.name for p in tree_flatten(result.get("output"))[0] if hasattr(p, "name")}
+    # A trace with a backward returns {"output": ..., "flat_args": ...}; without one (nothing
+    # needs a gradient), the output itself.
+    output = result.get("output") if isinstance(result, dict) else result
+    user_outputs = {p.name for p in tree_flatten(output)[0] if hasattr(p, "name")}
 
     f = fwd.fusion
     info: dict[str, ValueInfo] = {}
