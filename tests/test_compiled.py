@@ -4,12 +4,15 @@ only where the rank holds whole rows; no step overwrites an input."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nvtp.dump import relative_error
 from nvtp.execute import compiled, reference, spmd
-from nvtp.frontend.capture import capture, forward_inputs, run_pair
+from nvtp.frontend.capture import capture, forward_inputs, output_value, run_pair
 from nvtp.ir import DType, FusionBuilder, verify
 from nvtp.models import gpt
 from nvtp.sharding.pipeline import shard_pair
@@ -60,7 +63,37 @@ def test_the_gpt_blocks_patterns_fuse(block):
     assert bwd.in_place >= 5
 
 
-def test_a_compiled_block_matches_the_interpreter_and_eager(block):
+def _eager_with_masks(b, cfg, x, g, masks, monkeypatch):
+    """The block run by eager PyTorch (its own modules and autograd), with the dropout keep-masks
+    nvtp drew instead of eager's RNG: ``masks`` is (attention probabilities, residual, MLP).
+    Attention is written out (softmax(q kᵀ/√d + causal) · mask/(1-p) · v): eager's fused SDPA
+    draws its own mask. Returns the output and the gradients by label."""
+    attn_mask, resid_mask, mlp_mask = masks
+    keep = 1 - cfg.dropout
+
+    def sdpa(q, k, v, dropout_p=0.0, is_causal=False):
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+        return (att * attn_mask / keep) @ v
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    hooks = [b.attn.resid_dropout.register_forward_hook(lambda m, i, o: i[0] * resid_mask / keep),
+             b.mlp.dropout.register_forward_hook(lambda m, i, o: i[0] * mlp_mask / keep)]
+    try:
+        xr = x.detach().clone().requires_grad_()
+        y = b(xr)
+        y.backward(g)
+        grads = {"grad(x)": xr.grad} | {f"grad({n})": p.grad.clone() for n, p in b.named_parameters()}
+    finally:
+        for h in hooks:
+            h.remove()
+        b.zero_grad(set_to_none=True)
+        monkeypatch.undo()
+    return y.detach(), grads
+
+
+def test_a_compiled_block_matches_the_interpreter_and_eager(block, monkeypatch):
     cfg, b, x, c = block
     named = {n: p.detach() for n, p in b.named_parameters()} | {"x": x.detach()}
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
@@ -73,9 +106,20 @@ def test_a_compiled_block_matches_the_interpreter_and_eager(block):
             assert torch.equal(vi[k], vc[k]), k
         else:
             assert relative_error(vc[k], vi[k])[0] <= 1e-6, k
+    assert gi.keys() == gc.keys() and len(gi) == 13  # x and the block's 12 parameters
     for k in gi:
         assert relative_error(gc[k], gi[k])[0] <= 1e-6, k
     assert all(torch.equal(a, b) for a, b in zip(inputs, saved))
+    # Eager PyTorch, independent of nvtp's ops, given the same keep-masks (fp32: ~3e-7 seen).
+    masks = [vc[v.name] for v in c.forward.outputs if v.dtype == DType.Bool]
+    assert len(masks) == (3 if cfg.dropout else 0)
+    if cfg.dropout:
+        assert all(abs(m.float().mean().item() - (1 - cfg.dropout)) < 0.05 for m in masks)
+    y, eager_grads = _eager_with_masks(b, cfg, x, g, masks or [torch.ones(())] * 3, monkeypatch)
+    assert relative_error(vc[output_value(c.forward)], y)[0] <= 1e-5
+    assert eager_grads.keys() == gc.keys()
+    for k in gc:
+        assert relative_error(gc[k], eager_grads[k])[0] <= 1e-5, k
 
 
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
@@ -118,9 +162,11 @@ def test_dropout_masks_are_those_of_the_interpreter_sharded_too(tiny_cfg):
     single = reference.run(c.forward, inputs, seed=7, compiled=False)
     per_rank, _ = spmd.run_simulated(sf, inputs, seed=7)
     whole = spmd.assemble_outputs(sf, per_rank)
-    for v, a, b in zip(c.forward.outputs, whole, single):
-        if v.dtype == DType.Bool:
-            assert torch.equal(a, b), v.name
+    masks = [(v, a, b) for v, a, b in zip(c.forward.outputs, whole, single) if v.dtype == DType.Bool]
+    assert len(masks) == 3  # attention probabilities, attention residual, MLP
+    for v, a, b in masks:
+        assert torch.equal(a, b), v.name
+        assert 0.4 < a.float().mean().item() < 0.6, v.name  # keep probability 1 - p: a mask, not a constant
 
 
 def test_a_changed_implementation_table_is_honoured(monkeypatch):
