@@ -211,7 +211,7 @@ def nvfuser_fusion_id1(fd : FusionDefinition) -> None :
     T184 = fd.ops.permute(T180, dims=[0, 2, 1, 3])
     T185 = fd.ops.permute(T181, dims=[0, 2, 1, 3])
     T186 = fd.ops.permute(T182, dims=[0, 2, 1, 3])
-    T187, T188, T189 = fd.ops.sdpfa_bwd(T186, T185, T184, T183, T12, T13, dropout_p=0.1, is_causal=True, philox_seed=T14, philox_offset=T15)
+    T187, T188, T189 = fd.ops.sdpfa_bwd(T186, T185, T184, T183, T12, T13, dropout_p=0.1, is_causal=True, philox_seed=T14, philox_offset=T15, scale=None)
     T190 = fd.ops.permute(T189, dims=[0, 2, 1, 3])
     T191 = fd.ops.permute(T188, dims=[0, 2, 1, 3])
     T192 = fd.ops.permute(T187, dims=[0, 2, 1, 3])

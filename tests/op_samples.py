@@ -538,7 +538,7 @@ def _(b):
     lse = b.define_tensor(QKV[:3], F32)
     seed, offset = b.define_tensor([2], U64), b.define_tensor([], U64)
     grads = b.op("sdpfa_bwd", go, q, k, v, out, lse, dropout_p=b.define_scalar(0.0, F64), is_causal=b.define_scalar(True, BOOL),
-                 philox_seed=seed, philox_offset=offset)
+                 philox_seed=seed, philox_offset=offset, scale=None)
     for t in grads:
         b.add_output(t)
 

@@ -218,6 +218,64 @@ def build_definition(fusion: Fusion, schedule: Sequence["ScheduleStep"] = ()) ->
     return fd
 
 
+def build_from_text(text: str, path: str | None = None) -> "nvfuser_direct.FusionDefinition":
+    """The ``FusionDefinition`` nvFuser itself builds from a dump's text, as a user runs the file.
+
+    ``nvtp.ir.parser.parse`` first checks the file (it refuses anything but imports of torch and
+    nvfuser_direct, the definition function and nvFuser's run scaffolding, with file:line); then
+    only the file's imports and function definitions are executed, and each definition function
+    that takes ``fd`` is called inside ``with FusionDefinition() as fd:``. No nvtp code builds
+    anything: what nvFuser holds is what the text says. The function's local variables (``T0``,
+    ``S3``, ...: nvFuser's values by the file's names) are recorded as ``fd.nvtp_values``, so
+    ``compare_definition(parse(text).fusion, fd)`` compares nvFuser's reading with nvtp's.
+    Raises ``DumpError`` for a file nvtp refuses, ``NvFuserError`` naming the line nvFuser rejects.
+    """
+    import ast
+    import sys
+
+    from nvfuser_direct import FusionDefinition
+
+    from nvtp.ir.parser import parse
+
+    filename = path or "<dump>"
+    parse(text, path)
+    tree = ast.parse(text, filename)
+    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+    namespace: dict[str, Any] = {"__name__": "nvtp_dump"}
+    exec(compile(ast.Module(body=kept, type_ignores=[]), filename, "exec"), namespace)  # noqa: S102 - checked by parse above
+    defs = [n.name for n in kept if isinstance(n, ast.FunctionDef) and n.args.args and n.args.args[0].arg == "fd"]
+    codes = {namespace[name].__code__ for name in defs}
+    values: dict[str, Any] = {}
+
+    def record_locals(frame, event, arg):  # the definition's locals as it returns
+        if event == "return" and frame.f_code in codes:
+            values.update((k, v) for k, v in frame.f_locals.items() if k != "fd")
+
+    error: BaseException | None = None
+    previous = sys.getprofile()
+    with FusionDefinition() as fd:  # its __exit__ prints any exception passing through: keep ours inside
+        sys.setprofile(record_locals)
+        try:
+            for name in defs:
+                namespace[name](fd)
+        except Exception as e:  # noqa: BLE001 - re-raised below with the line nvFuser rejected
+            error = e
+        finally:
+            sys.setprofile(previous)
+    if error is not None:
+        tb = error.__traceback__
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == filename:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where = f"{filename}:{line}" if line else filename
+        source = text.splitlines()[line - 1].strip() if line else ""
+        raise NvFuserError(f"{where}: nvFuser rejects `{source}`: {type(error).__name__}: {_first_line(error)}") from error
+    setattr(fd, VALUES_ATTR, values)
+    return fd
+
+
 def _apply_step(step: "ScheduleStep", values: dict[str, Any]) -> None:
     """One device-schedule call (``nvtp.ir.parser.ScheduleStep``) on the tensor it names."""
     import nvfuser_direct

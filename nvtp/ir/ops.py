@@ -587,7 +587,9 @@ register(
         Param("is_causal", "scalar?"),
         Param("philox_seed", "tensor"),
         Param("philox_offset", "tensor"),
-        Param("scale", "scalar?", None),
+        # Required, as in nvFuser (0.2.36): its sdpfa_bwd has no defaults, so a dump must always
+        # write scale, None included; one that left it out would be refused by nvFuser.
+        Param("scale", "scalar?"),
     ],
     _infer_sdpfa_bwd,
     "attention",

@@ -601,6 +601,13 @@ class _FunctionReader:
                 return list(range(n))
             if func == "list" and len(node.args) == 1:
                 return list(self.expr(node.args[0]))
+            if func == "fd.define_scalar" and len(node.args) == 1 and [k.arg for k in node.keywords] == ["dtype"]:
+                # An inline constant, as nvtp prints a number where nvFuser takes only a Val
+                # (nvtp.ir.printer.VAL_ONLY): the number itself.
+                n, dt = self.expr(node.args[0]), self.expr(node.keywords[0].value)
+                if not isinstance(n, (bool, int, float, complex)) or not isinstance(dt, DType):
+                    raise self.fail(node, "an inline fd.define_scalar needs a number and dtype=DataType.<type>")
+                return bool(n) if dt is DType.Bool else complex(n) if dt.is_complex else float(n) if dt.is_float else int(n)
             if func == "fd.fusion.inputs" and not node.args and not node.keywords:
                 return [op.outputs[0] for op in self.ops if op.kind == "define_tensor" or (op.kind == "define_scalar" and op.arg("value") is None)]
             raise self.fail(node, f"unexpected call `{_snippet(node)}`; a definition may not call other functions")

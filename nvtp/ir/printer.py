@@ -39,19 +39,38 @@ def format_literal(x: Any) -> str:
     raise TypeError(f"cannot print argument {x!r}")
 
 
+# Parameters nvFuser (nvfuser_direct 0.2.36) takes only as a ``Val``, never as a Python number
+# ("incompatible function arguments" otherwise): a number there prints as an inline
+# ``fd.define_scalar(number, dtype=...)``, which the parser reads back as the number.
+VAL_ONLY = {
+    *(("embedding_fwd", p) for p in ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")),
+    *((op, p) for op in ("uniform", "normal") for p in ("rng_seed", "rng_offset")),
+    ("scatter", "src"),
+}
+
+
+def format_argument(kind: str, name: str, value: Any) -> str:
+    """``value`` as op ``kind``'s argument ``name`` in nvFuser's Python."""
+    if (kind, name) in VAL_ONLY and isinstance(value, (bool, int, float, complex)):
+        from nvtp.ir.dtypes import promote
+
+        return f"fd.define_scalar({format_literal(value)}, dtype={promote(value)})"
+    return format_literal(value)
+
+
 def format_call(op: Op) -> str:
     s = opstable.spec(op.kind)
     parts = []
     for i, (p, (name, value)) in enumerate(zip(s.params, op.args)):
         if i < s.positional:
-            parts.append(format_literal(value))
+            parts.append(format_argument(op.kind, name, value))
         elif (
             op.kind == "define_tensor"
             or value != p.default
             or type(value) is not type(p.default)
             or (p.kind.startswith("dtype") and value not in (None, DType.Null))
         ):
-            parts.append(f"{name}={format_literal(value)}")
+            parts.append(f"{name}={format_argument(op.kind, name, value)}")
     prefix = "fd." if op.kind in ("define_tensor", "define_scalar") else "fd.ops."
     return f"{prefix}{op.kind}({', '.join(parts)})"
 
