@@ -109,6 +109,68 @@ def test_kv_heads_that_do_not_divide_are_refused():
     assert shard(fwd, "megatron", DeviceMesh.of_size(4)).communications  # 4 divides both
 
 
+# 3 heads over 2 devices: the attention pairs over 3 devices, a mesh *larger* than this one, and
+# was once left whole without a word (only smaller meshes were probed).
+ODD_HEADS = (r"attn.c_attn.weight \(T3: Float\[144, 48\]\) cannot be column-parallel with row-parallel attn.c_proj.weight over 2 "
+             r"devices: .*splits axis 2 \(size 48\) into \[3, 16\], and 2 devices do not divide the outer 3 \(attention heads.*\); "
+             r"choose a mesh size that divides 3, or an explicit plan that leaves attn.c_attn.weight and attn.c_proj.weight whole")
+
+
+@pytest.fixture(scope="module")
+def three_heads(tmp_path_factory):
+    """A GPT block with 3 heads (hidden 48): its forward fusion and its dump."""
+    from nvtp.frontend.capture import capture
+    from nvtp.ir.printer import format_file
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny", n_head=3, n_embd=48)
+    with torch.device("meta"):
+        block = gpt.Block(cfg)
+    fwd = capture(block, gpt.example_input(cfg, device="meta")).forward
+    path = tmp_path_factory.mktemp("heads") / "three_heads_fwd.py"
+    path.write_text(format_file(fwd))
+    return fwd, path
+
+
+def test_heads_that_do_not_divide_a_smaller_mesh_are_refused(three_heads, capsys):
+    from nvtp.sharding.pipeline import shard
+
+    with pytest.raises(ShardingError, match=ODD_HEADS):
+        shard(three_heads[0], "megatron", DeviceMesh.of_size(2))
+    assert len(shard(three_heads[0], "megatron", DeviceMesh.of_size(3)).annotations.row) == 2  # 3 divides: both pairs
+    code, out, err, seconds = _cli(capsys, "explain", str(three_heads[1]), "--plan", "megatron", "--devices", "2")
+    assert code == EXIT_BAD_INPUT and out == "" and "Traceback" not in err, err
+    assert err.startswith("nvtp explain: ") and re.search(ODD_HEADS, err) and seconds < 10, err
+    # The way out the message offers: an explicit plan that keeps the attention whole.
+    code, out, err, _ = _cli(capsys, "explain", str(three_heads[1]), "--plan", "mlp.c_fc=colwise;mlp.c_proj=rowwise", "--devices", "2")
+    assert code == 0 and "attn.c_attn.weight" in out, err
+
+
+def test_kv_heads_that_do_not_divide_a_smaller_mesh_are_refused():
+    """6 query heads divide by 2, 3 KV heads do not (they pair over 3)."""
+    from nvtp.frontend.capture import capture
+    from nvtp.sharding.pipeline import shard
+    from tests.blocks import LlamaBlock
+
+    with torch.device("meta"):
+        block = LlamaBlock(n_embd=48, n_head=6, n_kv_head=3, hidden=96)
+    fwd = capture(block, torch.empty(2, 16, 48, device="meta")).forward
+    with pytest.raises(ShardingError, match=r"k.weight \(T3: Float\[24, 48\]\) cannot be column-parallel with row-parallel o.weight "
+                                            r"over 2 devices: .*into \[3, 8\], and 2 devices do not divide the outer 3"):
+        shard(fwd, "megatron", DeviceMesh.of_size(2))
+
+
+def test_nvtp_jit_refuses_heads_that_do_not_divide_before_any_collective():
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny", n_head=3, n_embd=48)
+    torch.manual_seed(0)
+    model = nvtp.jit(gpt.Block(cfg), mesh=DeviceMesh.of_size(2), comm=_NoCollectives())
+    with pytest.raises(ShardingError, match=ODD_HEADS.replace("attn.c_attn.weight \\(T3", "attn.c_attn.weight \\(T\\d+")):
+        model.compile(gpt.example_input(cfg))
+    assert model.module.attn.c_attn.weight.shape == (144, 48)  # nothing was sharded
+
+
 class _Embedder(nn.Module):
     def __init__(self, vocab: int):
         super().__init__()

@@ -237,13 +237,37 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
     if not sizes:
         return None
     partner = _partner_on(fusion, DeviceMesh.of_size(sizes[0]), p, projs)
-    smaller = [k for k in sizes[1:] if k < sizes[0]]
-    if partner is None and sizes[0] == mesh.size and smaller:
-        # It pairs on a smaller mesh: some axis on the way (heads, KV heads) does not divide by this one.
-        q = _partner_on(fusion, DeviceMesh.of_size(smaller[0]), p, projs)
-        if q is not None:
-            raise ShardingError(_blocked_pair(fusion, mesh, p, q))
+    if partner is None and sizes[0] == mesh.size:
+        # Does it pair on another mesh size? Then some axis on the way (heads, KV heads) does not
+        # divide by this one, and the plan is refused rather than the pair silently dropped. The
+        # sizes tried: the factors of the outer sizes the split output is blocked at (3 heads on
+        # 2 devices: 3, a larger mesh), then the smallest divisor of the features below this one.
+        others = [k for k in _blocking_factors(fusion, mesh, p) if features % k == 0]
+        others += [k for k in sizes[1:2] if k < mesh.size]
+        for k in dict.fromkeys(k for k in others if k != mesh.size):
+            q = _partner_on(fusion, DeviceMesh.of_size(k), p, projs)
+            if q is not None:
+                raise ShardingError(_blocked_pair(fusion, mesh, p, q, k))
     return partner
+
+
+def _blocking_factors(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> list[int]:
+    """The smallest prime factor of each outer size P's split output cannot be split along on
+    ``mesh``: a reshape of the split axis into ``[h, ...]`` with ``h`` not divisible by the mesh."""
+    prop = _trial(fusion, mesh, p)
+    found = []
+    for r in prop.requirements:
+        if r.op_index < p.op_index:
+            continue
+        v = fusion.value(r.value)
+        op = fusion.ops[r.op_index]
+        split = axis_split(prop.placements[r.value])
+        if op.kind != "reshape" or split is None or not reshard_bytes(prop.placements[r.value], r.placement, v.nbytes, mesh.size):
+            continue
+        group = _reshape_group(v.shape, op.outputs[0].shape, split[0])
+        if group and len(group) > 1 and group[0] % mesh.size and group[0] > 1:
+            found.append(next(k for k in range(2, group[0] + 1) if group[0] % k == 0))
+    return found
 
 
 def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, output_hints: Mapping[str, Placement] | None = None):
@@ -258,14 +282,17 @@ def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, output_hints: Mapp
     return propagate_shardings(fusion, d_mesh, trial, output_hints)
 
 
-def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection) -> str:
-    """Why P's split output cannot reach Q on ``mesh``: the first op that would communicate."""
+def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection, paired_on: int) -> str:
+    """Why P's split output cannot reach Q on ``mesh`` (it does on ``paired_on`` devices): the
+    first op that would communicate, and the two ways out."""
     from nvtp.ir.printer import format_op
 
     prop = _trial(fusion, mesh, p)
     d = mesh.size
     head = (f"{fusion.label(p.weight)} ({fusion.value(p.weight).describe()}) cannot be column-parallel with row-parallel "
             f"{fusion.label(q.weight)} over {d} devices")
+    whole = (f"or an explicit plan that leaves {fusion.label(p.weight)} and {fusion.label(q.weight)} whole (replicated; "
+             "docs/plans.md)")
     for r in prop.requirements:
         if not p.op_index <= r.op_index <= q.op_index:
             continue
@@ -279,16 +306,11 @@ def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection
             if group and len(group) > 1 and group[0] % d:
                 return (f"{head}: its split output reaches `{format_op(op)}`, which splits axis {split[0]} (size "
                         f"{v.shape[split[0]]}) into {group}, and {d} devices do not divide the outer {group[0]} (attention "
-                        f"heads, or KV heads with grouped-query attention); choose a mesh size that divides {group[0]}")
+                        f"heads, or KV heads with grouped-query attention); choose a mesh size that divides {group[0]}, {whole}")
         return (f"{head}: its split output reaches `{format_op(op)}`, which would need {v.name} as {r.placement} instead of "
                 f"{prop.placements[r.value]} (a communication inside the pair); choose a mesh size that divides the "
-                f"axes on the way (it pairs over {_smallest_pairing(fusion, p, q)} devices)")
-    return f"{head}; choose a mesh size that divides the axes between them"
-
-
-def _smallest_pairing(fusion: Fusion, p: Projection, q: Projection) -> int:
-    features = fusion.value(p.weight).shape[0] // p.split_factor
-    return next(k for k in range(2, features + 1) if features % k == 0)
+                f"axes on the way (it pairs over {paired_on} devices), {whole}")
+    return f"{head}; choose a mesh size that divides the axes between them (it pairs over {paired_on} devices), {whole}"
 
 
 def _reshape_group(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> list[int] | None:
