@@ -187,7 +187,7 @@ def partial_decisions(fusion: Fusion, op: Op, d: int) -> list[Decision]:
     them when every tensor operand is a partial sum (``propagate.PARTIAL_PASS``: all operands
     partial, one of them, or the first). Each is a claim about the op, checked like a rule.
     Booleans are left out: they cannot be split into summands."""
-    if op.kind not in getattr(propagate, "PARTIAL_PASS", {}) or any(t.dtype is DType.Bool for t in tensor_operands(op)):
+    if op.kind not in propagate.PARTIAL_PASS or any(t.dtype is DType.Bool for t in tensor_operands(op)):
         return []
     sums = {t.name: SUM for t in tensor_operands(op)}
     offered = propagate._Propagator(one_op_fusion(fusion, op), DeviceMesh.of_size(d), sums, {}).candidates(op, factors_of(op))
@@ -450,6 +450,44 @@ def test_the_cases_cover_every_rule_the_samples_use():
     never = sorted(k for k in kinds - split if any(kind != "blocked" for op in ops if op.kind == k for kind in factors_of(op).kinds))
     assert not never, f"ops whose rule allows a split but no case splits them: {never}"
     assert len(CASES) > 1000 and LEFT_OUT < len(CASES) // 10, (len(CASES), LEFT_OUT)
+
+
+def _partial_passes_the_table_implies(op: Op) -> int:
+    """How many partial-sum passes ``propagate.PARTIAL_PASS`` promises for ``op``, from the
+    table's styles and the algebra alone: "all" operands partial together (once), "one" of them
+    at a time (one per tensor operand), or the "first" (once); none for a result that is not
+    floating point (integer division truncates, a cast to integers rounds), for a boolean
+    operand, for a number added to or subtracted from a partial sum (it would be added on every
+    rank), or for a number divided by one (2 / (a + b) is not 2 / a + 2 / b)."""
+    style = propagate.PARTIAL_PASS.get(op.kind)
+    tensors = tensor_operands(op)
+    if style is None or not op.outputs[0].dtype.is_float or any(t.dtype is DType.Bool for t in tensors):
+        return 0
+    if op.kind == "cast" and not tensors[0].dtype.is_float:
+        return 0
+    if op.kind in ("add", "sub", "div") and not isinstance(op.arg("lhs"), TensorValue):
+        return 0
+    if op.kind in ("add", "sub") and not isinstance(op.arg("rhs"), TensorValue):
+        return 0
+    return {"all": 1, "one": len(tensors), "first": 1}[style]
+
+
+def test_the_partial_sum_cases_are_those_the_table_implies():
+    """Each op in propagate.PARTIAL_PASS that a sample uses gets its partial-sum cases, on each
+    mesh size: a renamed or emptied table, or a pass propagation stops offering, drops them."""
+    got: dict[tuple[str, int], int] = {}
+    for c in CASES:
+        if c.decision.partial:
+            got[c.sample, c.op_index] = got.get((c.sample, c.op_index), 0) + 1
+    want = {(_sample_name(f), i): n * len(MESH_SIZES) for f, i in OPS if (n := _partial_passes_the_table_implies(f.ops[i]))}
+    assert got == want
+    # The ops linear in the operands the table names (sums, products with one factor partial,
+    # the dividend, layout ops, sum): the table must hold each, and each must have cases.
+    linear = {"add", "sub", "cat", "mul", "matmul", "div", "neg", "cast", "reshape", "permute", "broadcast_in_dim",
+              "expand", "squeeze", "set", "segment_set", "stride_order", "sum", "slice"}
+    assert set(propagate.PARTIAL_PASS) == linear
+    assert {c.kind for c in CASES if c.decision.partial} == linear
+    assert sum(want.values()) == 114  # as counted when written: a sample added or removed changes it
 
 
 # -- the check can fail ------------------------------------------------------------------------
