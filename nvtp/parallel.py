@@ -14,10 +14,10 @@ optimizer steps them. ``nvtp.full_tensor(t)`` gathers any parameter or gradient 
 Inputs and outputs at the module's boundary are whole tensors on every rank (each rank slices
 what its shards need; outputs and the gradients of inputs are gathered or reduced to whole).
 Bad input is refused on every rank before any collective: a mesh unlike the process group, a
-plan that does not divide, an argument of the wrong shape, dtype or device, or an op nvtp cannot
-fuse (named with its line). ``check_replicas=True`` (a debug option) compares checksums of every
-replicated parameter, buffer and argument across ranks before each call and names any that
-differ. On a mesh of processes a watchdog stops this rank, naming the culprit, when another
+plan that does not divide, an argument of the wrong shape, dtype or device, a module Thunder
+cannot trace or an op nvtp cannot fuse (named with its line). ``check_replicas=True`` (a debug
+option) compares checksums of every replicated parameter, buffer and argument across ranks
+before each call and names any that differ. On a mesh of processes a watchdog stops this rank, naming the culprit, when another
 rank fails or stays silent for ``timeout`` seconds (``nvtp.execute.launch``, docs/faults.md).
 """
 
@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nvtp.errors import InputError
 from nvtp.execute import reference, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
-from nvtp.frontend.capture import CaptureError, Captured, capture
+from nvtp.frontend.capture import Captured, capture
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate
@@ -140,15 +140,9 @@ class ShardedModule(torch.nn.Module):
         meta_args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
-        try:
-            captured = capture(self._meta, *meta_args)  # raises CaptureError naming unfused ops and lines
-        except CaptureError:
-            raise
-        except (RuntimeError, ValueError, TypeError, IndexError) as e:  # Thunder's checks of the arguments
-            given = ", ".join(f"{n}: {_describe(self._signature((a,))[1])}" for n, a in zip(names, args))
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InputError(f"{type(self.module).__name__}.forward cannot be traced with {given}: {first}; "
-                             "pass arguments of the shapes and dtypes the module expects") from e
+        # Raises InputError when the arguments do not fit the module, CaptureError when Thunder
+        # cannot trace it or nvtp cannot fuse an op (each naming the op and the source line).
+        captured = capture(self._meta, *meta_args)
         annotations = {}
         if self._placements:  # a new input shape: keep the parameters where they already are
             for v in captured.forward.inputs:

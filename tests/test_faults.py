@@ -402,8 +402,13 @@ def test_a_mutated_dump_replays_or_is_refused_cleanly(tiny, mutation_dir, capsys
 def test_arguments_of_the_wrong_shape_dtype_or_device_are_refused_before_any_collective():
     mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     model = nvtp.jit(mlp, mesh=DeviceMesh.of_size(2), comm=_NoCollectives())
-    with pytest.raises(InputError, match=r"Sequential.forward cannot be traced with input: int64\[4, 8\] on cpu: .*; pass arguments"):
+    with pytest.raises(InputError, match=r"Sequential.forward does not accept input: int64\[4, 8\]: Thunder's check in linear refused "
+                                         r"them: Expected a.dtype=thunder.dtypes.int64 and w.dtype=thunder.dtypes.float32 to be the "
+                                         r"same!; pass arguments of the shapes and dtypes the module expects"):
         model.compile(torch.zeros(4, 8, dtype=torch.int64))  # the first call: Thunder's checks, as an InputError
+    with pytest.raises(InputError, match=r"Sequential.forward does not accept input: float32\[4, 9\]: eager PyTorch fails too: "
+                                         r"RuntimeError: a and b must have same reduction dim, but got \[4, 9\] X \[8, 16\]; pass"):
+        model.compile(torch.zeros(4, 9))
     model.compile(torch.randn(4, 8))
     start = time.perf_counter()
     for bad, message in [(torch.randn(4, 9), r"compiled for float32\[4, 8\] on cpu, got float32\[4, 9\] on cpu"),
@@ -412,6 +417,38 @@ def test_arguments_of_the_wrong_shape_dtype_or_device_are_refused_before_any_col
         with pytest.raises(InputError, match=message):
             model(bad)
     assert time.perf_counter() - start < 1
+
+
+class _SelfAttention(nn.Module):
+    """torch's own nn.MultiheadAttention, which Thunder 0.2.6 cannot trace (with or without a mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x, mask=None):
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0].sum()
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_a_module_thunder_cannot_trace_is_named_not_its_arguments(with_mask):
+    """Eager PyTorch runs it with these arguments, so the error blames the module (CaptureError,
+    naming the op, the line and what to write instead), not the arguments; nothing communicates."""
+    from nvtp.frontend.capture import CaptureError
+
+    model = nvtp.jit(_SelfAttention(), mesh=DeviceMesh.of_size(2), comm=_NoCollectives())
+    x = torch.randn(2, 5, 16)
+    args = (x, torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)) if with_mask else (x,)
+    where = (r" in torch.nn.functional._canonical_mask at .*test_faults.py:\d+ \(`return self.mha\(x, x, x, attn_mask=mask.*`\): "
+             r"AssertionError: only bool and floating types of attn_mask are supported" if with_mask
+             else r" in multi_head_attention_forward: NotImplementedError: ")
+    given = r"x: float32\[2, 5, 16\], mask: bool\[5, 5\]" if with_mask else r"x: float32\[2, 5, 16\]"
+    with pytest.raises(CaptureError, match=rf"^Thunder cannot trace _SelfAttention.forward{where}.*Eager PyTorch runs the module "
+                                           rf"with these arguments \({given}\), so it is the module nvtp cannot take, not the arguments: "
+                                           r"nn.MultiheadAttention \(mha\) is such a part: write the attention .*scaled_dot_product_attention"):
+        model.compile(*args)
+    with pytest.raises(InputError, match=r"_SelfAttention.forward does not accept x: float32\[2, 5, 12\]: eager PyTorch fails too"):
+        model.compile(torch.randn(2, 5, 12))  # genuinely wrong arguments are still the arguments' fault
 
 
 def test_replay_refuses_inputs_unlike_the_fusion(tiny):

@@ -9,7 +9,11 @@ incoming gradients, and which parameter each backward output is the gradient of.
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 import time
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -127,13 +131,19 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     runtime = Runtime()
     start = time.perf_counter()
     saved_grads = {p: p.grad for p in module.parameters()}
-    with use_runtime(runtime):
-        jitted = thunder.jit(module, executors=[executor()])
-        out = jitted(*args, **kwargs)
-        if backward:
-            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    try:
+        with use_runtime(runtime):
+            jitted = thunder.jit(module, executors=[executor()])
+            out = jitted(*args, **kwargs)
+            if backward:
+                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    except Exception as e:  # Thunder's own exceptions: say whose fault it is (the arguments, or the module)
+        explained = trace_failure(module, args, kwargs, e)
+        if explained is None:
+            raise
+        raise explained from e
     for p, grad in saved_grads.items():  # tracing must not leave gradients behind
         p.grad = grad
     seconds = time.perf_counter() - start
@@ -153,6 +163,115 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
     return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))
+
+
+# -- when Thunder cannot trace ---------------------------------------------------------------------
+
+_THUNDER_CHECKS = ("baseutils.py", "utils.py")  # thunder.core's check(): Thunder's checks of operand shapes and dtypes
+
+
+def _package_dir(name: str) -> str:
+    import importlib
+
+    return os.path.dirname(importlib.import_module(name).__file__)
+
+
+def _describe_args(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    names = (names + [f"argument {i}" for i in range(len(names), len(args))])[: len(args)]
+
+    def one(a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            return f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}"
+        return repr(a) if len(repr(a)) <= 40 else type(a).__name__
+
+    return ", ".join([f"{n}: {one(a)}" for n, a in zip(names, args)] + [f"{k}: {one(a)}" for k, a in kwargs.items()]) or "no arguments"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0].rstrip(".") if text else type(e).__name__
+    return line if len(line) <= 400 else line[:400] + " ..."
+
+
+def _where(frames: list[traceback.FrameSummary], library: tuple[str, ...]) -> str:
+    """The innermost line of the model's own code (not Thunder's, torch's or nvtp's tracer), as
+    ``file:line (`code`)``; empty if none."""
+    for f in reversed(frames):
+        path = os.path.abspath(f.filename)
+        if not any(path.startswith(d + os.sep) for d in library) and not f.filename.startswith("<"):
+            return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return ""
+
+
+def _op(e: BaseException, frames: list[traceback.FrameSummary], thunder_dir: str, torch_dir: str) -> str:
+    """The operation Thunder failed on, when it can be told: a function it could not register, the
+    op whose meta function refused its operands, or the innermost torch function it was running."""
+    m = re.search(r"<function (\w+) at 0x", str(e))
+    if m:
+        return m.group(1)
+    inner = [f for f in frames if os.path.abspath(f.filename).startswith((thunder_dir + os.sep, torch_dir + os.sep))]
+    for f in reversed(inner):
+        if f.name.endswith("_meta"):
+            return f.name[: -len("_meta")]
+    for f in reversed(inner):
+        path = os.path.abspath(f.filename)
+        if path.startswith(torch_dir + os.sep):
+            module = os.path.relpath(path, os.path.dirname(torch_dir))[:-3].replace(os.sep, ".")
+            return f"{module}.{f.name}"
+    return ""
+
+
+def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], error: Exception) -> Exception | None:
+    """Why Thunder could not trace ``module(*args, **kwargs)``, as one error saying whose fault it is:
+
+    * ``InputError``: the arguments do not fit the module. Eager PyTorch fails on them too (run
+      on the same, usually meta, tensors: nothing is computed), or one of Thunder's checks of an
+      op's operands refused them (meta tensors do not check dtypes; Thunder does).
+    * ``CaptureError``: eager PyTorch runs the module with these arguments, Thunder cannot trace
+      it (an op it cannot differentiate or interpret): the module is what nvtp cannot take.
+
+    Each names the module, the arguments, the op and the model's source line when they can be
+    told. None when the failure is inside nvtp's own tracer (a bug, re-raised as it is) or is
+    already one of nvtp's errors."""
+    from nvtp.errors import InputError, bad_input_types
+
+    if isinstance(error, bad_input_types()):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    thunder_dir, torch_dir, frontend_dir = _package_dir("thunder"), _package_dir("torch"), os.path.dirname(__file__)
+    if frames and os.path.abspath(frames[-1].filename).startswith(frontend_dir + os.sep) and len(frames) > 1:
+        return None  # raised by nvtp's executor or translators themselves
+    library = (thunder_dir, torch_dir, frontend_dir)
+    name = type(module).__name__
+    given = _describe_args(module, args, kwargs)
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+        eager = None
+    except Exception as e:  # noqa: BLE001 - any failure of eager PyTorch says the arguments do not fit
+        eager = e
+    if eager is not None and not (isinstance(eager, NotImplementedError) or "meta" in str(eager).lower()):
+        at = _where(traceback.extract_tb(eager.__traceback__), library)
+        return InputError(f"{name}.forward does not accept {given}: eager PyTorch fails too{' at ' + at if at else ''}: "
+                          f"{type(eager).__name__}: {_first_line(eager)}; pass arguments of the shapes and dtypes the module expects")
+    op = _op(error, frames, thunder_dir, torch_dir)
+    at = _where(frames, library)
+    where = (f" in {op}" if op else "") + (f" at {at}" if at else "")
+    if frames and os.path.basename(frames[-1].filename) in _THUNDER_CHECKS and isinstance(error, (RuntimeError, ValueError, TypeError)):
+        return InputError(f"{name}.forward does not accept {given}: Thunder's check{where} refused them: {_first_line(error)}; "
+                          "pass arguments of the shapes and dtypes the module expects")
+    hint = "rewrite that part of the model with operations Thunder supports"
+    mha = [n or "(the module itself)" for n, m in module.named_modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    if mha and ("multi_head_attention" in str(error) or any(f.filename.endswith(os.path.join("modules", "activation.py")) for f in frames)):
+        hint = (f"nn.MultiheadAttention ({', '.join(mha)}) is such a part: write the attention with your own q, k, v and output "
+                "nn.Linear projections and F.scaled_dot_product_attention (as nvtp.models.gpt does), which nvtp traces and shards")
+    return CaptureError(f"Thunder cannot trace {name}.forward{where}: {type(error).__name__}: {_first_line(error)}. Eager PyTorch "
+                        f"runs the module with these arguments ({given}), so it is the module nvtp cannot take, not the arguments: "
+                        f"{hint}")
 
 
 def forward_inputs(fusion: Fusion, named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
