@@ -314,16 +314,15 @@ def test_nvfuser_holds_the_device_axes_nvtp_chose(tiny_files, tmp_path):
     domain: deviceIdx.x sits exactly on the axis nvtp split, and nowhere else."""
     import re
 
-    from nvtp.execute.nvfuser import build_definition
+    from nvtp.dump.sharded import write_sharded
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
     from nvtp.sharding.schedule import device_axis
 
     sharded = shard(dump.load(tiny_files[0]).fusion, "megatron", DeviceMesh.of_size(4))
     out = tmp_path / "s.py"
-    from nvtp.dump.sharded import write_sharded
-
     write_sharded(sharded, out, "test")
-    d = dump.load(out)
-    fd = build_definition(d.fusion, d.schedule)
+    fd = build_from_text(out.read_text(), str(out))  # nvFuser reads the file nvtp wrote, as its users do
+    assert compare_definition(dump.load(out).fusion, fd) == []
     producers = sharded.fusion.producers()
     checked = 0
     for name, tv in fd.nvtp_values.items():
@@ -348,13 +347,14 @@ def test_reduce_scatter_lowers_to_one_nvfuser_tensor_with_both_device_axes(tiny_
     """nvFuser's reduce-scatter: the producer splits its reduction axis and the sequence axis
     over the devices (NVIDIA/Fuser's test_linear_reduce_scatter); the `set` after it is a copy."""
     from nvtp.dump.sharded import from_dump, write_sharded
-    from nvtp.execute.nvfuser import build_definition
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
 
     sharded = shard(dump.load(tiny_files[0]).fusion, "megatron-sp", DeviceMesh.of_size(2))
     out = tmp_path / "sp.py"
     write_sharded(sharded, out, "test")
     d = dump.load(out)
-    fd = build_definition(d.fusion, d.schedule)
+    fd = build_from_text(out.read_text(), str(out))
+    assert compare_definition(d.fusion, fd) == []
     scattered = [s for s in from_dump(d).set_steps.values() if s.kind == "reduce_scatter"]
     assert len(scattered) == 2
     for step in scattered:
@@ -387,13 +387,14 @@ def test_nvfuser_holds_the_device_axes_of_the_gpt3_backward(gpt3, plan):
     import re
 
     from nvtp.dump.sharded import format_sharded
-    from nvtp.execute.nvfuser import build_definition
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
     from nvtp.ir.parser import parse
     from nvtp.sharding.schedule import device_axis
 
     _, sharded = shard_pair(*gpt3, plan, DeviceMesh.of_size(4))
-    d = parse(format_sharded(sharded, []))
-    fd = build_definition(d.fusion, d.schedule)
+    text = format_sharded(sharded, [])
+    fd = build_from_text(text)
+    assert compare_definition(parse(text).fusion, fd) == []
     producers = sharded.fusion.producers()
     checked = 0
     for name, tv in fd.nvtp_values.items():
@@ -423,7 +424,7 @@ def test_a_whole_gpt_shards_for_nvfuser_with_replicated_embeddings(whole_gpt_cap
     leaves the embedding table whole (the reference target splits it along the vocabulary); the
     sharded fusions lower to nvFuser with their schedule and compute the single-device result."""
     from nvtp.dump.sharded import format_sharded
-    from nvtp.execute.nvfuser import build_definition, compare_definition
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
     from nvtp.ir.parser import parse
 
     c = whole_gpt_capture
@@ -432,7 +433,9 @@ def test_a_whole_gpt_shards_for_nvfuser_with_replicated_embeddings(whole_gpt_cap
     assert by_label(c.forward, fwd)["wte.weight"] == Replicate()
     assert by_label(c.forward, shard_pair(c.forward, None, plan, mesh, target="reference")[0])["wte.weight"] == Shard(0)
     for sharded in (fwd, bwd):
-        d = parse(format_sharded(sharded, []))
-        assert compare_definition(d.fusion, build_definition(d.fusion, d.schedule)) == []
+        text = format_sharded(sharded, [])
+        fd = build_from_text(text)  # what nvFuser builds from the sharded file's text
+        assert compare_definition(parse(text).fusion, fd) == []
+        assert "ideviceIdx.x" in fd.fusion.print_math()
     check_simulated(fwd)
     check_simulated(bwd)

@@ -522,20 +522,20 @@ def execute_sharded(sharded, local_inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Run this rank's part of a sharded fusion with nvFuser's multidevice executor.
 
     One process per GPU, launched by ``mpirun`` or ``torchrun`` (nvFuser's Communicator reads
-    their environment); ``local_inputs`` are this rank's shards. The definition is built from the
-    sharded dump's text, so what runs is exactly what ``nvtp shard`` writes: the fusion with its
-    resharding ``set`` ops and its device schedule. Raises at once without a GPU.
+    their environment); ``local_inputs`` are this rank's shards. nvFuser builds the definition
+    from the sharded dump's text (``build_from_text``: nvtp's parser checks it, then only its
+    function definition runs, in nvfuser_direct), so what runs is exactly what ``nvtp shard``
+    writes: the fusion with its resharding ``set`` ops and its device schedule. Raises at once
+    without a GPU.
     """
     if not torch.cuda.is_available():
         raise RuntimeError(NO_GPU_MESSAGE)
     import nvfuser_direct
 
     from nvtp.dump.sharded import format_sharded
-    from nvtp.ir.parser import parse
     from nvtp.sharding.placements import local_shape
 
-    dump = parse(format_sharded(sharded, []))
-    fd = build_definition(dump.fusion, dump.schedule)
+    fd = build_from_text(format_sharded(sharded, []), f"<{sharded.fusion.name} sharded over {sharded.mesh.size} devices>")
     rank = nvfuser_direct.multidevice.Communicator.instance().rank()
     device = torch.device("cuda", rank % torch.cuda.device_count())
     prepared = []
