@@ -37,14 +37,15 @@ def _world() -> tuple[int, int, int]:
 
 
 def _program(direction: str, layout: str, d: int, rank: int):
-    """The fusion to run on this rank, its nvFuser definition and this rank's inputs (on its GPU)."""
+    """The fusion to run on this rank, its nvFuser definition, this rank's inputs (on its GPU)
+    and the (shape, dtype) each output must have on this rank (its shard when sharded)."""
     from nvtp import dump
     from nvtp.dump.sharded import format_sharded
     from nvtp.execute import spmd
     from nvtp.execute.nvfuser import build_definition, prepare_inputs
     from nvtp.ir.parser import parse
     from nvtp.sharding.pipeline import shard_pair
-    from nvtp.sharding.placements import DeviceMesh
+    from nvtp.sharding.placements import DeviceMesh, local_shape
 
     fwd = dump.load(ROOT / "fusions/nanogpt_gpt3_bf16_fwd.py").fusion
     bwd = dump.load(ROOT / "fusions/nanogpt_gpt3_bf16_bwd.py").fusion
@@ -52,13 +53,15 @@ def _program(direction: str, layout: str, d: int, rank: int):
     if layout == "single":
         fusion = fwd if direction == "forward" else bwd
         whole = dump.random_inputs(fusion, seed=0)
-        return fusion, build_definition(fusion), prepare_inputs(fusion, whole, device)
+        expected = [(tuple(v.shape), v.dtype.torch) for v in fusion.outputs]
+        return fusion, build_definition(fusion), prepare_inputs(fusion, whole, device), expected
     sf, sb = shard_pair(fwd, bwd, "megatron", DeviceMesh.of_size(d))  # target nvfuser: partial sums resolved where made
     sharded = sf if direction == "forward" else sb
     dumped = parse(format_sharded(sharded, []))
     whole = dump.random_inputs(sharded.source, seed=0)  # the same on every rank; each keeps its shards
     local = [x.to(device).contiguous() if isinstance(x, torch.Tensor) else x for x in spmd.local_inputs(sharded, whole, rank)]
-    return sharded.fusion, build_definition(dumped.fusion, dumped.schedule), local
+    expected = [(tuple(local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)), v.dtype.torch) for v in sharded.fusion.outputs]
+    return sharded.fusion, build_definition(dumped.fusion, dumped.schedule), local, expected
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
@@ -68,7 +71,7 @@ def test_gpt3_layer(benchmark, direction, layout):
     if layout == "sharded" and d < 2:
         pytest.skip("the sharded case needs 2+ processes, one per GPU: mpirun -np N pytest benchmarks/test_gpu.py")
     torch.cuda.set_device(local_rank)
-    fusion, fd, inputs = _program(direction, layout, d, rank)
+    fusion, fd, inputs, expected = _program(direction, layout, d, rank)
 
     def run():
         outs = fd.execute(inputs)
@@ -76,7 +79,9 @@ def test_gpt3_layer(benchmark, direction, layout):
         return outs
 
     outs = run()  # compiles the kernels; validate shapes and dtypes as Fuser's benchmarks do
-    assert len(outs) == len(fusion.outputs)
+    assert len(outs) == len(fusion.outputs) == len(expected)
+    for v, out, (shape, dtype) in zip(fusion.outputs, outs, expected):
+        assert (tuple(out.shape), out.dtype) == (shape, dtype), f"{v.name}: {out.dtype}{list(out.shape)}, expected {dtype}{list(shape)}"
     benchmark.group = f"gpt3 layer {direction} on GPU ({layout}, {d if layout == 'sharded' else 1} device(s))"
     benchmark.extra_info.update({"direction": direction, "layout": layout, "devices": d if layout == "sharded" else 1, "rank": rank,
                                  "gpu": torch.cuda.get_device_name(), "mpi_world": os.environ.get("OMPI_COMM_WORLD_SIZE")})
