@@ -152,7 +152,17 @@ def _has_schedule(path: str) -> bool:
         return False
 
 
+DEMO_PLANS = ("megatron", "megatron-sp", "replicate")
+
+
 def cmd_demo(args) -> int:
+    # Bad arguments are refused once, here, before any rank starts or anything is traced: a
+    # misspelt plan name at once (before torch is even imported), a glob that names nothing or
+    # a mesh the plan cannot split as soon as the GPT is built (demo.check_job).
+    if args.plan not in DEMO_PLANS and "=" not in args.plan:
+        print(f"nvtp demo: unknown plan {args.plan!r}; use {', '.join(DEMO_PLANS)}, or an explicit plan 'glob=placement;...' "
+              "(placements S(d), S(d,k), R, colwise, rowwise)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     from nvtp import demo
 
     return demo.main(args)
@@ -200,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="the main job: train a small GPT sharded over a local CPU mesh, checked against one process")
     m.add_argument("--devices", type=_positive_int, default=4, help="processes in the local mesh (default 4)")
-    m.add_argument("--plan", default="megatron", help="megatron (default) or megatron-sp")
+    m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)
     m.add_argument("--config", default="tiny", choices=["tiny"])
     m.add_argument("--timeout", type=_seconds, default=60.0,

@@ -208,12 +208,36 @@ def run(job: TrainJob, devices: int) -> tuple[dict, dict]:
     return run_sharded(job, devices), single_process(job)
 
 
+def check_job(cfg, plan: str, devices: int, model: torch.nn.Module) -> None:
+    """Refuse, before any process starts or anything is traced, a plan the demo's GPT cannot take
+    (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split: the
+    heads, the vocabulary (vocabulary-parallel embedding) and, with sequence parallelism, the
+    sequence must divide by the number of processes. (The plan checks the same once traced; this
+    says it at once, once, instead of on every rank after tracing.)"""
+    from nvtp.sharding.plans import check_plan
+    from nvtp.sharding.propagate import ShardingError
+
+    check_plan(plan, [n for n, _ in model.named_parameters()], "the demo's GPT")
+    if plan not in ("megatron", "megatron-sp"):
+        return
+    sizes = {"heads": cfg.n_head, "vocabulary": cfg.vocab_size}
+    if plan == "megatron-sp":
+        sizes["sequence"] = cfg.seq_len
+    bad = [f"{n} {what}" if what != "vocabulary" else f"a vocabulary of {n}" for what, n in sizes.items() if n % devices]
+    if bad:
+        fits = [k for k in range(1, max(sizes.values()) + 1) if all(n % k == 0 for n in sizes.values())]
+        raise ShardingError(f"plan {plan} cannot split the demo's GPT over {devices} processes: {devices} does not divide its "
+                            f"{' and '.join(bad)}; choose --devices {', '.join(map(str, fits[:-1]))} or {fits[-1]}")
+
+
 def main(args) -> int:
     from nvtp.models import gpt
 
     d = args.devices
     cfg = gpt.config(args.config)
-    n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+    model = gpt.GPT(cfg)
+    check_job(cfg, args.plan, d, model)
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"nvtp demo: train a GPT ({cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, vocabulary {cfg.vocab_size}, "
           f"{n_params:,} parameters, fp32) sharded with plan {args.plan} over a local CPU mesh of {d} processes, "
           "and check it against one process\n", flush=True)

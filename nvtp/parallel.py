@@ -41,6 +41,7 @@ from nvtp.frontend.capture import Captured, capture
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate
+from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
 
 __all__ = ["ShardedModule", "jit", "full_tensor", "InputError"]
@@ -98,6 +99,7 @@ class ShardedModule(torch.nn.Module):
         self.check_replicas = check_replicas
         self._comm = comm
         _check_mesh(self.mesh, comm)
+        check_plan(plan, _names(module), type(module).__name__)  # an unknown plan or unmatched glob, before any tracing
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -284,6 +286,15 @@ def _all_gather_json(comm: Comm, obj: Any) -> list[Any]:
     padded[: payload.numel()] = payload
     parts = comm.all_gather(padded)
     return [json.loads(bytes(p[:n].tolist()).decode()) for p, n in zip(parts, sizes)]
+
+
+def _names(module: torch.nn.Module) -> list[str]:
+    """What a plan may name in ``module``: its parameters (tied ones under every name), buffers and arguments."""
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    try:
+        return names + list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a Python signature
+        return names
 
 
 def _check_mesh(mesh: DeviceMesh, comm: Comm | None) -> None:

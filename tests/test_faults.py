@@ -570,6 +570,43 @@ def test_the_command_line_exits_with_distinct_codes(tiny, capsys, monkeypatch):
         assert line in help_text
 
 
+def test_demo_refuses_bad_arguments_at_once_once_and_before_any_rank_starts(capsys, monkeypatch):
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "nvtp", "demo", "--plan", "megatorn"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    assert result.returncode == EXIT_BAD_INPUT and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.splitlines() == ["nvtp demo: unknown plan 'megatorn'; use megatron, megatron-sp, replicate, or an explicit "
+                                          "plan 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)"]
+    assert seconds < 5, seconds
+    from nvtp.execute import launch
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("nvtp demo started ranks before refusing its arguments")
+
+    monkeypatch.setattr(launch, "spawn", no_spawn)
+    for argv, message in [(["--devices", "3"], r"plan megatron cannot split the demo's GPT over 3 processes: 3 does not divide its "
+                                               r"4 heads and a vocabulary of 256; choose --devices 1, 2 or 4"),
+                          (["--devices", "8", "--plan", "megatron-sp"], r"plan megatron-sp cannot split .* over 8 processes: 8 does "
+                                                                        r"not divide its 4 heads; choose --devices 1, 2 or 4"),
+                          (["--plan", "mlp.c_fcc=colwise"], r"plan entry 'mlp.c_fcc' matches no parameter or module of the demo's GPT; "
+                                                            r"correct the name or glob")]:
+        code, out, err, seconds = _cli(capsys, "demo", *argv)
+        assert code == EXIT_BAD_INPUT and out == "" and len(err.splitlines()) == 1, (argv, out, err)
+        assert err.startswith("nvtp demo: ") and re.search(message, err) and seconds < 5, (argv, err, seconds)
+
+
+def test_nvtp_jit_refuses_an_unknown_plan_before_tracing():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    start = time.perf_counter()
+    with pytest.raises(ShardingError, match=r"unknown plan 'megatorn'; use megatron, megatron-sp"):
+        nvtp.jit(mlp, plan="megatorn", mesh=DeviceMesh.of_size(2), comm=_NoCollectives())
+    with pytest.raises(ShardingError, match=r"plan entry '\*.c_fc' matches no parameter or module of Sequential; .*parameters are: "
+                                            r"0.bias, 0.weight, 2.bias, 2.weight"):
+        nvtp.jit(mlp, plan={"*.c_fc": "colwise"}, mesh=DeviceMesh.of_size(2), comm=_NoCollectives())
+    assert time.perf_counter() - start < 1  # nothing was traced
+    nvtp.jit(mlp, plan={"0": "colwise", "2.weight": "rowwise"}, mesh=DeviceMesh.of_size(2), comm=_NoCollectives())  # module and parameter names
+
+
 # -- 5. replicated inputs that differ between ranks -------------------------------------------------------
 
 

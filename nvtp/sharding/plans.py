@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Replicate, Shard, _StridedShard, axis_split, make_shard
@@ -380,6 +380,30 @@ def parse_plan_text(text: str) -> dict[str, Any]:
         key, value = item.split("=", 1)
         plan[key.strip()] = parse_placement(value)
     return plan
+
+
+PLAN_NAMES = ("megatron", "megatron-sp", "replicate", "none")
+
+
+def check_plan(plan: str | Mapping[str, Any], names: Iterable[str], owner: str = "the module") -> None:
+    """Refuse, before anything is traced, a plan that cannot apply to a module whose parameters,
+    buffers and arguments are ``names``: an unknown plan name, an entry that is not a placement or
+    a style, a glob that matches no name and no module (a name's prefix before its last dot).
+    Entries naming fusion values (``T3``) are checked once the fusion exists."""
+    if isinstance(plan, str):
+        if plan in PLAN_NAMES:
+            return
+        plan = parse_plan_text(plan)
+    if not isinstance(plan, Mapping):
+        raise ShardingError(f"plan {plan!r} is neither a plan name ({', '.join(PLAN_NAMES[:3])}) nor a mapping of name globs to placements")
+    names = sorted(set(names))
+    modules = {n.rsplit(".", 1)[0] for n in names if "." in n}
+    for pattern, raw in plan.items():
+        _style(raw)
+        if re.fullmatch(r"T\d+", pattern) or any(fnmatch.fnmatchcase(n, pattern) for n in [*names, *modules]):
+            continue
+        raise ShardingError(f"plan entry {pattern!r} matches no parameter or module of {owner}; correct the name or glob (globs "
+                            f"match parameter or module names); parameters are: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''}")
 
 
 def _style(value: Any) -> str | Placement:
