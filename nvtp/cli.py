@@ -28,12 +28,17 @@ exit codes:
      unlike the compiled ones, a replay too big for this machine
   4  failure at run time: an op failed, a rank died or hung (the first to fail is named;
      the others stop within --timeout seconds), a GPU is needed
+  141  the reader of nvtp's output went away (`nvtp explain ... | head -1`): nvtp stops
+     quietly, as a command killed by SIGPIPE does (128 + 13)
 
 examples:
   nvtp demo                                   shard a GPT block over a local CPU mesh and check it
   nvtp dump --model nanogpt --config gpt2 --out fusions
   nvtp replay fusions/nanogpt_gpt2_bf16_fwd.py --check
 """
+
+
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, the status of a command a closed pipe stopped
 
 
 class Usage(Exception):
@@ -233,7 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's exit (which would print a traceback)
+        return code
+    except BrokenPipeError:
+        # The reader closed stdout (`| head -1`): no message (nobody reads it) and the exit
+        # status of a command killed by SIGPIPE, as coreutils give; stdout goes to /dev/null so
+        # Python's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except bad_input_types() as e:
         print(f"nvtp {args.command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -78,9 +78,10 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
         log: list = []
         outputs = spmd.run_rank(sharded, local, DistComm(), seed=job.seed, log=log)
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object([o.cpu() if isinstance(o, torch.Tensor) else o for o in outputs], gathered, dst=0)
+        dist.gather_object([_picklable(o) for o in outputs], gathered, dst=0)
         if rank != 0:
             return 0
+        gathered = [[_unpickled(o) for o in outs] for outs in gathered]
         held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
         whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
         collectives = [c for c in log if c.kind != "local"]
@@ -99,6 +100,28 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# torch 2.10 pickles a torch.uint64 tensor (the RNG seed and offset a dropout fusion outputs) but
+# cannot unpickle it ("UntypedStorage has no attribute 'dtype'"): such tensors travel through
+# gather_object as their int64 bit pattern and are viewed back on rank 0.
+def _picklable(x):
+    import torch
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.cpu()
+    if x.dtype == torch.uint64:
+        return ("uint64", x.view(torch.int64))
+    return x
+
+
+def _unpickled(x):
+    import torch
+
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == "uint64":
+        return x[1].view(torch.uint64)
+    return x
 
 
 def check_world(sharded, world: int) -> None:

@@ -12,7 +12,7 @@ each gradient is asked to land where its parameter lives.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from nvtp.ir.graph import Fusion, TensorValue
@@ -199,9 +199,11 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
 
 
 def shard_backward(backward: Fusion, forward: ShardedFusion, target: str = "nvfuser") -> ShardedFusion:
-    """Shard a backward fusion consistently with its sharded forward."""
+    """Shard a backward fusion consistently with its sharded forward; its ``plan`` is the forward's
+    (the backward's inputs take the placements the forward gave their values, not a plan's)."""
     inputs, hints = backward_annotations(backward, forward)
-    return shard(backward, "replicate", forward.mesh, annotations=inputs, output_hints=hints, target=target)
+    sharded = shard(backward, "replicate", forward.mesh, annotations=inputs, output_hints=hints, target=target)
+    return replace(sharded, plan=forward.plan)
 
 
 def shard_pair(forward: Fusion, backward: Fusion | None, plan: str | Mapping[str, Any], mesh: DeviceMesh,

@@ -30,6 +30,12 @@ def communication_records(sharded) -> list[dict[str, Any]]:
     return out
 
 
+def _sharded_from(sharded) -> str | None:
+    """The forward file a backward fusion was sharded from (None for a forward)."""
+    attrs = sharded.source.attrs
+    return attrs.get("forward", "its forward") if attrs.get("role") == "backward" else None
+
+
 def as_json(sharded, path: str | None = None) -> dict[str, Any]:
     tensors = {}
     for op in sharded.fusion.ops:
@@ -47,6 +53,7 @@ def as_json(sharded, path: str | None = None) -> dict[str, Any]:
     return {
         "file": path,
         "plan": sharded.plan,
+        "sharded_from": _sharded_from(sharded),
         "devices": sharded.mesh.size,
         "notes": list(sharded.annotations.notes),
         "tensors": tensors,
@@ -60,6 +67,9 @@ def as_text(sharded, path: str | None = None) -> str:
     src = sharded.source
     d = sharded.mesh.size
     lines = [f"{path or src.name}: plan {sharded.plan} on a mesh of {d} device(s)"]
+    if _sharded_from(sharded):
+        lines.append(f"  a backward fusion: sharded to match its forward ({_sharded_from(sharded)}) under plan {sharded.plan}; "
+                     "its inputs take the placements the forward gave their values")
     for note in sharded.annotations.notes:
         lines.append(f"  {note}")
     lines.append("inputs:")
