@@ -144,7 +144,7 @@ def cmd_replay(args) -> int:
         mark = "ok" if c.ok else "FAIL"
         print(f"{c.name:>10}  {c.dtype.value:>8}  {str(list(c.shape)):<20} {c.rel_error:11.3e}  {c.max_abs:11.3e}  {c.tolerance:9.0e}  {mark}")
     verdict = "passed" if report.ok else "FAILED"
-    print(f"check against a float64 evaluation: {verdict}")
+    print(f"check against an independent evaluation (eager PyTorch, float64): {verdict}")
     return EXIT_OK if report.ok else EXIT_CHECK_FAILED
 
 
@@ -190,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="directory to write the two files into")
     d.set_defaults(fn=cmd_dump)
 
-    r = sub.add_parser("replay", help="run a dump on random inputs, optionally checking it against float64")
+    r = sub.add_parser("replay", help="run a dump on random inputs, optionally checking it against eager PyTorch in float64")
     r.add_argument("file")
-    r.add_argument("--check", action="store_true", help="compare every output with a float64 evaluation")
+    r.add_argument("--check", action="store_true", help="compare every output with an independent evaluation in eager PyTorch, float64")
     r.add_argument("--backend", default="reference", choices=["reference", "nvfuser"])
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--plan", default=None, help="shard with this plan: megatron, megatron-sp, or 'glob=placement;...'")

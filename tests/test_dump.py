@@ -45,7 +45,44 @@ def test_printing_a_parsed_dump_gives_the_same_text(tiny_dumps):
 def test_replay_check_passes(tiny_dumps, capsys):
     for name in ["nanogpt_tiny_fp32_fwd.py", "nanogpt_tiny_fp32_bwd.py"]:
         assert cli.main(["replay", str(tiny_dumps / name), "--check"]) == cli.EXIT_OK
-        assert "check against a float64 evaluation: passed" in capsys.readouterr().out
+        assert "check against an independent evaluation (eager PyTorch, float64): passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op,instead", [("tanh", "sigmoid"), ("exp", "expm1"), ("rsqrt", "sqrt")])
+def test_replay_check_fails_when_a_reference_op_is_wrong(tiny_dumps, monkeypatch, capsys, op, instead):
+    """--check compares with an evaluation that shares no code with the reference backend
+    (nvtp/dump/eager.py), so a wrong op there is caught. Against the reference backend itself
+    in float64 (the check before), each of these wrong ops passed."""
+    from nvtp.execute import reference
+
+    monkeypatch.setitem(reference.IMPLS, op, reference.IMPLS[instead])
+    path = tiny_dumps / "nanogpt_tiny_fp32_fwd.py"
+    assert op in {o.kind for o in dump.load(path).fusion.ops}
+    assert cli.main(["replay", str(path), "--check"]) == cli.EXIT_CHECK_FAILED
+    out = capsys.readouterr().out
+    assert "FAIL" in out and out.rstrip().endswith("(eager PyTorch, float64): FAILED")
+
+
+def test_eager_evaluation_agrees_with_every_op_sample():
+    """The independent evaluation computes each op sample's outputs as the samples' own expected
+    values do (plain torch, written for the tests), within their tolerances."""
+    from nvtp.dump import eager
+    from tests.op_samples import SAMPLES
+
+    checked = 0
+    for s in SAMPLES:
+        if s.expected is None:
+            continue
+        inputs = s.inputs(torch.Generator().manual_seed(0))
+        got = eager.evaluate(s.build(), inputs)
+        for g, want in zip(got, s.expected(*inputs), strict=True):
+            want = torch.as_tensor(want)
+            if want.dtype.is_floating_point or want.dtype.is_complex:
+                torch.testing.assert_close(torch.as_tensor(g).to(want.dtype), want, rtol=max(s.tol, 1e-6), atol=max(s.tol, 1e-6), msg=s.name)
+            else:
+                assert torch.equal(torch.as_tensor(g).to(want.dtype), want), s.name
+        checked += 1
+    assert checked > 100
 
 
 BAD_NUMERICS = """\

@@ -3,7 +3,7 @@
 ``dump_model`` traces a model's block with Thunder (on meta tensors: nothing is computed, so a
 GPT-3 layer dumps in seconds) and writes the forward and backward fusions. ``replay`` runs a
 dump on random inputs shaped as the file records them and, with ``check``, compares every output
-with a float64 evaluation of the same fusion.
+with an independent evaluation of the same fusion in eager PyTorch, float64 (``nvtp.dump.eager``).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def check_inputs(fusion: Fusion, inputs: Sequence[Any], device: str | None = Non
 
 
 def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: bool = False, inputs: Sequence[Any] | None = None) -> ReplayReport:
-    """Run ``fusion`` on random (or given) inputs; with ``check``, compare with float64."""
+    """Run ``fusion`` on random (or given) inputs; with ``check``, compare with ``nvtp.dump.eager`` (float64)."""
     import time
 
     from nvtp.execute import reference
@@ -252,7 +252,9 @@ def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: 
         raise ValueError(f"unknown backend {backend!r}; use reference or nvfuser")
     seconds = time.perf_counter() - start
     report = ReplayReport(outputs, seconds=seconds)
-    if check:
-        expected = reference.run(fusion, inputs, seed=seed, compute_dtype=torch.float64)
+    if check:  # against an independent evaluation: eager PyTorch in float64, no reference-backend code
+        from nvtp.dump import eager
+
+        expected = eager.evaluate(fusion, inputs, seed=seed)
         report.checks = check_outputs(fusion, outputs, expected)
     return report
