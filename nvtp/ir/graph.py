@@ -167,14 +167,19 @@ class Fusion:
 
     @property
     def values(self) -> dict[str, Value]:
+        return dict(self._by_name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Value]:
+        # Cached like ``inputs``: passes look values up by name per op, so a scan would make them
+        # quadratic in the fusion's size.
         return {v.name: v for op in self.ops for v in op.outputs}
 
     def value(self, name: str) -> Value:
-        for op in self.ops:
-            for v in op.outputs:
-                if v.name == name:
-                    return v
-        raise KeyError(f"fusion {self.name} has no value named {name!r}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"fusion {self.name} has no value named {name!r}") from None
 
     def producers(self) -> dict[str, Op]:
         return {v.name: op for op in self.ops for v in op.outputs}

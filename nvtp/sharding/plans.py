@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Replicate, Shard, _StridedShard, axis_split, make_shard
-from nvtp.sharding.propagate import ShardingError, propagate_shardings, reshard_bytes
+from nvtp.sharding.propagate import ShardingError, propagate_locally, reshard_bytes
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, output_hints: Mapp
     for v in fusion.inputs:
         if isinstance(v, TensorValue) and v.name not in trial and fusion.role(v.name) != "parameter":
             trial[v.name] = REPLICATE
-    return propagate_shardings(fusion, d_mesh, trial, output_hints)
+    return propagate_locally(fusion, d_mesh, trial, output_hints)  # linear in what P's split reaches
 
 
 def _blocked_pair(fusion: Fusion, mesh: DeviceMesh, p: Projection, q: Projection, paired_on: int) -> str:

@@ -23,6 +23,7 @@ another.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -158,8 +159,15 @@ class _Propagator:
         self.decisions: dict[int, Decision] = {}
         self.requirements: list[Requirement] = []
         self._factors: dict[int, OpFactors] = {}
-        self.compute = [(i, op) for i, op in enumerate(fusion.ops) if not defines_input(op) and op.kind != "define_scalar"]
+        index = _index(fusion)
+        self.compute, self._users, self._maker, self._position = index.compute, index.users, index.maker, index.position
         self.inputs = [v.name for v in fusion.inputs if isinstance(v, TensorValue)]
+        # Positions (in ``compute``) of the ops a neighbour has told something: only these can
+        # become informed, so a sweep visits them alone and a propagation costs what it touches.
+        self.pending: set[int] = set()
+        self._touched: set[int] = set()
+        for name in list(annotations) + list(output_hints):
+            self._touch(name)
 
     def factors(self, i: int, op: Op) -> OpFactors:
         if i not in self._factors:
@@ -252,41 +260,82 @@ class _Propagator:
             if isinstance(v, TensorValue):
                 self.placement[v.name] = implied(axes, f, best, result=True)
                 self.source.setdefault(v.name, "propagated")
+                self._touch(v.name)
         for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
             want = implied(axes, f, best, result=False, position=pos)
             self.requirements.append(Requirement(i, v.name, want))
             self.hints.setdefault(v.name, []).append(want)
+            self._touch(v.name)
 
     # -- sweeps ---------------------------------------------------------------------------
 
-    def sweep(self, order, split_only: bool) -> bool:
+    def _touch(self, name: str) -> None:
+        """``name`` got a placement or a hint: its consumers and its producer may now decide."""
+        self._touched.update(self._users.get(name, ()))
+        pos = self._maker.get(name)
+        if pos is not None:
+            self._touched.add(pos)
+
+    def sweep(self, forward: bool, split_only: bool, window: tuple[int, int] | None = None) -> bool:
+        """One pass over the fusion in order (``forward``) or in reverse, deciding every op that
+        is informed when the pass reaches it. Only touched ops can be informed, so only they are
+        visited, in the order a pass over every op would visit them: the result is the plain
+        sweep's, at the cost of what the propagation touches."""
         changed = False
-        for i, op in order:
-            if i not in self.decisions and self.informed(op, split_only):
-                self.decide(i, op)
-                changed = True
+        sign = 1 if forward else -1
+        heap = [sign * pos for pos in self.pending | self._touched]
+        heapq.heapify(heap)
+        self._touched = set()
+        later: set[int] = set()
+        seen: set[int] = set()
+        while heap:
+            pos = sign * heapq.heappop(heap)
+            if pos in seen:
+                continue
+            seen.add(pos)
+            i, op = self.compute[pos]
+            if i in self.decisions or (window is not None and not window[0] <= pos <= window[1]):
+                continue
+            if not self.informed(op, split_only):
+                later.add(pos)
+                continue
+            self.decide(i, op)
+            changed = True
+            for q in self._touched:  # told something by this decision: later in this pass, or in the next
+                if sign * q > sign * pos:
+                    heapq.heappush(heap, sign * q)
+                else:
+                    later.add(q)
+            self._touched = set()
+        self.pending = later
         return changed
 
     def settle_inputs(self) -> bool:
         """Open inputs take the placement their consumers ask for (the first, by op order)."""
         changed = False
-        for name in self.inputs:
-            if name not in self.placement and self.hints.get(name):
-                wanted = [p for p in self.hints[name] if not is_partial(p)]
-                self.placement[name] = wanted[0] if wanted else REPLICATE  # inputs are never partial
-                self.source[name] = "propagated"
-                changed = True
+        for name in self._open_inputs():
+            wanted = [p for p in self.hints[name] if not is_partial(p)]
+            self.placement[name] = wanted[0] if wanted else REPLICATE  # inputs are never partial
+            self.source[name] = "propagated"
+            self._touch(name)
+            changed = True
         return changed
+
+    def _open_inputs(self) -> list[str]:
+        return [name for name in self.inputs if name not in self.placement and self.hints.get(name)]
+
+    def _to_fixed_point(self, split_only: bool, window: tuple[int, int] | None = None) -> None:
+        while True:
+            changed = self.sweep(True, split_only, window)
+            changed |= self.settle_inputs()
+            changed |= self.sweep(False, split_only, window)
+            changed |= self.settle_inputs()
+            if not changed:
+                break
 
     def run(self) -> Propagation:
         for split_only in (True, False):
-            while True:
-                changed = self.sweep(self.compute, split_only)
-                changed |= self.settle_inputs()
-                changed |= self.sweep(list(reversed(self.compute)), split_only)
-                changed |= self.settle_inputs()
-                if not changed:
-                    break
+            self._to_fixed_point(split_only)
         # Ops nothing informed (e.g. a factory feeding only outputs) run replicated.
         for i, op in self.compute:
             if i not in self.decisions:
@@ -297,12 +346,32 @@ class _Propagator:
         self.refine()
         return Propagation(self.placement, self.decisions, self.requirements, self.source)
 
-    def refine(self) -> None:
+    def run_local(self) -> Propagation:
+        """Where the annotated splits go by themselves, and what that costs up to the ops that
+        resolve them: the split phase to its fixed point, then replication settled only inside
+        the region the splits reached (plus one op past it, where a partial sum is resolved).
+        Values the region reads from outside it are taken as replicated. Linear in the size of
+        the region, not of the fusion: the plans probe one projection at a time with it."""
+        self._to_fixed_point(True)
+        positions = [self._position[i] for i in self.decisions]
+        if positions:
+            lo, hi = min(positions), max(positions)
+            for i in list(self.decisions):
+                for v in self.compute[self._position[i]][1].outputs:
+                    hi = max([hi, *self._users.get(v.name, ())])
+            self._to_fixed_point(False, (lo, hi))
+        for r in self.requirements:
+            self.placement.setdefault(r.value, REPLICATE)
+        self.refine(local=True)
+        return Propagation(self.placement, self.decisions, self.requirements, self.source)
+
+    def refine(self, local: bool = False) -> None:
         """Revisit partial sums carried through ops, now that every consumer has spoken: where the
         operand is resolved anyway for another consumer, use the resolved value instead (e.g. a
         bias gradient summed from an activation gradient that is all-reduced for the LayerNorm
         backward needs no all-reduce of its own)."""
-        for i, op in self.compute:
+        ops = self.compute if not local else [self.compute[self._position[i]] for i in sorted(self.decisions)]
+        for i, op in ops:
             dec = self.decisions.get(i)
             if dec is None or not dec.partial:
                 continue
@@ -333,6 +402,46 @@ def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[s
     for nvFuser resolve each partial sum where it is produced.
     """
     return _Propagator(fusion, mesh, annotations, output_hints or {}, partial_pass).run()
+
+
+def propagate_locally(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement],
+                      output_hints: Mapping[str, Placement] | None = None) -> Propagation:
+    """Where ``annotations``' splits reach by themselves, without settling the rest of the fusion
+    (``_Propagator.run_local``): placements of the values the splits reach and of what those ops
+    read, decisions and requirements of those ops. For probing a plan one tensor at a time in time
+    linear in what the probe touches."""
+    return _Propagator(fusion, mesh, annotations, output_hints or {}).run_local()
+
+
+@dataclass(frozen=True)
+class _Index:
+    compute: list[tuple[int, Op]]  # (op index, op) of the ops that compute, in order
+    users: dict[str, tuple[int, ...]]  # value -> positions in ``compute`` of the ops reading it
+    maker: dict[str, int]  # value -> position in ``compute`` of the op making it
+    position: dict[int, int]  # op index -> position in ``compute``
+
+
+_INDEXES: dict[int, tuple[Fusion, _Index]] = {}
+
+
+def _index(fusion: Fusion) -> _Index:
+    """Use-def index of ``fusion``, built once per fusion (the plans propagate it many times)."""
+    hit = _INDEXES.get(id(fusion))
+    if hit is not None and hit[0] is fusion:
+        return hit[1]
+    compute = [(i, op) for i, op in enumerate(fusion.ops) if not defines_input(op) and op.kind != "define_scalar"]
+    users: dict[str, list[int]] = {}
+    maker: dict[str, int] = {}
+    for pos, (_, op) in enumerate(compute):
+        for v in tensor_operands(op):
+            users.setdefault(v.name, []).append(pos)
+        for v in op.outputs:
+            maker[v.name] = pos
+    index = _Index(compute, {k: tuple(dict.fromkeys(v)) for k, v in users.items()}, maker, {i: pos for pos, (i, _) in enumerate(compute)})
+    if len(_INDEXES) >= 8:
+        _INDEXES.pop(next(iter(_INDEXES)))
+    _INDEXES[id(fusion)] = (fusion, index)
+    return index
 
 
 def partial_passes(op: Op) -> bool:

@@ -148,69 +148,78 @@ def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[s
     Requires: the output of ``insert_reshards``. Ensures: the same values on every rank, each
     op's operands still in the placements it needs, and no more bytes communicated.
     """
-    from nvtp.sharding.propagate import as_decision, implied
-    from nvtp.sharding.rules import factors_of
+    from nvtp.ir.simplify import dead_code
 
     names = fresh_names(fusion)
     changed = True
-    while changed:
-        changed = False
-        producers = fusion.producers()
-        gathers = {(s.value, s.dst): r for r, s in made.items()}
-        for idx, op in enumerate(fusion.ops):
-            r = op.outputs[0].name if op.outputs else None
-            step = made.get(r) if op.kind == "set" else None
-            if step is None or axis_split(step.src) is None:
-                continue
-            v = op.arg("arg")
-            p_op = producers.get(v.name)
-            if p_op is None or p_op.kind not in _LAYOUT or len(p_op.operands) != 1 or p_op.outputs[0].name in made:
-                continue
-            u = p_op.operands[0]
-            f = factors_of(p_op)
-            dec = as_decision(f.results[0], f, step.dst, mesh.size) if axis_split(step.dst) or step.dst == placements.get(v.name) or True else None
-            if dec is None:
-                continue
-            want = implied(f.operands[0], f, dec, result=False)
-            have = placements[u.name]
-            if want == have or axis_split(have) is None:
-                continue
-            existing = gathers.get((u.name, want))
-            if existing is None and u.nbytes > v.nbytes:
-                continue
-            fusion, placements, made = _hoist(fusion, placements, made, idx, p_op, u, want, existing, names, mesh)
-            changed = True
-            break
+    while changed:  # a scan can make a gather an earlier set may share: scan again until none moves
+        ops, changed = _hoist_scan(list(fusion.ops), placements, made, names, mesh)
+        fusion = dead_code(fusion.with_ops(tuple(ops)))
     return fusion, placements, made
 
 
-def _hoist(fusion, placements, made, idx, p_op, u, want, existing, names, mesh):
-    from nvtp.ir.simplify import dead_code
+def _hoist_scan(ops: list[Op], placements, made, names, mesh) -> tuple[list[Op], bool]:
+    """One pass of ``hoist_gathers`` over ``ops`` (edited in place), in time linear in the fusion:
+    after a hoist the scan goes on from the same place, since the new gather may move up again."""
+    from nvtp.sharding.propagate import as_decision, implied
+    from nvtp.sharding.rules import factors_of
 
-    ops = list(fusion.ops)
-    set_op = ops[idx]
-    old_result = set_op.outputs[0]
-    new_ops: list[Op] = []
-    if existing is None:
-        gather = make_op("set", (u,), {}, [next(names)])
-        src = placements[u.name]
-        made[gather.outputs[0].name] = ReshardStep(u.name, src, want, (), u.nbytes, round(reshard_bytes(src, want, u.nbytes, mesh.size)))
-        placements[gather.outputs[0].name] = want
-        new_ops.append(gather)
-        gathered = gather.outputs[0]
-    else:
-        gathered = fusion.value(existing)
-    again = Op(p_op.kind, tuple((k, gathered if is_value(a) and a.name == u.name else a) for k, a in p_op.args),
-               (type(old_result)(old_result.name, old_result.shape, old_result.dtype),))
-    new_ops.append(again)
-    # The hoisted pair replaces the old set in place; its result keeps the old name.
-    ops[idx:idx + 1] = new_ops
-    del made[old_result.name]
-    # An existing gather defined later than this point must move up to here.
-    if existing is not None:
-        pos = next(i for i, o in enumerate(ops) if o.outputs and o.outputs[0].name == existing)
-        here = next(i for i, o in enumerate(ops) if o is again)
-        if pos > here:
-            g = ops.pop(pos)
-            ops.insert(here, g)
-    return dead_code(fusion.with_ops(tuple(ops))), placements, made
+    producers = {v.name: op for op in ops for v in op.outputs}
+    values = {v.name: v for op in ops for v in op.outputs}
+    gathers = {(s.value, s.dst): r for r, s in made.items()}
+    before: set[str] = set()  # values defined before position idx
+    changed = False
+    idx = 0
+    while idx < len(ops):
+        op = ops[idx]
+        r = op.outputs[0].name if op.outputs else None
+        step = made.get(r) if op.kind == "set" else None
+        hoist = None
+        if step is not None and axis_split(step.src) is not None:
+            v = op.arg("arg")
+            p_op = producers.get(v.name)
+            if p_op is not None and p_op.kind in _LAYOUT and len(p_op.operands) == 1 and p_op.outputs[0].name not in made:
+                u = p_op.operands[0]
+                f = factors_of(p_op)
+                dec = as_decision(f.results[0], f, step.dst, mesh.size)
+                if dec is not None:
+                    want = implied(f.operands[0], f, dec, result=False)
+                    have = placements[u.name]
+                    if want != have and axis_split(have) is not None:
+                        existing = gathers.get((u.name, want))
+                        if existing is not None or u.nbytes <= v.nbytes:
+                            hoist = (p_op, u, want, existing)
+        if hoist is None:
+            before.update(v.name for v in op.outputs)
+            idx += 1
+            continue
+        p_op, u, want, existing = hoist
+        new_ops: list[Op] = []
+        if existing is None:
+            gather = make_op("set", (u,), {}, [next(names)])
+            src = placements[u.name]
+            g = gather.outputs[0]
+            made[g.name] = ReshardStep(u.name, src, want, (), u.nbytes, round(reshard_bytes(src, want, u.nbytes, mesh.size)))
+            placements[g.name] = want
+            gathers[(u.name, want)] = g.name
+            producers[g.name], values[g.name] = gather, g
+            new_ops.append(gather)
+            gathered = g
+        else:
+            gathered = values[existing]
+        old_result = op.outputs[0]
+        again = Op(p_op.kind, tuple((k, gathered if is_value(a) and a.name == u.name else a) for k, a in p_op.args),
+                   (type(old_result)(old_result.name, old_result.shape, old_result.dtype),))
+        producers[old_result.name] = again
+        # The hoisted pair replaces the old set in place; its result keeps the old name.
+        ops[idx:idx + 1] = new_ops + [again]
+        old = made.pop(old_result.name)
+        if gathers.get((old.value, old.dst)) == old_result.name:
+            del gathers[(old.value, old.dst)]
+        # An existing gather defined later than this point must move up to here.
+        if existing is not None and existing not in before:
+            here = idx + len(new_ops)
+            pos = next(i for i in range(here + 1, len(ops)) if ops[i].outputs and ops[i].outputs[0].name == existing)
+            ops.insert(here, ops.pop(pos))
+        changed = True  # look at position idx again: the gather there may move up once more
+    return ops, changed

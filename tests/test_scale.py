@@ -1,0 +1,109 @@
+"""Compile time at depth: the sharding passes take time linear in the fusion's size.
+
+Deep fusions are made here by chaining copies of the GPT-3 layer's forward fusion (fusions/,
+parsed, no tracing): copy j's result feeds copy j+1's activation input, every copy has
+its own parameters (``h.j.<name>``) and keeps its own outputs saved for backward. That is the
+shape of a whole model's forward fusion, without minutes of Thunder tracing per test.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from nvtp import dump
+from nvtp.ir.graph import Fusion, Op, ValueInfo, is_value
+from nvtp.ir.verify import verify
+from nvtp.sharding.pipeline import shard
+from nvtp.sharding.placements import DeviceMesh
+
+GPT3_FWD = Path(__file__).parent.parent / "fusions" / "nanogpt_gpt3_bf16_fwd.py"
+
+
+def stack(block: Fusion, k: int) -> Fusion:
+    """``k`` copies of ``block`` in a chain: the output (the block's result) of copy j is
+    the activation input of copy j+1; parameters are per copy, labelled ``h.j.<label>``."""
+    x = next(v for v in block.inputs if block.role(v.name) == "activation")
+    y = next(v for v in block.outputs if block.role(v.name) == "output")
+    ops: list[Op] = []
+    outputs = []
+    info: dict[str, ValueInfo] = {}
+    counter = iter(range(10**9))
+    prev = None
+    for j in range(k):
+        names: dict[str, object] = {}
+        if prev is not None:
+            names[x.name] = prev
+
+        def ren(a):
+            if is_value(a):
+                return names[a.name]
+            if isinstance(a, tuple):
+                return tuple(ren(e) for e in a)
+            return a
+
+        for op in block.ops:
+            if prev is not None and op.outputs and op.outputs[0].name == x.name:
+                continue  # the activation input of every copy but the first is the previous result
+            outs = []
+            for v in op.outputs:
+                nv = replace(v, name=f"T{next(counter)}")
+                names[v.name] = nv
+                outs.append(nv)
+                old = block.info.get(v.name)
+                if old is not None and old.role == "parameter":
+                    info[nv.name] = ValueInfo("parameter", f"h.{j}.{old.label}")
+                elif old is not None and j == 0:
+                    info[nv.name] = old
+            ops.append(Op(op.kind, tuple((key, ren(a)) for key, a in op.args), tuple(outs)))
+        prev = names[y.name]
+        outputs += [names[v.name] for v in block.outputs if v is not y]  # saved for backward, per copy
+    return Fusion(tuple(ops), (*outputs, prev), name=block.name, info=info, attrs=block.attrs)
+
+
+@pytest.fixture(scope="module")
+def layer() -> Fusion:
+    return dump.load(GPT3_FWD).fusion
+
+
+def test_stacked_layers_shard_as_the_single_layer_does(layer):
+    """Every copy's weights get the single layer's placements, and the communication is the
+    single layer's times the depth (Megatron: 2 allreduces per layer forward)."""
+    mesh = DeviceMesh.of_size(8)
+    one = shard(layer, "megatron", mesh)
+    deep = stack(layer, 3)
+    verify(deep)
+    many = shard(deep, "megatron", mesh)
+    single = {layer.label(v.name): one.placement(v.name) for v in layer.inputs if layer.role(v.name) == "parameter"}
+    assert len(single) >= 12
+    for j in range(3):
+        for label, placement in single.items():
+            name = next(v.name for v in deep.inputs if deep.label(v.name) == f"h.{j}.{label}")
+            assert many.placement(name) == placement, (j, label)
+    assert [c.kind for c in one.communications] == ["allreduce", "allreduce"]
+    assert [c.kind for c in many.communications] == ["allreduce"] * 6
+
+
+def _seconds(fusion: Fusion, plan: str, mesh: DeviceMesh, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        shard(fusion, plan, mesh)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_sharding_passes_take_time_linear_in_depth(layer, plan):
+    """Four times the layers take at most ~1.6 times four times as long (quadratic passes, as
+    before each projection was probed in isolation, took 13x for 4x). Min of 3 runs each, so a
+    loaded machine does not fail it."""
+    mesh = DeviceMesh.of_size(8)
+    small, big = stack(layer, 2), stack(layer, 8)
+    ops_ratio = len(big.ops) / len(small.ops)
+    _seconds(small, plan, mesh, 1)  # warm caches (rule tables, imports)
+    ratio = _seconds(big, plan, mesh) / _seconds(small, plan, mesh)
+    assert ratio <= 1.6 * ops_ratio, f"{plan}: 8 layers took {ratio:.1f}x the time of 2 ({ops_ratio:.1f}x the ops)"
