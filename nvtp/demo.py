@@ -47,6 +47,21 @@ def rss_kib() -> int:
     return 0
 
 
+FAULT_ENV = "NVTP_INJECT_FAULT"  # "RANK:STEP:KIND" (kind kill, raise or hang): a fault in real training, for tests
+
+
+def fault_from_env() -> tuple[int, int, str] | None:
+    """The fault ``NVTP_INJECT_FAULT=RANK:STEP:KIND`` asks for (tests of failure handling run
+    ``nvtp demo`` or ``tools/train.py`` as users do, with one rank failing inside training)."""
+    text = os.environ.get(FAULT_ENV)
+    if not text:
+        return None
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in ("kill", "raise", "hang"):
+        raise ValueError(f"{FAULT_ENV}={text!r}: write RANK:STEP:KIND with KIND kill, raise or hang (e.g. 1:3:hang)")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
 def _inject(job: TrainJob, rank: int, step: int) -> None:
     if job.inject_fault is None or (job.inject_fault[0], job.inject_fault[1]) != (rank, step):
         return
@@ -87,6 +102,8 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
     from nvtp.execute.launch import init_group
     from nvtp.models import gpt
 
+    if job.inject_fault is None:
+        job.inject_fault = fault_from_env()
     if world > 1:
         init_group(rank, world, init_method, job.timeout)
     try:

@@ -516,6 +516,58 @@ def test_a_failed_rank_stops_the_others_naming_it(tmp_path, capfd, fault, world,
     assert "Traceback" not in err
 
 
+def _run_streaming(cmd: list[str], fault: str, marker: str, timeout: float = 600) -> tuple[int, str, str, float]:
+    """Run ``cmd`` with ``NVTP_INJECT_FAULT=fault``; returns its exit code, stdout, stderr and the
+    seconds from the stdout line holding ``marker`` (the last step before the fault) to its exit."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "NVTP_INJECT_FAULT": fault})
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader.start()
+    out, seen = [], None
+    for line in proc.stdout:
+        out.append(line)
+        if seen is None and marker in line:
+            seen = time.perf_counter()
+    code = proc.wait()
+    end = time.perf_counter()
+    killer.cancel()
+    reader.join()
+    assert seen is not None, "".join(out) + "".join(err)
+    return code, "".join(out), "".join(err), end - seen
+
+
+@pytest.mark.slow
+def test_a_rank_hanging_inside_demo_training_stops_the_other_naming_it():
+    """``nvtp demo`` as a user runs it; rank 1 hangs before step 3 of real training: rank 0 stops
+    after --timeout seconds naming rank 1 and the collective it never reached; exit 4."""
+    cmd = [sys.executable, "-m", "nvtp", "demo", "--devices", "2", "--steps", "4", "--timeout", "5"]
+    code, out, err, seconds = _run_streaming(cmd, "1:2:hang", "step   2/4")
+    assert code == EXIT_RUNTIME, out + err
+    assert "step   3/4" not in out and "PASSED" not in out
+    assert re.search(r"nvtp: rank 0 stopping: rank 1 failed: hung: rank 0 waited \d s in collective #\d+, which rank 1 never reached", err), err
+    assert err.rstrip().splitlines()[-1].startswith("nvtp demo: rank 1 failed: hung"), err
+    assert "Traceback" not in err
+    assert 5 <= seconds <= 5 + 10, seconds  # the timeout, then at most the launcher's 5 s grace and exiting
+
+
+@pytest.mark.slow
+def test_a_rank_raising_inside_torchrun_training_stops_the_other_naming_it():
+    from nvtp.execute.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "tools/train.py"), "--steps", "4"]
+    code, out, err, seconds = _run_streaming(cmd, "1:2:raise", "step   2/4")
+    assert code != 0 and "step   3/4" not in out, out + err
+    assert "nvtp: rank 1 failed: RuntimeError: fault injected at step 2" in err, err
+    assert "nvtp: rank 0 stopping: rank 1 failed: RuntimeError: fault injected at step 2" in err, err
+    assert seconds <= 15, seconds  # rank 0 stops within about a second; torchrun then tears down
+
+
 TORCHRUN_SCRIPT = """
 import os, signal, sys, time
 import torch
@@ -652,6 +704,7 @@ def test_a_killed_training_run_resumes_exactly_from_its_last_checkpoint(tmp_path
     assert "nvtp: rank 0 stopping: rank 1 failed: was killed by SIGKILL" in report["stop_messages"]
     assert report["resumed_from_step"] in (10, 20) and report["losses_compared"] == 40 - report["resumed_from_step"]
     assert report["losses_mismatched"] == 0
+    assert len(report["memory"]["ranks"]) == 2, report["memory"]
     for rank in report["memory"]["ranks"]:  # flat: under 2 MiB of growth after the first 10 steps
         assert rank["max_minus_min_kib_after_warmup"] < 2048, rank
 

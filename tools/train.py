@@ -26,10 +26,13 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--save-dir", default=None)
     p.add_argument("--load-dir", default=None)
+    p.add_argument("--out", default=None, help="rank 0 writes the losses and the whole final parameters here (torch.save)")
     args = p.parse_args()
+    if args.save_at is not None and not args.save_dir:
+        p.error("--save-at needs --save-dir (where to write the checkpoint)")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as tmp:
-        job = TrainJob("tiny", args.plan, args.steps, args.lr, os.path.join(tmp, "result.pt"), optimizer=args.optimizer,
+        job = TrainJob("tiny", args.plan, args.steps, args.lr, args.out or os.path.join(tmp, "result.pt"), optimizer=args.optimizer,
                        save_at=args.save_at, save_dir=args.save_dir, load_dir=args.load_dir)
         return train_worker(rank, world, None, job)
 
