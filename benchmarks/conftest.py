@@ -64,3 +64,9 @@ def _thunder_warm():
     import torch
 
     thunder.jit(lambda a: (a * 2).sum())(torch.ones(2))
+
+
+@pytest.fixture(autouse=True)
+def _load_at_start():
+    """The machine's load when each case starts, for ``harness.check_target``."""
+    harness.note_load()

@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from benchmarks.harness import Timing, record
+from benchmarks.harness import Timing, check_target, paired_ratio, record
 from benchmarks.tp_worker import Job, worker
 
 MESHES = [1, 2, 4]
@@ -56,3 +56,7 @@ def test_tensor_parallel_step(benchmark, d, tmp_path, request):
     benchmark.extra_info.update(data)
     # Both must compute the unsharded block's numbers; a wrong result is no benchmark.
     assert result["errors"]["nvtp"] <= 1e-5 and result["errors"]["dtensor"] <= 1e-5, result["errors"]
+    # The target: faster than DTensor at d = 2 and 4 (at d = 1 DTensor is plain eager: no target).
+    if d >= 2:
+        check_target(f"sharded d={d}: nvtp / DTensor step time", paired_ratio(result["seconds"], "dtensor"), 1.0, "x",
+                     own_threads=d * job.threads)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.harness import Timing, interleave, ratios, record
+from benchmarks.harness import Timing, check_target, interleave, paired_ratio, ratios, record
 from nvtp.models import gpt
 
 # (sequence length, dropout, mode, rounds): forward alone at the CPU size only, to keep the suite short
@@ -76,8 +76,21 @@ def _steps(block, impls, x, g, backward: bool):
     return {n: make(m) for n, m in impls.items()}
 
 
-@pytest.mark.parametrize("implementations,mode,rounds", [((s, p), m, r) for s, p, m, r in CASES], indirect=["implementations"],
-                         ids=[f"seq{s}-dropout{p}-{m}" for s, p, m, _ in CASES])
+# The target: nvtp's reference backend within 1.05x eager PyTorch's time on one rank (paired
+# rounds, less their noise). Knowingly missed without dropout at sequence 1024, where eager takes
+# the fused flash-attention kernel and nvtp's fp32 fusion materialises the [s, s] probabilities
+# (docs/benchmarks.md, "Why nvtp trails eager"): 1.31x measured 2026-11-21.
+TARGET = 1.05
+MISSED = {(1024, 0.0): "eager's flash attention saves no [s, s] probabilities; nvtp's fp32 fusion must (1.31x eager, measured "
+                       "2026-11-21; docs/benchmarks.md)"}
+
+
+def _case(s, p, m, r):
+    marks = [pytest.mark.xfail(strict=False, reason=MISSED[s, p])] if (s, p) in MISSED else []
+    return pytest.param((s, p), m, r, marks=marks, id=f"seq{s}-dropout{p}-{m}")
+
+
+@pytest.mark.parametrize("implementations,mode,rounds", [_case(*c) for c in CASES], indirect=["implementations"])
 def test_gpt2_block(benchmark, implementations, mode, rounds, request):
     cfg, block, impls, x, g = implementations
     benchmark.group = f"gpt2 block {mode}, one device, seq {cfg.seq_len}"
@@ -89,8 +102,10 @@ def test_gpt2_block(benchmark, implementations, mode, rounds, request):
     data = record(case, nodeid=request.node.nodeid, kind="single", mode=mode,
                   config={"n_embd": cfg.n_embd, "n_head": cfg.n_head, "seq": cfg.seq_len, "batch": cfg.batch, "dropout": cfg.dropout,
                           "dtype": "fp32", "threads": torch.get_num_threads()},
-                  timings=timings, ratios=ratios(timings))
+                  timings=timings, ratios=ratios(timings), paired_nvtp_over_eager=round(paired_ratio(samples, "eager").value, 3),
+                  target=f"nvtp/eager <= {TARGET}")
     benchmark.extra_info.update(data)
+    check_target(f"{case}: nvtp / eager", paired_ratio(samples, "eager"), TARGET, "x")
 
 
 def test_reference_backend_compiled_against_interpreted(benchmark, request):

@@ -209,9 +209,14 @@ def test_sharding_passes_are_fast(gpt3):
 
     fwd, bwd = gpt3
     shard_pair(fwd, bwd, "megatron", DeviceMesh.of_size(4))  # warm
-    start = time.perf_counter()
-    shard_pair(fwd, bwd, "megatron", DeviceMesh.of_size(4))
-    assert time.perf_counter() - start < 0.5  # the benchmark suite measures it; the target is 100 ms
+    seconds = []
+    for _ in range(3):  # the best of 3: other jobs on a shared machine only ever add time
+        start = time.perf_counter()
+        shard_pair(fwd, bwd, "megatron", DeviceMesh.of_size(4))
+        seconds.append(time.perf_counter() - start)
+    # The target, 100 ms (benchmarks/test_compile.py asserts it on the median of 15 rounds);
+    # measured on 2 cores at load 10: best 31 ms, median 51 ms, worst single call 140 ms.
+    assert min(seconds) < 0.1, f"sharding passes took {1000 * min(seconds):.0f} ms at best of 3; the target is 100 ms"
 
 
 # -- sharded runs equal the single-device run ---------------------------------------------------
