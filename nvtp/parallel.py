@@ -54,6 +54,7 @@ class _Compiled:
     captured: Captured
     arg_names: list[str]
     signature: tuple
+    program: Any = None  # the FX route's Program (nvtp.frontend.fx): how calls and outputs map onto the fusions
 
     @cached_property
     def traced_args(self) -> list[str]:
@@ -90,8 +91,15 @@ class ShardedModule(torch.nn.Module):
     """``module`` sharded over ``mesh`` by ``plan``; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
-                 comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False):
+                 comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
+                 frontend: str = "auto"):
         super().__init__()
+        from nvtp.frontend import fx
+
+        if frontend not in ("auto", "fx", "thunder"):
+            raise ValueError(f"frontend must be 'auto', 'fx' or 'thunder', not {frontend!r}")
+        # The FX route (dynamo's graph, then Thunder) for transformers models; thunder.jit for the rest.
+        self._fx = frontend == "fx" or (frontend == "auto" and fx.wants_fx(module))
         self.module = module
         self.dynamic = dynamic
         self.plan = plan
@@ -131,20 +139,33 @@ class ShardedModule(torch.nn.Module):
 
     # -- compile ------------------------------------------------------------------------------
 
-    def _signature(self, args: tuple) -> tuple:
+    def _signature(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> tuple:
+        if self._fx:
+            from nvtp.frontend import fx
+
+            return (self.module.training, *fx.call_structure(args, kwargs or {}))
         sig = [self.module.training]
         for a in args:
             sig.append((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a)))
         return tuple(sig)
 
-    def _compile(self, args: tuple) -> _Compiled:
+    def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
         names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
         meta_args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
         # Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         # cannot trace it or nvtp cannot fuse an op (each naming the op and the source line).
-        captured = capture(self._meta, *meta_args)
+        program = None
+        if self._fx:  # one dynamo graph of the whole forward, traced by Thunder (nvtp/frontend/fx.py)
+            from nvtp.frontend import fx
+
+            meta_kwargs = {k: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+                           for k, a in (kwargs or {}).items()}
+            program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs)
+            names = program.arg_names + list(program.constants)  # constants travel as whole arguments
+        else:
+            captured = capture(self._meta, *meta_args)
         annotations = {}
         if self._placements:  # a new input shape: keep the parameters where they already are
             for v in captured.forward.inputs:
@@ -162,7 +183,7 @@ class ShardedModule(torch.nn.Module):
                 if label.startswith("grad(") and label[5:-1] in names:
                     grad_hints[v.name] = REPLICATE
             backward = shard(captured.backward, "replicate", self.mesh, annotations=inputs, output_hints=grad_hints, target="reference")
-        compiled = _Compiled(forward, backward, captured, names, self._signature(args))
+        compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
         self._shard_parameters(forward)
         return compiled
 
@@ -188,24 +209,41 @@ class ShardedModule(torch.nn.Module):
 
     # -- run ----------------------------------------------------------------------------------
 
-    def compile(self, *args) -> "ShardedModule":
+    def compile(self, *args, **kwargs) -> "ShardedModule":
         """Trace and shard for arguments like ``args`` now (the parameters become shards), without
         running anything: before loading a checkpoint, or to fail fast on a bad plan."""
-        self._compiled_for(args)
+        if kwargs and not self._fx:
+            args, kwargs = _positional(self.module, args, kwargs), {}
+        self._compiled_for(args, kwargs)
         return self
 
-    def _compiled_for(self, args: tuple) -> _Compiled:
-        key = self._signature(args)
+    def share_compiled(self, other: "ShardedModule") -> "ShardedModule":
+        """Take ``other``'s traced and sharded programs instead of tracing again: ``other`` is the
+        same model with the same plan and mesh on another rank (a simulated mesh, one module per
+        rank in one process). This rank's parameters become its shards."""
+        for key, compiled in other._compiled.items():
+            self._compiled[key] = compiled
+            self._shard_parameters(compiled.forward)
+        return self
+
+    def _compiled_for(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
+        key = self._signature(args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
-            self._check_new_signature(args)
-            compiled = self._compile(args)
+            self._check_new_signature(args, kwargs)
+            compiled = self._compile(args, kwargs)
             self._compiled[key] = compiled
         return compiled
 
-    def _check_new_signature(self, args: tuple) -> None:
+    def _check_new_signature(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> None:
         """Refuse arguments unlike those compiled for (unless ``dynamic``), before any work."""
         device = next((p.device.type for p in self.module.parameters()), "cpu")
+        if self._fx:
+            from nvtp.frontend import fx
+
+            fx.check_call(type(self.module).__name__, device, args, kwargs or {},
+                          None if self.dynamic or not self._compiled else next(iter(self._compiled.values())).signature[1:])
+            return
         names = list(inspect.signature(self.module.forward).parameters)
         if len(args) > len(names):
             raise InputError(f"{type(self.module).__name__}.forward takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
@@ -223,8 +261,11 @@ class ShardedModule(torch.nn.Module):
                 raise InputError("the module was compiled in " + ("training" if have.signature[0] else "eval")
                                  + " mode; switch back, or nvtp.jit(..., dynamic=True) to compile each mode")
 
-    def forward(self, *args):
-        compiled = self._compiled_for(args)
+    def forward(self, *args, **kwargs):
+        if kwargs and not self._fx:  # model(idx, targets=t): the thunder.jit route takes positions
+            args = _positional(self.module, args, kwargs)
+            kwargs = {}
+        compiled = self._compiled_for(args, kwargs)
         self.last = compiled
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
@@ -235,12 +276,15 @@ class ShardedModule(torch.nn.Module):
                 named[label] = params[label]
             elif label in buffers:
                 named[label] = buffers[label]
-        user = dict(zip(compiled.arg_names, args))
+        program = compiled.program
+        user = program.bind(args, kwargs) | program.constants if program else dict(zip(compiled.arg_names, args))
         if self.check_replicas and self.mesh.size > 1:
             self._check_replicas(named, user)
         tensors = [named[k] for k in named] + [user[k] for k in compiled.traced_args]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         outs = _Run.apply(self, compiled, list(named), seed, *tensors)
+        if program:
+            return program.rebuild(outs)  # the model's own output object (e.g. CausalLMOutputWithPast)
         return outs[0] if len(outs) == 1 else outs
 
 
@@ -286,6 +330,19 @@ def _all_gather_json(comm: Comm, obj: Any) -> list[Any]:
     padded[: payload.numel()] = payload
     parts = comm.all_gather(padded)
     return [json.loads(bytes(p[:n].tolist()).decode()) for p, n in zip(parts, sizes)]
+
+
+def _positional(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    """``args`` and ``kwargs`` as positional arguments of ``module.forward`` (defaults filled in up to the last given)."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(f"{type(module).__name__}.forward: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise InputError(f"{type(module).__name__}.forward: keyword-only arguments ({', '.join(bound.kwargs)}) "
+                         "are not supported on the thunder.jit route; pass them positionally")
+    return bound.args
 
 
 def _names(module: torch.nn.Module) -> list[str]:
@@ -356,12 +413,18 @@ class _Run(torch.autograd.Function):
         b = bwd.source
         local_grads = []
         grad_inputs = [v for v in b.inputs if b.role(v.name) == "grad"]
+        f = compiled.forward.source
+        by_output = dict(zip((v.name for v in f.outputs if f.role(v.name) == "output"), grads))
+        if all(b.info[v.name].source in by_output for v in grad_inputs):  # each output's own gradient
+            grads = [by_output[b.info[v.name].source] for v in grad_inputs]
         for v, g in zip(grad_inputs, grads):
             g = torch.zeros(v.shape, dtype=v.dtype.torch) if g is None else g.detach()
             local_grads.append(spmd.shard_tensor(g, bwd.placement(v.name), bwd.mesh, ctx.module.rank))
         from nvtp.frontend.capture import backward_inputs
 
         params = {label: ctx.named[label].detach() for label in ctx.param_labels}
+        f = compiled.forward.source  # inputs the backward reads by label that are not parameters (the FX
+        params |= {f.label(v.name): ctx.values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
         inputs = backward_inputs(b, params, ctx.values, local_grads)
         outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
         by_label = {b.label(v.name): t for v, t in zip(b.outputs, outs)}
@@ -373,13 +436,17 @@ class _Run(torch.autograd.Function):
 
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
-        comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False) -> ShardedModule:
+        comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
+        frontend: str = "auto") -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
     seconds a rank waits for a silent peer before the watchdog stops it (None: no watchdog).
-    ``check_replicas``: before each call, check that replicated inputs agree across ranks."""
-    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas)
+    ``check_replicas``: before each call, check that replicated inputs agree across ranks.
+    ``frontend``: how the model is traced: "thunder" (``thunder.jit``), "fx" (TorchDynamo's graph
+    of the whole forward, then Thunder: ``nvtp/frontend/fx.py``), or "auto": "fx" for Hugging
+    Face transformers models, "thunder" otherwise."""
+    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,7 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
     # needs a gradient), the output itself.
     output = result.get("output") if isinstance(result, dict) else result
     user_outputs = {p.name for p in tree_flatten(output)[0] if hasattr(p, "name")}
+    tensor_outputs = [p.name for p in tree_flatten(output)[0] if hasattr(p, "name") and hasattr(p, "shape")]
 
     f = fwd.fusion
     info: dict[str, ValueInfo] = {}
@@ -92,13 +93,18 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
     if bwd is not None:
         b = bwd.fusion
         binfo: dict[str, ValueInfo] = {}
+        # Cotangent i is the gradient of the forward's i-th tensor output: its source says which
+        # forward value that is, so a model with several outputs (loss, logits) gets each its own.
+        cotangents = bwd.extra.get("cotangents", [])
+        cotangent_of = dict(zip(cotangents, (proxy_to_fwd_value.get(p, "") for p in tensor_outputs))) \
+            if len(cotangents) == len(tensor_outputs) else {}
         for v, proxy in zip(b.inputs, bwd.input_proxies):
             if proxy in params:
                 binfo[v.name] = ValueInfo("parameter", params[proxy])
             elif proxy in proxy_to_fwd_value:
                 binfo[v.name] = ValueInfo("saved", "", proxy_to_fwd_value[proxy])
             else:
-                binfo[v.name] = ValueInfo("grad", "grad(y)")
+                binfo[v.name] = ValueInfo("grad", "grad(y)", cotangent_of.get(proxy, ""))
         bret = _flat(bwd_trace_return(bwd))  # one entry per forward flat arg; None where no gradient
         grads_of = {}
         for proxy_name, arg in zip(bret, flat_args):
@@ -108,6 +114,16 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
             binfo.setdefault(v.name, ValueInfo("grad", f"grad({grads_of[proxy]})" if proxy in grads_of else ""))
         backward = replace(b, info=binfo, attrs={**b.attrs, "role": "backward"})
     return forward, backward
+
+
+def _cotangents(trace) -> list[str]:
+    """The backward trace's incoming gradients, in the order of the forward's tensor outputs."""
+    from thunder.core.prims import PrimIDs
+
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents":
+            return [getattr(o, "name", None) for o in bsym.output]
+    return []
 
 
 def bwd_trace_return(bwd: FusionCallable) -> list:
@@ -161,6 +177,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
     if bwd:
         bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
+        bwd[0].extra["cotangents"] = _cotangents(bwd_traces[-1])
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
     return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))
 

@@ -37,6 +37,12 @@ class Projection:
     weight: str
     bias: str | None
     split_factor: int  # > 1 for fused projections
+    out_axis: int = 0  # the weight's axis of output features: 0 for linear ([out, in]), 1 for x @ W ([in, out])
+
+    @property
+    def in_axis(self) -> int:
+        """The weight's axis of input (contracted) features, split in a row-parallel projection."""
+        return 1 - self.out_axis
 
 
 @dataclass
@@ -51,24 +57,52 @@ class Annotations:
 
 
 def projections(fusion: Fusion) -> list[Projection]:
+    """Every ``linear`` whose weight is a fusion input, and every ``matmul(x, W)`` whose ``W`` is
+    a 2-D fusion input (``x @ W``, weight ``[in, out]``: GPT-2's ``Conv1D``, whose bias is the
+    ``add`` of a broadcast 1-D input that follows)."""
     inputs = {v.name for v in fusion.inputs}
     consumers = fusion.consumers()
+    producers = fusion.producers()
     found = []
     for i, op in enumerate(fusion.ops):
-        if op.kind != "linear":
-            continue
-        w, b = op.arg("arg2"), op.arg("bias")
-        if w.name not in inputs or w.ndim != 2:
-            continue
-        found.append(Projection(i, op, w.name, b.name if b is not None and b.name in inputs else None, fused_parts(op, consumers)))
+        if op.kind == "linear":
+            w, b = op.arg("arg2"), op.arg("bias")
+            if w.name not in inputs or w.ndim != 2:
+                continue
+            found.append(Projection(i, op, w.name, b.name if b is not None and b.name in inputs else None, fused_parts(op, consumers)))
+        elif op.kind == "matmul":
+            w = op.arg("arg2")
+            if w.name not in inputs or w.ndim != 2 or op.arg("arg1").ndim < 2:
+                continue
+            bias, out = _matmul_bias(op, inputs, consumers, producers)
+            found.append(Projection(i, op, w.name, bias, fused_parts(op, consumers, out), out_axis=1))
     return found
 
 
-def fused_parts(op: Op, consumers: Mapping[str, list[Op]]) -> int:
-    """k if the projection's output features are only read as k equal, aligned slices (fused QKV)."""
+def _matmul_bias(op: Op, inputs: set[str], consumers: Mapping[str, list[Op]], producers: Mapping[str, Op]) -> tuple[str | None, Any]:
+    """The bias of ``x @ W`` (the only consumer adds a 1-D input broadcast along the last axis) and
+    the biased output; (None, the product) without one."""
     out = op.outputs[0]
+    users = consumers.get(out.name, [])
+    if len(users) != 1 or users[0].kind != "add":
+        return None, out
+    other = next((x for x in users[0].operands if x.name != out.name), None)
+    b = producers.get(other.name) if other is not None else None
+    if b is not None and b.kind == "broadcast_in_dim" and b.operands[0].name in inputs and b.operands[0].ndim == 1 \
+            and list(b.arg("broadcast_dims")) == [out.ndim - 1]:
+        return b.operands[0].name, users[0].outputs[0]
+    return None, out
+
+
+def fused_parts(op: Op, consumers: Mapping[str, list[Op]], out: Any = None) -> int:
+    """k if the projection's output features are only read as k equal, aligned slices (fused QKV),
+    directly or after reshapes that keep the feature axis (``x @ W`` on flattened tokens)."""
+    out = op.outputs[0] if out is None else out
     n = out.shape[-1]
     users = consumers.get(out.name, [])
+    while len(users) == 1 and users[0].kind == "reshape" and users[0].outputs[0].shape[-1] == n:
+        out = users[0].outputs[0]
+        users = consumers.get(out.name, [])
     parts = set()
     for u in users:
         if u.kind != "slice":
@@ -124,11 +158,11 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     for w in vocab:
         placements[w] = Shard(0)
     for w, p in column.items():
-        placements[w] = make_shard(0, p.split_factor)
+        placements[w] = make_shard(p.out_axis, p.split_factor)
         if p.bias:
             placements[p.bias] = make_shard(0, p.split_factor)
     for w, p in row.items():
-        placements[w] = Shard(1)
+        placements[w] = Shard(p.in_axis)
     notes = [f"column-parallel {fusion.label(w)} ({'fused, ' + str(p.split_factor) + ' parts' if p.split_factor > 1 else 'split output features'})" for w, p in column.items()]
     notes += [f"row-parallel {fusion.label(w)}" for w in row]
     notes += [f"vocab-parallel {fusion.label(w)} (embedding rows split; lookups give partial sums)" for w in vocab]
@@ -180,7 +214,8 @@ def _embedding_streams(fusion: Fusion) -> list[str]:
 
 def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
     """Weights of embedding lookups (``embedding_fwd``, or ``index_select`` of rows) of token ids:
-    indices that come from a fusion input, not computed positions."""
+    indices that come from an argument of the fusion, not computed positions nor positions the
+    model holds (a buffer, or the FX route's constant position ids)."""
     inputs = {v.name for v in fusion.inputs}
     producers = fusion.producers()
 
@@ -190,7 +225,7 @@ def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
             if op is None or op.kind not in ("reshape", "cast", "set", "squeeze", "broadcast_in_dim"):
                 return False
             v = op.operands[0]
-        return True
+        return fusion.role(v.name) != "parameter"  # token ids are an argument; positions held by the model are not
 
     found = []
     for op in fusion.ops:
@@ -216,7 +251,7 @@ def _pays_to_split(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> bool:
     communicated is smaller than gathering its output would be."""
     d = mesh.size if mesh.size > 1 else 2
     w = fusion.value(p.weight)
-    if w.shape[0] % (p.split_factor * d):
+    if w.shape[p.out_axis] % (p.split_factor * d):
         return False
     prop = _trial(fusion, DeviceMesh.of_size(d), p, {v.name: REPLICATE for v in fusion.outputs if isinstance(v, TensorValue)})
     comm = sum(reshard_bytes(prop.placements[r.value], r.placement, fusion.value(r.value).nbytes, d)
@@ -231,7 +266,7 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
     Pairing is structural, so it is probed on a mesh of the mesh's size when that divides P's
     output features, else on the smallest size that does (the plan's divisibility is checked
     separately, with a message saying what to change)."""
-    features = fusion.value(p.weight).shape[0] // p.split_factor
+    features = fusion.value(p.weight).shape[p.out_axis] // p.split_factor
     sizes = [mesh.size] if mesh.size > 1 and features % mesh.size == 0 else []
     sizes += [k for k in range(2, 8) if features % k == 0]
     if not sizes:
@@ -273,7 +308,7 @@ def _blocking_factors(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> list[i
 def _trial(fusion: Fusion, d_mesh: DeviceMesh, p: Projection, output_hints: Mapping[str, Placement] | None = None):
     """Propagation with only P column-parallel (its weight and bias split along their outputs,
     the other non-parameter inputs replicated): where P's split output goes by itself."""
-    trial = {p.weight: make_shard(0, p.split_factor)}
+    trial = {p.weight: make_shard(p.out_axis, p.split_factor)}
     if p.bias:
         trial[p.bias] = make_shard(0, p.split_factor)
     for v in fusion.inputs:
@@ -466,9 +501,9 @@ def _resolve(style: str | Placement, v: TensorValue, fusion: Fusion, projs: Mapp
     weight = _weight_of(v, fusion, projs) if is_bias else projs.get(v.name)
     sf = weight.split_factor if weight is not None else 1
     if style == "colwise":
-        return make_shard(0, sf)
+        return make_shard(weight.out_axis if weight is not None and not is_bias else 0, sf)
     # rowwise: weights split along the input features, biases replicated
-    return REPLICATE if is_bias or v.ndim == 1 else Shard(1)
+    return REPLICATE if is_bias or v.ndim == 1 else Shard(weight.in_axis if weight is not None else 1)
 
 
 def _weight_of(bias: TensorValue, fusion: Fusion, projs: Mapping[str, Projection]) -> Projection | None:

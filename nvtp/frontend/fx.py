@@ -1,0 +1,331 @@
+"""The FX route: a whole model's forward as one torch.fx graph, then traced by Thunder with nvtp's executor.
+
+Thunder's interpreter (``thunder.jit`` on the module) cannot trace Hugging Face ``transformers``
+models on this stack (it fails inside the interpreter on their Python), but TorchDynamo can: it
+captures the forward as one FX ``GraphModule`` of plain torch calls, which Thunder then traces
+like any small function. ``export_program`` does the capture and makes the graph fit nvtp:
+
+1. ``torch._dynamo.export`` with static shapes captures the whole forward as one graph (no graph
+   break allowed: a break is a ``GraphBreakError`` naming it and its source line). It also gives
+   the pytree specs of the arguments (``(args, kwargs)``) and of the output (e.g. a
+   ``CausalLMOutputWithPast``), so calls take keyword arguments and return the model's own object.
+2. Parameters and buffers are ``get_attr`` nodes under dynamo's mangled names; each is renamed to
+   the model's own name (``model.layers.0.self_attn.q_proj.weight``; a tied weight under the
+   first name ``named_parameters`` gives), so plans and parameter sharding see the model's names.
+3. Nodes that depend on no argument and no parameter (position ids, causal masks, the packed-
+   sequence check of transformers' masking code) are computed once here: constant tensors become
+   inputs labelled ``nvtp_constant_N`` (replicated), constant numbers are written into the graph. So
+   integer bookkeeping such as ``cumsum`` over positions never reaches the fusion.
+4. The argument placeholders take their names from the call (``input_ids``, ``labels``), the
+   labels nvtp uses for the fusion's inputs.
+
+``trace`` then runs ``nvtp.frontend.capture.capture`` on the graph module (on meta tensors), which
+gives one forward and one backward ``Fusion`` or raises ``CaptureError`` naming each op nvtp
+cannot fuse: nothing falls back to eager silently, since nvtp runs only its own fusions.
+
+Which route ``nvtp.jit`` takes: ``wants_fx`` picks this one for ``transformers`` models (any
+class in the module's MRO defined in a ``transformers`` package); nvtp's own models and plain
+``nn.Module`` blocks keep the ``thunder.jit`` route, which needs no dynamo and keeps Thunder's
+source lines. ``nvtp.jit(..., frontend="fx" | "thunder")`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from nvtp.errors import InputError
+from nvtp.frontend.capture import CaptureError, Captured, capture
+
+
+class GraphBreakError(CaptureError):
+    """TorchDynamo could not capture the whole forward as one graph; names the break and its line."""
+
+
+def wants_fx(module: torch.nn.Module) -> bool:
+    """True for models the FX route is for: any class of a ``transformers`` package in the MRO."""
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(module).__mro__)
+
+
+@dataclass
+class Program:
+    """One exported forward: the graph module Thunder traces and how calls map onto it."""
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    arg_names: list[str]                 # one per flat argument leaf: the placeholder's name
+    constants: dict[str, torch.Tensor]   # label -> value (whole, on the CPU)
+    export_seconds: float = 0.0
+    output_map: list[Any] = field(default_factory=list)  # per output leaf: ("out", i) or ("const", v)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by placeholder name (the labels of the fusion's argument inputs)."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise ValueError(f"the call's arguments {spec} differ from the exported ones {self.in_spec}")
+        return dict(zip(self.arg_names, leaves))
+
+    def rebuild(self, outputs: tuple) -> Any:
+        """The model's own output object (e.g. ``CausalLMOutputWithPast``) from the fusion's user outputs."""
+        leaves = [outputs[i] if kind == "out" else i for kind, i in self.output_map]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def call_structure(args: tuple, kwargs: dict) -> tuple:
+    """What a compiled program depends on in a call: every leaf's kind, shape and dtype, and the keys."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    sig = []
+    for a in leaves:
+        sig.append((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a)))
+    return (str(spec), *sig)
+
+
+def check_call(model: str, device: str, args: tuple, kwargs: dict, compiled: tuple | None) -> None:
+    """Refuse a call before any work: a tensor on another device than the parameters, or (when
+    ``compiled`` holds the structure compiled for and the module is not dynamic) another structure."""
+    paths = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    for path, a in paths:
+        if isinstance(a, torch.Tensor) and a.device.type != device:
+            raise InputError(f"{model}: argument {_path_name(path)} is on {a.device}, the model's parameters on {device}; "
+                             f"move it with .to({device!r})")
+    if compiled is not None:
+        new = call_structure(args, kwargs)
+        if new != compiled:
+            raise InputError(f"{model} was compiled for a call {_describe_call(compiled)}, got {_describe_call(new)}; "
+                             "pass the same arguments, shapes and dtypes, or nvtp.jit(..., dynamic=True) to compile each new one")
+
+
+def _path_name(path) -> str:
+    keys = path[1:] if path and getattr(path[0], "idx", None) in (0, 1) else path
+    return "".join(f"[{k.idx}]" if hasattr(k, "idx") else f"{k.key}" for k in keys) or "?"
+
+
+def _describe_call(structure: tuple) -> str:
+    spec, *leaves = structure
+    parts = [f"{str(d).replace('torch.', '')}{list(s)}" if d != "value" else s for s, d, *_ in
+             [(leaf[0], leaf[1]) if leaf[0] != "value" else (leaf[1], "value") for leaf in leaves]]
+    return f"with leaves ({', '.join(parts)})"
+
+
+# -- torch calls Thunder runs only opaquely, written as the ops they are ---------------------------
+# Thunder 0.2.6 has no decomposition for these (they run as "default torch ops", outside any
+# fusion); each is replaced in the graph by the torch calls it computes, which Thunder traces to
+# prims. Add an entry here when capture names an op with no prims (e.g. GPT-2's Conv1D: addmm).
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    product = torch.matmul(mat1, mat2)
+    product = product if alpha == 1 else product * alpha
+    return product + (input if beta == 1 else input * beta)
+
+
+def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
+    return _addmm(input, batch1, batch2, beta=beta, alpha=alpha)
+
+
+DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm}
+_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm}
+
+
+def _decompose(g: fx.Graph) -> None:
+    for node in g.nodes:
+        if node.op == "call_function" and node.target in DECOMPOSITIONS:
+            node.target = DECOMPOSITIONS[node.target]
+        elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
+            node.op, node.target = "call_function", _METHOD_DECOMPOSITIONS[node.target]
+
+
+# -- capture --------------------------------------------------------------------------------------
+
+
+def _graph_break_message(module: torch.nn.Module, e: BaseException) -> str:
+    """dynamo's error reworded: what broke the graph and the user's source line, no traceback."""
+    text = str(e)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    first = re.sub(r"\s+", " ", first)
+    where = ""
+    if "from user code:" in text:
+        tail = text.split("from user code:", 1)[1]
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', tail)
+        if frames:
+            path, line, fn, code = frames[-1]
+            where = f" at {path}:{line} in {fn}: `{code.strip()}`"
+    explanation = ""
+    m = re.search(r"Explanation: (.*)", text)
+    if m:
+        explanation = f" ({m.group(1).strip()})"
+    return (f"TorchDynamo cannot capture {type(module).__name__}.forward as one graph: {first}{explanation}{where}. "
+            "nvtp needs the whole forward in one graph: remove the data-dependent Python (e.g. .item(), "
+            "print, a branch on a tensor's value) from the forward, or pass arguments that avoid it")
+
+
+def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    import torch._dynamo as dynamo
+
+    # A fresh cache: after several models in one process dynamo's recompile limit would otherwise
+    # be hit (export raises rather than falling back, but there is no reason to get near it).
+    dynamo.reset()
+    try:
+        return dynamo.export(module, assume_static_by_default=True)(*args, **kwargs)
+    except (dynamo.exc.Unsupported, dynamo.exc.UserError, dynamo.exc.TorchRuntimeError,
+            dynamo.exc.InternalTorchDynamoError, NotImplementedError) as e:
+        raise GraphBreakError(_graph_break_message(module, e)) from None
+
+
+_RANDOM = re.compile(r"rand|dropout|bernoulli|normal|multinomial|uniform|seed", re.I)
+
+
+def _is_constant_foldable(node: fx.Node) -> bool:
+    if node.op != "call_function" and node.op != "call_method":
+        return False
+    name = getattr(node.target, "__name__", str(node.target))
+    return not _RANDOM.search(name) and node.target is not torch._C._set_grad_enabled
+
+
+def _on_cpu(x: Any) -> Any:
+    """Arguments of a constant computation with the meta device (the model was exported on meta) made CPU."""
+    if isinstance(x, torch.device) and x.type == "meta":
+        return torch.device("cpu")
+    if isinstance(x, str) and x == "meta":
+        return "cpu"
+    return x
+
+
+def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Compute the nodes that depend on no placeholder and no parameter; write numbers into the
+    graph and turn tensors into ``get_attr`` inputs. Returns the constant tensors by label."""
+    g = gm.graph
+    known: dict[fx.Node, Any] = {}
+    for node in g.nodes:
+        if node.op == "get_attr" and node.target in values:
+            known[node] = values[node.target]
+            continue
+        if not _is_constant_foldable(node):
+            continue
+        if not all(a in known for a in node.all_input_nodes):
+            continue
+        args = fx.node.map_arg(node.args, lambda n: known[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: known[n])
+        args = pytree.tree_map(_on_cpu, args)
+        kwargs = pytree.tree_map(_on_cpu, kwargs)
+        try:
+            if node.op == "call_method":
+                known[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                known[node] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - not foldable here: it stays in the graph for Thunder
+            continue
+    constants: dict[str, torch.Tensor] = {}
+    for node in list(g.nodes):
+        if node not in known or node.op == "get_attr":
+            continue
+        users = [u for u in node.users if u not in known]
+        if not users:
+            continue
+        value = known[node]
+        if isinstance(value, torch.Tensor):
+            label = f"nvtp_constant_{len(constants)}"
+            constants[label] = value.detach()
+            gm.register_buffer(label, value.detach().to("meta"))
+            with g.inserting_before(node):
+                new = g.get_attr(label)
+            node.replace_all_uses_with(new)
+        elif isinstance(value, (int, float, bool, torch.dtype, torch.device, type(None))) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value)):
+            node.replace_all_uses_with(value)
+        # anything else (a tuple holding tensors) stays computed in the graph
+    g.eliminate_dead_code()
+    gm.recompile()
+    return constants
+
+
+def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
+    """Capture ``module(*args, **kwargs)`` (a meta-device module and arguments) as one graph; see
+    the module docstring. Raises ``GraphBreakError`` when dynamo cannot capture it whole."""
+    start = time.perf_counter()
+    exported = _export(module, args, kwargs)
+    gm = exported.graph_module
+    in_spec, out_spec = gm._in_spec, gm._out_spec
+
+    names: dict[int, str] = {}
+    for n, p in module.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), n)
+    for n, b in module.named_buffers(remove_duplicate=True):
+        names.setdefault(id(b), n)
+    g = gm.graph
+    attrs: dict[str, Any] = {}  # new get_attr target -> tensor (meta) for the new graph module
+    for node in g.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(node.target)(gm)
+        if id(value) in names:
+            node.target = names[id(value)]
+            attrs[node.target] = value
+        else:
+            raise CaptureError(f"{type(module).__name__}: the exported graph reads a tensor that is neither a parameter "
+                               f"nor a buffer of the model ({node.target}, {tuple(value.shape)}); nvtp cannot place it")
+
+    # Placeholders: one per leaf of (args, kwargs), named after the argument.
+    leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+    positional = [p for p in inspect.signature(module.forward).parameters]
+    leaf_names = []
+    for i, path in enumerate(pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]):
+        keys = path[0]
+        if isinstance(keys[1], pytree.SequenceKey) and keys[0].idx == 0:
+            base = positional[keys[1].idx] if keys[1].idx < len(positional) else f"arg{keys[1].idx}"
+        else:
+            base = str(keys[1].key)
+        rest = "".join(f"_{getattr(k, 'key', getattr(k, 'idx', ''))}" for k in keys[2:])
+        leaf_names.append(re.sub(r"\W", "_", base + rest))
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        raise CaptureError(f"{type(module).__name__}: the exported graph has {len(placeholders)} inputs for {len(leaves)} arguments")
+    for node, name in zip(placeholders, leaf_names):
+        node.target = name  # the signature's name (the node keeps its own, which may be taken)
+    g._codegen = fx.graph.CodeGen()  # flat arguments in, flat outputs out; the specs live in Program
+    _decompose(g)
+
+    new = fx.GraphModule(attrs, g) if attrs else fx.GraphModule(torch.nn.Module(), g)
+    # The model's buffers are state (the model is on meta here): only what depends on nothing folds.
+    constants = _fold_constants(new, {})
+    return Program(new, in_spec, out_spec, leaf_names, constants, time.perf_counter() - start)
+
+
+def trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Program, Captured]:
+    """Export ``module`` (meta) for this call and capture its forward and backward fusions."""
+    program = export_program(module, args, kwargs)
+    leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+    captured = capture(program.graph_module, *leaves)
+    program.output_map = _output_map(captured)
+    return program, captured
+
+
+def _output_map(captured: Captured) -> list[Any]:
+    """For each leaf the graph returns: which of the forward fusion's user outputs it is, or its constant value."""
+    import thunder
+
+    ret = thunder.last_traces(captured.jitted)[-1].bound_symbols[-1].args[0]
+    output = ret.get("output") if isinstance(ret, dict) else ret
+    leaves = pytree.tree_flatten(output)[0] if not isinstance(output, (tuple, list)) else list(output)
+    f = captured.forward
+    user = [p for v, p in zip(f.outputs, captured.forward_callable.output_proxies) if f.role(v.name) == "output"]
+    out = []
+    for leaf in leaves:
+        name = getattr(leaf, "name", None)
+        if name is None:
+            out.append(("const", leaf))
+        elif name in user:
+            out.append(("out", user.index(name)))
+        else:
+            raise CaptureError(f"the model returns {name}, which is not computed by the forward fusion (an argument "
+                               "returned as it is?); nvtp can return only values its fusion computes")
+    return out
