@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from nvtp.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
 
@@ -29,16 +29,14 @@ exit codes:
   4  failure at run time: an op failed, a rank died or hung (the first to fail is named;
      the others stop within --timeout seconds), a GPU is needed
   141  the reader of nvtp's output went away (`nvtp explain ... | head -1`): nvtp stops
-     quietly, as a command killed by SIGPIPE does (128 + 13)
+     quietly, as a command killed by SIGPIPE does (128 + 13); a replay on a mesh of
+     processes finishes its check silently instead and exits with the check's verdict
 
 examples:
   nvtp demo                                   shard a GPT block over a local CPU mesh and check it
   nvtp dump --model nanogpt --config gpt2 --out fusions
   nvtp replay fusions/nanogpt_gpt2_bf16_fwd.py --check
 """
-
-
-EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, the status of a command a closed pipe stopped
 
 
 class Usage(Exception):
@@ -107,11 +105,51 @@ def cmd_explain(args) -> int:
 
     from nvtp.sharding import report
 
+    if args.model or args.module:
+        return _explain_model(args)
+    if args.file is None:
+        raise Usage("give a dump FILE, or a whole model: --model nanogpt --config NAME [--layers L], or --module pkg.mod:factory")
     sharded = _load_sharded(args)
     if args.json:
         print(json.dumps(report.as_json(sharded, args.file), indent=1))
     else:
         print(report.as_text(sharded, args.file))
+    return EXIT_OK
+
+
+def _explain_model(args) -> int:
+    """``explain --model nanogpt --config C [--layers L]`` (regional: one block traced, counted L
+    times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)``; traced whole)."""
+    import importlib
+    import json
+
+    from nvtp import explain
+
+    if args.file is not None:
+        raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
+    if args.module:
+        mod_name, _, attr = args.module.partition(":")
+        if not attr:
+            raise Usage(f"--module takes pkg.mod:factory, got {args.module!r}")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise Usage(f"--module {args.module}: {e}") from None
+        made = factory()
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], __import__("torch").nn.Module)):
+            raise Usage(f"--module {args.module}: the factory must return (model, example_args), got {type(made).__name__}")
+        model, example = made
+        result = explain.plan(model, *example, plan=args.plan, devices=args.devices)
+    else:
+        from nvtp.models import gpt
+
+        try:
+            cfg = gpt.config(args.config)
+        except ValueError as e:
+            raise Usage(str(e)) from None
+        layers = args.layers or cfg.n_layer
+        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, devices=args.devices)
+    print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
     return EXIT_OK
 
 
@@ -204,13 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, helptext in [("shard", cmd_shard, "write the sharded fusion, with its device schedule, in nvFuser's format"),
                                ("explain", cmd_explain, "show each tensor's sharding and every communication with its bytes")]:
         c = sub.add_parser(name, help=helptext)
-        c.add_argument("file")
+        c.add_argument("file", nargs="?" if name == "explain" else None, default=None)
         c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
         c.add_argument("--devices", type=_positive_int, required=True)
         if name == "shard":
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
+            c.add_argument("--model", choices=["nanogpt"], help="explain a whole model instead of a dump (with --config, --layers)")
+            c.add_argument("--config", default="gpt3", help="the model's config: tiny, gpt2 or gpt3 (default gpt3)")
+            c.add_argument("--layers", type=_positive_int, default=None, help="layers (default: the config's)")
+            c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args)), traced whole")
         c.set_defaults(fn=fn)
 
     m = sub.add_parser("demo", help="the main job: train a small GPT sharded over a local CPU mesh, checked against one process")

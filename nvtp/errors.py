@@ -18,6 +18,7 @@ EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 EXIT_RUNTIME = 4
+EXIT_BROKEN_PIPE = 128 + 13  # the reader of stdout went away: the status of a command SIGPIPE stopped
 
 
 class InputError(ValueError):

@@ -254,6 +254,21 @@ def test_sharded_replay_checks_against_one_device(dtype, plan, devices):
 
 
 @pytest.mark.slow
+def test_sharded_replay_into_a_closed_pipe_finishes_its_check_quietly(cli_dump):
+    """Rank 0 failed with BrokenPipeError (exit 4, a 'rank 0 failed' message); now the rest of
+    its report goes nowhere and the exit status is the check's verdict."""
+    out, _ = cli_dump
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = run(["nvtp", "replay", str(out / "nanogpt_tiny_bf16_fwd.py"), "--plan", "megatron", "--devices", "2", "--check"],
+                   stdout=write, stderr=subprocess.PIPE, timeout=600)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.slow
 def test_sharded_replay_of_a_backward():
     """A backward dump is sharded from its forward (the file next to it) under the plan."""
     check_sharded_replay(tiny_dump("bf16", 0.1)[1], "bf16-backward", 2, "megatron-sp")

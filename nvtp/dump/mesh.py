@@ -8,6 +8,7 @@ compares them with a single-device run of the unsharded fusion.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +63,10 @@ def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
 
 
 def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
-    import torch
     import torch.distributed as dist
 
     from nvtp import dump
-    from nvtp.execute import reference, spmd
+    from nvtp.execute import spmd
     from nvtp.execute.collectives import DistComm
     from nvtp.execute.launch import init_group
 
@@ -82,24 +82,44 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
         if rank != 0:
             return 0
         gathered = [[_unpickled(o) for o in outs] for outs in gathered]
-        held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
-        whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
-        collectives = [c for c in log if c.kind != "local"]
-        print(f"{job.file}: ran on {world} processes ({dist.get_backend()}); rank 0 holds {held} of {whole_bytes} input bytes; "
-              f"{len(collectives)} collectives: {', '.join(c.kind + ' ' + c.value for c in collectives) or 'none'}")
-        if not job.check:
-            return 0
-        whole = spmd.assemble_outputs(sharded, gathered)
-        single = reference.run(sharded.source, inputs, seed=job.seed)
-        checks = dump.check_outputs(sharded.source, whole, single)
-        for c in checks:
-            print(f"  {c.name:>8} {c.dtype.value:>8} {str(list(c.shape)):22} rel. error {c.rel_error:.3e}  {'ok' if c.ok else 'FAIL'}")
-        ok = all(c.ok for c in checks)
-        print(f"check of {world} ranks against a single-device run: {'passed' if ok else 'FAILED'}")
-        return 0 if ok else 1
+        return _report_on_rank0(job, world, sharded, inputs, local, log, gathered)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _say(*args) -> None:
+    """print, except that a reader gone away (`| head -1`) silences the rest of the report instead
+    of failing the rank: the check still runs and its verdict is the exit status."""
+    try:
+        print(*args, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _report_on_rank0(job: MeshJob, world: int, sharded, inputs, local, log, gathered) -> int:
+    """Rank 0's summary and, with ``job.check``, the check of the gathered outputs (0 or 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from nvtp import dump
+    from nvtp.execute import reference, spmd
+
+    held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
+    whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
+    collectives = [c for c in log if c.kind != "local"]
+    _say(f"{job.file}: ran on {world} processes ({dist.get_backend()}); rank 0 holds {held} of {whole_bytes} input bytes; "
+          f"{len(collectives)} collectives: {', '.join(c.kind + ' ' + c.value for c in collectives) or 'none'}")
+    if not job.check:
+        return 0
+    whole = spmd.assemble_outputs(sharded, gathered)
+    single = reference.run(sharded.source, inputs, seed=job.seed)
+    checks = dump.check_outputs(sharded.source, whole, single)
+    for c in checks:
+        _say(f"  {c.name:>8} {c.dtype.value:>8} {str(list(c.shape)):22} rel. error {c.rel_error:.3e}  {'ok' if c.ok else 'FAIL'}")
+    ok = all(c.ok for c in checks)
+    _say(f"check of {world} ranks against a single-device run: {'passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
 
 
 # torch 2.10 pickles a torch.uint64 tensor (the RNG seed and offset a dropout fusion outputs) but
