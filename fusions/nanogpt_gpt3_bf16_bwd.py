@@ -8,7 +8,7 @@ nvtp_info = {
     "fusion": {"role": "backward", "model": "nanogpt", "config": "gpt3", "dtype": "bf16", "batch": "1", "seq_len": "2048", "n_embd": "12288", "n_head": "96", "dropout": "0.1", "forward": "nanogpt_gpt3_bf16_fwd.py"},
     "values": {
         "T0": {"role": "saved", "source": "T82"},
-        "T1": {"role": "grad", "label": "grad(y)"},
+        "T1": {"role": "grad", "label": "grad(y)", "source": "T127"},
         "T2": {"role": "saved", "source": "T116"},
         "T3": {"role": "parameter", "label": "mlp.c_proj.weight"},
         "T4": {"role": "parameter", "label": "mlp.c_fc.weight"},
@@ -48,7 +48,7 @@ nvtp_info = {
 
 def nvfuser_fusion_id1(fd : FusionDefinition) -> None :
     T0 = fd.define_tensor(shape=[1, 2048, 49152], contiguity=[None, True, True], dtype=DataType.BFloat16, is_cpu=False, stride_order=[2, 1, 0])  # saved (forward T82)
-    T1 = fd.define_tensor(shape=[1, 2048, 12288], contiguity=[None, True, True], dtype=DataType.BFloat16, is_cpu=False, stride_order=[2, 1, 0])  # grad grad(y)
+    T1 = fd.define_tensor(shape=[1, 2048, 12288], contiguity=[None, True, True], dtype=DataType.BFloat16, is_cpu=False, stride_order=[2, 1, 0])  # grad grad(y) (forward T127)
     T2 = fd.define_tensor(shape=[1, 2048, 12288], contiguity=[None, True, True], dtype=DataType.Bool, is_cpu=False, stride_order=[2, 1, 0])  # saved (forward T116)
     T3 = fd.define_tensor(shape=[12288, 49152], contiguity=[True, True], dtype=DataType.BFloat16, is_cpu=False, stride_order=[1, 0])  # parameter mlp.c_proj.weight
     T4 = fd.define_tensor(shape=[49152, 12288], contiguity=[True, True], dtype=DataType.BFloat16, is_cpu=False, stride_order=[1, 0])  # parameter mlp.c_fc.weight
