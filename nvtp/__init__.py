@@ -14,6 +14,10 @@ def __getattr__(name):  # keep `import nvtp` light: torch and Thunder load on fi
         from nvtp import parallel
 
         return getattr(parallel, name)
+    if name == "plan":
+        from nvtp.explain import plan
+
+        return plan
     if name in ("save_checkpoint", "load_checkpoint"):
         from nvtp import checkpoint as _ckpt
 

@@ -105,6 +105,8 @@ def cmd_explain(args) -> int:
 
     from nvtp.sharding import report
 
+    if (args.model or args.module) and args.file is not None:
+        raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
     if args.model or args.module:
         return _explain_model(args)
     if args.file is None:
@@ -125,8 +127,6 @@ def _explain_model(args) -> int:
 
     from nvtp import explain
 
-    if args.file is not None:
-        raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
     if args.module:
         mod_name, _, attr = args.module.partition(":")
         if not attr:
