@@ -214,6 +214,7 @@ def test_explain_into_a_closed_pipe_stops_quietly():
     assert (proc.returncode, proc.stderr) == (cli.EXIT_BROKEN_PIPE, "")
 
 
+@pytest.mark.slow  # the README scenario shards it too; nvtp explain on it stays in the default tier
 def test_shard_writes_the_gpt3_layer_for_4_devices(tmp_path):
     out = tmp_path / "fwd_tp4.py"
     proc = run(["nvtp", "shard", str(ROOT / "fusions" / "nanogpt_gpt3_bf16_fwd.py"), "--plan", "megatron", "--devices", "4", "--out", str(out)])
