@@ -235,9 +235,52 @@ def test_megatron_sp_d2_matches_eager(family):
 
 
 @pytest.mark.slow
-def test_llama_megatron_d4_matches_eager():
-    """4 query heads and 2 KV heads over 4 devices: each rank holds one query head; the KV heads
-    do not divide, which the plan must either handle or refuse with a message naming them."""
-    model = build("llama")
+def test_gpt2_megatron_d4_matches_eager():
+    """4 heads over 4 devices: one head per rank; the tied wte/lm_head split 4 ways."""
+    model = build("gpt2")
     worst = check_parity(model, Mesh(model, 4, "megatron", tokens(), labels=tokens()), tokens())
-    print("llama d=4 megatron", worst)
+    print("gpt2 d=4 megatron", worst)
+
+
+class _NoCollectives:
+    """A comm that fails the test if nvtp communicates."""
+
+    def __init__(self, size):
+        self.rank, self.size = 0, size
+
+    def __getattr__(self, name):
+        raise AssertionError(f"nvtp called {name} before refusing the plan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,d,match", [
+    ("llama", 4, r"self_attn.k_proj.weight .*cannot be column-parallel .*over 4 devices.*divide the outer 2"),
+    ("gpt2", 3, r"transformer.wte.weight .*vocabulary, size 256\) over 3 devices.*pad the vocabulary to a multiple of 3"),
+])
+def test_heads_or_vocabulary_that_do_not_divide_the_mesh_are_named_before_any_collective(family, d, match):
+    """2 KV heads on 4 devices; a vocabulary of 256 on 3: one error naming the weight and the fix."""
+    from nvtp.sharding.propagate import ShardingError
+
+    model = nvtp.jit(build(family), plan="megatron", mesh=DeviceMesh.of_size(d), comm=_NoCollectives(d))
+    with pytest.raises(ShardingError, match=match):
+        model(tokens(), labels=tokens())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_torchrun_training_matches_one_process_for_20_steps(family):
+    """tools/train_hf.py as a user runs it: 2 gloo processes under torchrun, 20 SGD steps, every
+    loss and the final parameters checked against one-process PyTorch by the tool (exit 1 if not)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nvtp.execute.launch import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(root / "tools/train_hf.py"), "--model", family, "--steps", "20"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step  20/20" in result.stdout and "PASSED" in result.stdout, result.stdout
+    print(result.stdout.splitlines()[-1])
