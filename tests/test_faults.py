@@ -138,6 +138,10 @@ def test_heads_that_do_not_divide_a_smaller_mesh_are_refused(three_heads, capsys
     with pytest.raises(ShardingError, match=ODD_HEADS):
         shard(three_heads[0], "megatron", DeviceMesh.of_size(2))
     assert len(shard(three_heads[0], "megatron", DeviceMesh.of_size(3)).annotations.row) == 2  # 3 divides: both pairs
+    # 32 divides the MLP's 192 features but not the attention's 48: refused, not attention left whole.
+    with pytest.raises(ShardingError, match=r"attn.c_attn.weight \(T3: Float\[144, 48\]\): axis 0 size 144 seen as \[3, 48\]: 48 cannot "
+                                            r"be split over 32 devices"):
+        shard(three_heads[0], "megatron", DeviceMesh.of_size(32))
     code, out, err, seconds = _cli(capsys, "explain", str(three_heads[1]), "--plan", "megatron", "--devices", "2")
     assert code == EXIT_BAD_INPUT and out == "" and "Traceback" not in err, err
     assert err.startswith("nvtp explain: ") and re.search(ODD_HEADS, err) and seconds < 10, err

@@ -271,16 +271,21 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
     sizes += [k for k in range(2, 8) if features % k == 0]
     if not sizes:
         return None
-    partner = _partner_on(fusion, DeviceMesh.of_size(sizes[0]), p, projs)
-    if partner is None and sizes[0] == mesh.size:
+    probe = DeviceMesh.of_size(sizes[0])
+    partner = _partner_on(fusion, probe, p, projs)
+    if partner is None:
         # Does it pair on another mesh size? Then some axis on the way (heads, KV heads) does not
-        # divide by this one, and the plan is refused rather than the pair silently dropped. The
-        # sizes tried: the factors of the outer sizes the split output is blocked at (3 heads on
-        # 2 devices: 3, a larger mesh), then the smallest divisor of the features below this one.
-        others = [k for k in _blocking_factors(fusion, mesh, p) if features % k == 0]
-        others += [k for k in sizes[1:2] if k < mesh.size]
-        for k in dict.fromkeys(k for k in others if k != mesh.size):
+        # divide by this one, and the pair is never silently dropped: on this mesh the plan is
+        # refused, saying why; probed on another size (this one does not divide the features),
+        # the pair stands and the divisibility check refuses it. The sizes tried: the factors of
+        # the outer sizes the split output is blocked at (3 heads on 2 devices: 3, a larger
+        # mesh), then the smallest divisor of the features below the probed size.
+        others = [k for k in _blocking_factors(fusion, probe, p) if features % k == 0]
+        others += [k for k in sizes[1:2] if k < probe.size]
+        for k in dict.fromkeys(k for k in others if k != probe.size):
             q = _partner_on(fusion, DeviceMesh.of_size(k), p, projs)
+            if q is not None and probe.size != mesh.size:
+                return q
             if q is not None:
                 raise ShardingError(_blocked_pair(fusion, mesh, p, q, k))
     return partner
