@@ -93,7 +93,6 @@ _BINARY = {
     "bitwise_xor": torch.bitwise_xor, "bitwise_left_shift": torch.bitwise_left_shift,
     "bitwise_right_shift": torch.bitwise_right_shift, "gcd": torch.gcd,
 }
-_SYMMETRIC = (torch.eq, torch.ne, torch.logical_and, torch.logical_or)
 _COMPARE = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
             "logical_and": torch.logical_and, "logical_or": torch.logical_or}
 
@@ -121,9 +120,8 @@ def _binary(fn):
 def _compare(fn):
     def run(st, op, a):
         lhs, rhs = _declared(a["lhs"], op.arg("lhs")), _declared(a["rhs"], op.arg("rhs"))
-        if not isinstance(lhs, torch.Tensor):  # a number compares as a weak scalar, as in torch
-            lhs, rhs = (torch.tensor(lhs), rhs) if not isinstance(rhs, torch.Tensor) else (rhs, lhs) if fn in _SYMMETRIC else (torch.tensor(lhs), rhs)
-        return fn(lhs, rhs)
+        # A number, or a 0-d tensor, does not set the precision against a tensor (torch's rule).
+        return fn(lhs if isinstance(lhs, torch.Tensor) else torch.tensor(lhs), rhs)
 
     return run
 

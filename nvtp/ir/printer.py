@@ -13,7 +13,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from nvtp.ir import ops as opstable
-from nvtp.ir.dtypes import DType
+from nvtp.ir.dtypes import DType, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
 
 INDENT = "    "
@@ -52,8 +52,6 @@ VAL_ONLY = {
 def format_argument(kind: str, name: str, value: Any) -> str:
     """``value`` as op ``kind``'s argument ``name`` in nvFuser's Python."""
     if (kind, name) in VAL_ONLY and isinstance(value, (bool, int, float, complex)):
-        from nvtp.ir.dtypes import promote
-
         return f"fd.define_scalar({format_literal(value)}, dtype={promote(value)})"
     return format_literal(value)
 
