@@ -161,7 +161,9 @@ class _Propagator:
         self._factors: dict[int, OpFactors] = {}
         index = _index(fusion)
         self.compute, self._users, self._maker, self._position = index.compute, index.users, index.maker, index.position
-        self.inputs = [v.name for v in fusion.inputs if isinstance(v, TensorValue)]
+        self.inputs = index.inputs
+        self._input_names = index.input_names
+        self._hinted_inputs: set[str] = {name for name in output_hints if name in index.input_names}
         # Positions (in ``compute``) of the ops a neighbour has told something: only these can
         # become informed, so a sweep visits them alone and a propagation costs what it touches.
         self.pending: set[int] = set()
@@ -266,6 +268,8 @@ class _Propagator:
             self.requirements.append(Requirement(i, v.name, want))
             self.hints.setdefault(v.name, []).append(want)
             self._touch(v.name)
+            if v.name in self._input_names:
+                self._hinted_inputs.add(v.name)
 
     # -- sweeps ---------------------------------------------------------------------------
 
@@ -322,7 +326,10 @@ class _Propagator:
         return changed
 
     def _open_inputs(self) -> list[str]:
-        return [name for name in self.inputs if name not in self.placement and self.hints.get(name)]
+        """Inputs with a hint and no placement yet (``decide`` records the hinted inputs)."""
+        found = [name for name in self._hinted_inputs if name not in self.placement]
+        self._hinted_inputs = set()
+        return found
 
     def _to_fixed_point(self, split_only: bool, window: tuple[int, int] | None = None) -> None:
         while True:
@@ -419,6 +426,8 @@ class _Index:
     users: dict[str, tuple[int, ...]]  # value -> positions in ``compute`` of the ops reading it
     maker: dict[str, int]  # value -> position in ``compute`` of the op making it
     position: dict[int, int]  # op index -> position in ``compute``
+    inputs: list[str]  # tensor inputs, in order
+    input_names: frozenset[str]
 
 
 _INDEXES: dict[int, tuple[Fusion, _Index]] = {}
@@ -437,7 +446,9 @@ def _index(fusion: Fusion) -> _Index:
             users.setdefault(v.name, []).append(pos)
         for v in op.outputs:
             maker[v.name] = pos
-    index = _Index(compute, {k: tuple(dict.fromkeys(v)) for k, v in users.items()}, maker, {i: pos for pos, (i, _) in enumerate(compute)})
+    inputs = [v.name for v in fusion.inputs if isinstance(v, TensorValue)]
+    index = _Index(compute, {k: tuple(dict.fromkeys(v)) for k, v in users.items()}, maker, {i: pos for pos, (i, _) in enumerate(compute)},
+                   inputs, frozenset(inputs))
     if len(_INDEXES) >= 8:
         _INDEXES.pop(next(iter(_INDEXES)))
     _INDEXES[id(fusion)] = (fusion, index)
