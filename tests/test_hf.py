@@ -214,6 +214,30 @@ def test_a_graph_break_is_named_with_its_line():
         model(torch.randn(2, 8))
 
 
+class _Cumsum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).cumsum(-1).sum()  # cumsum: no nvFuser op, no translator
+
+
+def test_an_op_nvtp_cannot_fuse_is_named_with_the_models_line():
+    """Thunder names lines of dynamo's generated code; nvtp names the model's."""
+    from nvtp.frontend.capture import CaptureError
+
+    model = nvtp.jit(_Cumsum(), plan="megatron", frontend="fx")
+    with pytest.raises(CaptureError, match=r"left to other executors: cumsum \(.*test_hf.py:\d+ in forward: `return self.lin\(x\).cumsum"):
+        model(torch.randn(2, 8))
+
+
+def test_arguments_the_model_cannot_take_are_an_input_error():
+    model = nvtp.jit(_Cumsum(), plan="megatron", frontend="fx")
+    with pytest.raises(InputError, match=r"_Cumsum.forward cannot run on the given arguments \(linear fails: .*\[2, 7\] X \[8, 8\]"):
+        model(torch.randn(2, 7))
+
+
 # -- more families, plans and mesh sizes (slow: a trace each) --------------------------------------
 
 

@@ -31,6 +31,7 @@ source lines. ``nvtp.jit(..., frontend="fx" | "thunder")`` overrides the choice.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
@@ -175,10 +176,32 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     # be hit (export raises rather than falling back, but there is no reason to get near it).
     dynamo.reset()
     try:
-        return dynamo.export(module, assume_static_by_default=True)(*args, **kwargs)
-    except (dynamo.exc.Unsupported, dynamo.exc.UserError, dynamo.exc.TorchRuntimeError,
-            dynamo.exc.InternalTorchDynamoError, NotImplementedError) as e:
+        with _quiet_torch_logs():  # dynamo logs failures with tracebacks; nvtp raises one line instead
+            return dynamo.export(module, assume_static_by_default=True)(*args, **kwargs)
+    except dynamo.exc.TorchRuntimeError as e:  # an op failed on the (fake) arguments: they do not fit the model
+        text = str(e)
+        op = re.search(r"call_(?:function|method|module) (?:<built-in function |<function )?([\w.]+)", text)
+        why = re.search(r"got (\w+)\((['\"])(.*?)\2\)", text, re.S)
+        what = f"{op.group(1) if op else 'an op'} fails: {why.group(3) if why else text.strip().splitlines()[0]}"
+        raise InputError(f"{type(module).__name__}.forward cannot run on the given arguments ({what}); pass arguments "
+                         "of the shapes and dtypes the model expects") from None
+    except (dynamo.exc.Unsupported, dynamo.exc.UserError, dynamo.exc.InternalTorchDynamoError, NotImplementedError) as e:
         raise GraphBreakError(_graph_break_message(module, e)) from None
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch._dynamo", "torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 _RANDOM = re.compile(r"rand|dropout|bernoulli|normal|multinomial|uniform|seed", re.I)
@@ -304,9 +327,32 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Program, 
     """Export ``module`` (meta) for this call and capture its forward and backward fusions."""
     program = export_program(module, args, kwargs)
     leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
-    captured = capture(program.graph_module, *leaves)
+    try:
+        captured = capture(program.graph_module, *leaves)
+    except CaptureError as e:  # Thunder names lines of the generated graph code: name the model's instead
+        raise type(e)(_model_lines(program.graph_module, str(e))) from None
     program.output_map = _output_map(captured)
     return program, captured
+
+
+def _model_lines(gm: fx.GraphModule, message: str) -> str:
+    """``<eval_with_key>.5:23`` (a line of the graph module's code) replaced by the model's source
+    line the node came from (dynamo's ``stack_trace``)."""
+    lines = gm.code.splitlines()
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def where(m: re.Match) -> str:
+        k = int(m.group(1)) - 1
+        code = lines[k] if 0 <= k < len(lines) else ""
+        target = re.match(r"\s*(\w+)", code)
+        node = nodes.get(target.group(1)) if target else None
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', (node.meta.get("stack_trace") or "") if node else "")
+        if not frames:
+            return m.group(0)
+        path, line, fn, text = frames[-1]
+        return f"{path}:{line} in {fn}: `{text.strip()}`"
+
+    return re.sub(r"<eval_with_key>\.\d+:(\d+)", where, message)
 
 
 def _output_map(captured: Captured) -> list[Any]:
