@@ -103,7 +103,7 @@ class ShardedModule(torch.nn.Module):
         self.module = module
         self.dynamic = dynamic
         self.plan = plan
-        self.mesh = mesh or _default_mesh()
+        self.mesh = _as_mesh(mesh) if mesh is not None else _default_mesh()
         self.check_replicas = check_replicas
         self._comm = comm
         _check_mesh(self.mesh, comm)
@@ -112,11 +112,21 @@ class ShardedModule(torch.nn.Module):
             from nvtp.execute.launch import start_watchdog
 
             start_watchdog(timeout)  # once per process; init_group may have started it already
-        self._meta = _meta_copy(module)
+        # Not a submodule: the meta copy Thunder traces is no part of the model's state.
+        object.__setattr__(self, "_meta", _meta_copy(module))
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         self._placements: dict[str, Placement] = {}
         self._compiled: dict[tuple, _Compiled] = {}
         self.last: _Compiled | None = None
+
+    # -- state: the wrapped module's own keys ------------------------------------------------
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (its own keys; split parameters hold this rank's shard)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- where things are ---------------------------------------------------------------------
 
@@ -352,6 +362,28 @@ def _names(module: torch.nn.Module) -> list[str]:
         return names + list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):  # a forward without a Python signature
         return names
+
+
+def _as_mesh(mesh: Any) -> DeviceMesh:
+    """nvtp's mesh for ``mesh``: nvtp's own, or torch's ``DeviceMesh`` (1-D, over the default
+    process group's ranks, as ``init_device_mesh("cpu", (n,))`` makes it)."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    if not isinstance(mesh, TorchMesh):
+        raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh or nvtp's DeviceMesh, not {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ShardingError(f"nvtp.jit shards over a 1-D mesh; got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+                            f"{' ' + str(mesh.mesh_dim_names) if mesh.mesh_dim_names else ''}; pass a 1-D mesh "
+                            "(init_device_mesh(device, (n,))) or one of its dimensions (mesh['tp'])")
+    import torch.distributed as dist
+
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    if dist.is_initialized() and ranks != tuple(range(dist.get_world_size())):
+        raise ShardingError(f"the mesh holds ranks {list(ranks)}, the process group {dist.get_world_size()} ranks in order; "
+                            "nvtp.jit shards over every rank of the default group: pass init_device_mesh(device, (world_size,))")
+    return DeviceMesh(ranks)
 
 
 def _check_mesh(mesh: DeviceMesh, comm: Comm | None) -> None:
