@@ -103,6 +103,13 @@ def _expect(command: str, proc: subprocess.CompletedProcess) -> None:
     words = shlex.split(command)
     if "dump" in words:
         assert re.fullmatch(r"wrote \S+_fwd\.py and \S+_bwd\.py in [\d.]+ s", first_line(out)), out
+    elif "explain" in words and "--model" in words:
+        layers = words[words.index("--layers") + 1] if "--layers" in words else "96"
+        if "--json" in words:
+            report = json.loads(out)
+            assert report["plan"] == words[words.index("--plan") + 1] and report["communications"], out[:200]
+        else:
+            assert first_line(out).startswith(f"GPT ({layers} layers, "), out
     elif "explain" in words:
         file, plan = words[words.index("explain") + 1], words[words.index("--plan") + 1]
         if "--json" in words:
