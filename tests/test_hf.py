@@ -308,3 +308,12 @@ def test_torchrun_training_matches_one_process_for_20_steps(family):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step  20/20" in result.stdout and "PASSED" in result.stdout, result.stdout
     print(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", [(Ellipsis, [-2], slice(None)), (Ellipsis, [-1], slice(None)), ([0], slice(1, 3)), (Ellipsis, [1, 2])])
+def test_one_element_list_indices_become_slices_with_the_same_values(index):
+    """Falcon's ``fused_qkv[..., [-2], :]``: a slice for Thunder, not a gather from a new tensor."""
+    from nvtp.frontend.fx import _one_index_as_slice
+
+    x = torch.randn(3, 4, 5)
+    assert torch.equal(x[_one_index_as_slice(index)], x[index])

@@ -137,8 +137,24 @@ DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm}
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm}
 
 
+def _one_index_as_slice(index: Any) -> Any:
+    """``x[..., [k], :]``: a one-element list index is the slice ``k:k+1`` (the same values, the
+    axis kept), which Thunder traces as a slice instead of a gather from a new tensor."""
+    def one(i):
+        if isinstance(i, list) and len(i) == 1 and type(i[0]) is int:
+            k = i[0]
+            return slice(k, k + 1 if k != -1 else None)
+        return i
+
+    if isinstance(index, tuple) and not any(isinstance(i, list) and not (len(i) == 1 and type(i[0]) is int) for i in index):
+        return tuple(one(i) for i in index)
+    return index
+
+
 def _decompose(g: fx.Graph) -> None:
     for node in g.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+            node.args = (node.args[0], _one_index_as_slice(node.args[1]))
         if node.op == "call_function" and node.target in DECOMPOSITIONS:
             node.target = DECOMPOSITIONS[node.target]
         elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
@@ -292,6 +308,8 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> Progra
         value = operator.attrgetter(node.target)(gm)
         if id(value) in names:
             node.target = names[id(value)]
+            attrs[node.target] = value
+        elif isinstance(value, torch.nn.Module):  # a higher-order op's subgraph: kept as it is
             attrs[node.target] = value
         else:
             raise CaptureError(f"{type(module).__name__}: the exported graph reads a tensor that is neither a parameter "
