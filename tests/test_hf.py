@@ -317,3 +317,18 @@ def test_one_element_list_indices_become_slices_with_the_same_values(index):
 
     x = torch.randn(3, 4, 5)
     assert torch.equal(x[_one_index_as_slice(index)], x[index])
+
+
+def test_nvtp_models_keep_the_thunder_route_and_take_keyword_arguments():
+    """nvtp's own GPT is no transformers model: thunder.jit traces it, and ``targets=`` binds by name."""
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    want = copy.deepcopy(model)(*gpt.example_tokens(cfg))
+    jitted = nvtp.jit(model, plan="megatron")
+    idx, tgt = gpt.example_tokens(cfg)
+    got = jitted(idx, targets=tgt)
+    assert not jitted._fx and jitted.last.program is None
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
