@@ -131,10 +131,12 @@ def test_python_dash_m_nvtp_documents_exit_codes():
 
 @pytest.mark.parametrize("config", ["gpt2", "gpt3"])
 def test_golden_dumps_are_current(config, tmp_path):
-    """fusions/ holds what `nvtp dump` writes today; GPT-3 is traced on meta tensors, not run."""
-    start = time.perf_counter()
+    """fusions/ holds what `nvtp dump` writes today; GPT-3 is traced on meta tensors, not run, in
+    seconds of CPU (process time: other jobs on the machine do not count; the README measures
+    ~12 s CPU for a fresh `nvtp dump` process, 9 s of it imports)."""
+    start = time.process_time()
     dump.dump_model("nanogpt", config, tmp_path, dtype=torch.bfloat16)
-    assert time.perf_counter() - start < 60
+    assert time.process_time() - start < 15
     for role in ["fwd", "bwd"]:
         name = f"nanogpt_{config}_bf16_{role}.py"
         fresh = (tmp_path / name).read_text().replace(f"--out {tmp_path}", "--out fusions")
@@ -155,7 +157,6 @@ def test_backward_dump_links_saved_inputs_to_forward_values():
         if info.role == "parameter":
             assert info.label in fwd_params
     assert roles["saved"] > 0 and roles["parameter"] > 0 and roles["grad"] == 1
-    assert v.shape  # noqa: F821 - last input seen
     weight = next(v for v in fwd.inputs if fwd.label(v.name) == "attn.c_attn.weight")
     assert weight.shape == (3 * 12288, 12288)
 
