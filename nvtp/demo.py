@@ -47,7 +47,7 @@ def rss_kib() -> int:
     return 0
 
 
-FAULT_ENV = "NVTP_INJECT_FAULT"  # "RANK:STEP:KIND" (kind kill, raise or hang): a fault in real training, for tests
+FAULT_ENV = "NVTP_INJECT_FAULT"  # "RANK:STEP:KIND" (kind kill, raise or hang): a fault in real training or replay (step 0), for tests
 
 
 def fault_from_env() -> tuple[int, int, str] | None:
@@ -65,11 +65,15 @@ def fault_from_env() -> tuple[int, int, str] | None:
 def _inject(job: TrainJob, rank: int, step: int) -> None:
     if job.inject_fault is None or (job.inject_fault[0], job.inject_fault[1]) != (rank, step):
         return
-    kind = job.inject_fault[2]
+    trigger(job.inject_fault[2], f"step {step}")
+
+
+def trigger(kind: str, where: str) -> None:
+    """Fail this process the way ``kind`` says (an injected fault, for tests): SIGKILL, raise, hang."""
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "raise":
-        raise RuntimeError(f"fault injected at step {step}")
+        raise RuntimeError(f"fault injected at {where}")
     elif kind == "hang":
         time.sleep(10**6)
     else:

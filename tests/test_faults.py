@@ -572,6 +572,30 @@ def test_a_rank_raising_inside_torchrun_training_stops_the_other_naming_it():
     assert seconds <= 15, seconds  # rank 0 stops within about a second; torchrun then tears down
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["raise", "hang"])
+def test_a_rank_failing_inside_a_mesh_replay_stops_the_other_naming_it(tmp_path, kind):
+    """``nvtp replay FILE --plan megatron --devices 2`` as a user runs it; rank 1 fails inside the
+    replay (after joining the mesh, before its first collective): rank 0 stops naming it, exit 4."""
+    from nvtp import dump
+
+    fwd, _ = dump.dump_model("nanogpt", "tiny", tmp_path)
+    cmd = [sys.executable, "-m", "nvtp", "replay", str(fwd), "--plan", "megatron", "--devices", "2", "--timeout", "5", "--check"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "NVTP_INJECT_FAULT": f"1:0:{kind}"})
+    seconds = time.perf_counter() - start
+    err = proc.stderr
+    assert proc.returncode == EXIT_RUNTIME, proc.stdout + err
+    assert "passed" not in proc.stdout
+    if kind == "raise":
+        assert "nvtp: rank 1 failed: RuntimeError: fault injected at replay" in err, err
+        assert "nvtp: rank 0 stopping: rank 1 failed: RuntimeError: fault injected at replay" in err, err
+    else:
+        assert re.search(r"nvtp: rank 0 stopping: rank 1 failed: hung: rank 0 waited \d s in collective #\d+, which rank 1 never reached", err), err
+    assert "Traceback" not in err
+    assert seconds <= 120, seconds  # tracing both ranks' plans takes most of it; the stop itself is seconds
+
+
 TORCHRUN_SCRIPT = """
 import os, signal, sys, time
 import torch

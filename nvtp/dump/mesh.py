@@ -73,6 +73,11 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
     sharded = prepare(job)  # bad input is refused before joining the group (run() checked the world size)
     init_group(rank, world, init_method, job.timeout)
     try:
+        from nvtp.demo import fault_from_env, trigger
+
+        fault = fault_from_env()  # NVTP_INJECT_FAULT=RANK:0:KIND: this rank fails in the replay (tests)
+        if fault is not None and fault[:2] == (rank, 0):
+            trigger(fault[2], "replay")
         inputs = dump.random_inputs(sharded.source, seed=job.seed)
         local = spmd.local_inputs(sharded, inputs, rank)
         log: list = []
