@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import re
-import threading
 
 import pytest
 import torch
@@ -66,24 +65,7 @@ class Mesh:
 
     def run(self, fn) -> list:
         """``fn(module)`` on every rank at once (threads); the first failure is raised."""
-        results, errors = [None] * self.d, [None] * self.d
-
-        def body(r):
-            try:
-                results[r] = fn(self.ranks[r])
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors[r] = e
-                self.group.abort()
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.d)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-        if real or any(errors):
-            raise (real or [e for e in errors if e])[0]
-        return results
+        return spmd.on_threads(lambda r: fn(self.ranks[r]), self.group)
 
     def whole_grad(self, name: str, shape) -> torch.Tensor:
         parts = [dict(m.module.named_parameters())[name].grad for m in self.ranks]

@@ -75,13 +75,24 @@ def run_simulated(sharded, inputs: Sequence[Any], *, seed: int = 0, timeout: flo
     outputs and the collectives each ran."""
     d = sharded.mesh.size
     group = ThreadGroup(d, timeout=timeout)
-    results: list[Any] = [None] * d
     logs: list[list] = [[] for _ in range(d)]
+
+    def body(pos: int) -> Any:
+        return run_rank(sharded, local_inputs(sharded, inputs, pos), ThreadComm(group, pos), seed=seed, log=logs[pos])
+
+    return on_threads(body, group), logs
+
+
+def on_threads(fn, group: ThreadGroup) -> list[Any]:
+    """``fn(position)`` for every rank of ``group`` at once, one thread each; returns the results
+    in rank order. The first real failure is raised; the others' broken barriers are not."""
+    d = group.size
+    results: list[Any] = [None] * d
     errors: list[BaseException | None] = [None] * d
 
     def body(pos: int) -> None:
         try:
-            results[pos] = run_rank(sharded, local_inputs(sharded, inputs, pos), ThreadComm(group, pos), seed=seed, log=logs[pos])
+            results[pos] = fn(pos)
         except BaseException as e:  # noqa: BLE001 - re-raised below, first failure wins
             errors[pos] = e
             group.abort()
@@ -94,7 +105,7 @@ def run_simulated(sharded, inputs: Sequence[Any], *, seed: int = 0, timeout: flo
     real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
     if real or any(errors):
         raise (real or [e for e in errors if e])[0]
-    return results, logs
+    return results
 
 
 def assemble_outputs(sharded, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
