@@ -36,7 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.pipeline import ShardedFusion, shard_pair
+from nvtp.sharding.pipeline import shard_pair
+from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
 from nvtp.sharding.report import communication_records
 

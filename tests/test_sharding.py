@@ -219,6 +219,22 @@ def test_sharding_passes_are_fast(gpt3):
     assert min(seconds) < 0.1, f"sharding passes took {1000 * min(seconds):.0f} ms at best of 3; the target is 100 ms"
 
 
+def test_the_pipeline_times_each_pass_and_names_a_failing_one(gpt3, monkeypatch):
+    from nvtp.sharding import pipeline
+
+    fwd, _ = gpt3
+    s = shard(fwd, "megatron", DeviceMesh.of_size(2))
+    assert list(s.seconds) == ["annotate", "propagate", "plan_reshards", "insert_reshards", "hoist_gathers", "verify"]
+
+    def broken(*args):
+        raise KeyError("T7")
+
+    monkeypatch.setattr(pipeline, "hoist_gathers", broken)
+    after = r"in pass hoist_gathers after \[annotate, propagate, plan_reshards, insert_reshards\]: KeyError: 'T7'"
+    with pytest.raises(pipeline.PassError, match=after):
+        shard(fwd, "megatron", DeviceMesh.of_size(2))
+
+
 # -- sharded runs equal the single-device run ---------------------------------------------------
 
 

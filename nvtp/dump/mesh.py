@@ -12,8 +12,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nvtp.ir.parser import DumpError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nvtp.sharding.sharded import ShardedFusion
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class MeshJob:
     timeout: float = 60.0
 
 
-def prepare(job: MeshJob):
+def prepare(job: MeshJob) -> "ShardedFusion":
     """The sharded fusion ``job`` runs (the same on every rank); raises before any communication."""
     from nvtp import dump
     from nvtp.dump.sharded import from_dump
@@ -102,7 +106,7 @@ def _say(*args) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _report_on_rank0(job: MeshJob, world: int, sharded, inputs, local, log, gathered) -> int:
+def _report_on_rank0(job: MeshJob, world: int, sharded: "ShardedFusion", inputs, local, log, gathered) -> int:
     """Rank 0's summary and, with ``job.check``, the check of the gathered outputs (0 or 1)."""
     import torch
     import torch.distributed as dist
@@ -149,7 +153,7 @@ def _unpickled(x):
     return x
 
 
-def check_world(sharded, world: int) -> None:
+def check_world(sharded: "ShardedFusion", world: int) -> None:
     """The sharding's mesh must be the process group."""
     from nvtp.sharding.propagate import ShardingError
 

@@ -16,7 +16,7 @@ from nvtp.ir.parser import Dump
 from nvtp.ir.printer import format_file
 from nvtp.sharding import plans as plans_mod
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, local_shape
-from nvtp.sharding.pipeline import ShardedFusion
+from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.propagate import Propagation
 from nvtp.sharding.reshard import ReshardStep, reshard_bytes
 from nvtp.sharding.schedule import placements_from_schedule, schedule_lines

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import nvfuser_direct
 
     from nvtp.ir.parser import ScheduleStep
+    from nvtp.sharding.sharded import ShardedFusion
 
 
 class NvFuserError(RuntimeError):
@@ -518,7 +519,7 @@ def _reachable_ops(fusion: Fusion) -> list[Op]:
     return list(reversed(needed))
 
 
-def execute_sharded(sharded, local_inputs: Sequence[Any]) -> list[torch.Tensor]:
+def execute_sharded(sharded: "ShardedFusion", local_inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Run this rank's part of a sharded fusion with nvFuser's multidevice executor.
 
     One process per GPU, launched by ``mpirun`` or ``torchrun`` (nvFuser's Communicator reads

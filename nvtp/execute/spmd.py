@@ -22,6 +22,7 @@ from nvtp.execute import reference
 from nvtp.execute.collectives import Comm, ThreadComm, ThreadGroup, take
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices
+from nvtp.sharding.sharded import ShardedFusion
 
 
 def shard_tensor(full: torch.Tensor, placement: Placement, mesh: DeviceMesh, position: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def assemble(parts: Sequence[torch.Tensor], placement: Placement, shape: Sequenc
     return out
 
 
-def local_inputs(sharded, inputs: Sequence[Any], position: int) -> list[Any]:
+def local_inputs(sharded: ShardedFusion, inputs: Sequence[Any], position: int) -> list[Any]:
     """This rank's parts of the whole ``inputs`` of ``sharded.source``."""
     out = []
     for v, x in zip(sharded.fusion.inputs, inputs):
@@ -65,12 +66,12 @@ def local_inputs(sharded, inputs: Sequence[Any], position: int) -> list[Any]:
     return out
 
 
-def run_rank(sharded, inputs: Sequence[Any], comm: Comm, *, seed: int = 0, log: list | None = None) -> list[Any]:
+def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed: int = 0, log: list | None = None) -> list[Any]:
     """Run this rank's part: ``inputs`` are this rank's shards; returns this rank's outputs."""
     return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log)
 
 
-def run_simulated(sharded, inputs: Sequence[Any], *, seed: int = 0, timeout: float = 120.0) -> tuple[list[list[Any]], list[list]]:
+def run_simulated(sharded: ShardedFusion, inputs: Sequence[Any], *, seed: int = 0, timeout: float = 120.0) -> tuple[list[list[Any]], list[list]]:
     """All ranks as threads of this process, from the whole ``inputs``; returns each rank's
     outputs and the collectives each ran."""
     d = sharded.mesh.size
@@ -108,7 +109,7 @@ def on_threads(fn, group: ThreadGroup) -> list[Any]:
     return results
 
 
-def assemble_outputs(sharded, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+def assemble_outputs(sharded: ShardedFusion, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
     """The whole outputs of ``sharded.source`` from every rank's outputs."""
     out = []
     for i, v in enumerate(sharded.fusion.outputs):

@@ -12,67 +12,45 @@ each gradient is asked to land where its parameter lives.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from dataclasses import replace
+from typing import Any, Callable, Mapping, TypeVar
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.ir.verify import verify
 from nvtp.sharding import plans as plans_mod
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, is_partial
 from nvtp.sharding.propagate import Propagation, ShardingError, check_annotations, implied, propagate_shardings
-from nvtp.sharding.reshard import ReshardStep, communications, hoist_gathers, insert_reshards, plan_reshards
+from nvtp.sharding.reshard import hoist_gathers, insert_reshards, plan_reshards
 from nvtp.sharding.rules import factors_of, tensor_operands
+from nvtp.sharding.sharded import ShardedFusion
+
+T = TypeVar("T")
 
 PLANS = ("megatron", "megatron-sp")
-
-
-@dataclass
-class ShardedFusion:
-    """A fusion with its reshard ``set`` ops inserted and a placement for every tensor."""
-
-    fusion: Fusion
-    source: Fusion
-    mesh: DeviceMesh
-    shardings: dict[str, tuple[Placement, ...]]
-    steps: list[ReshardStep]
-    set_steps: dict[str, ReshardStep]
-    annotations: plans_mod.Annotations
-    plan: str
-    propagation: Propagation
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def communications(self) -> list[ReshardStep]:
-        """Collectives in the order the sharded fusion runs them."""
-        order = {op.outputs[0].name: i for i, op in enumerate(self.fusion.ops) if op.outputs}
-        by_result = sorted(self.set_steps.items(), key=lambda kv: order.get(kv[0], 0))
-        return [s for _, s in by_result if s.is_communication]
-
-    def placement(self, name: str) -> Placement:
-        return self.shardings[name][0]
-
-    def output_placements(self) -> dict[str, Placement]:
-        """Placement of each output, keyed by the *source* fusion's output names."""
-        return {src.name: self.placement(out.name) for src, out in zip(self.source.outputs, self.fusion.outputs)}
 
 
 class PassError(RuntimeError):
     pass
 
 
-def run_passes(passes: list[tuple[str, Callable[[dict], Any]]], state: dict) -> dict:
-    done: list[str] = []
-    for name, fn in passes:
+class Passes:
+    """Runs named passes in order: ``run("propagate", fn, *args)`` returns ``fn(*args)``, records
+    its wall time in ``seconds`` and re-raises a failure (other than a ``ShardingError``, which
+    already says what to fix) as ``PassError("in pass X after [a, b]: ...")``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         start = time.perf_counter()
         try:
-            fn(state)
+            result = fn(*args, **kwargs)
         except ShardingError:
             raise
         except Exception as e:
-            raise PassError(f"in pass {name} after [{', '.join(done)}]: {type(e).__name__}: {e}") from e
-        state["seconds"][name] = time.perf_counter() - start
-        done.append(name)
-    return state
+            raise PassError(f"in pass {name} after [{', '.join(self.seconds)}]: {type(e).__name__}: {e}") from e
+        self.seconds[name] = time.perf_counter() - start
+        return result
 
 
 def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str = "nvfuser") -> plans_mod.Annotations:
@@ -134,42 +112,32 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
-    state: dict[str, Any] = {"seconds": {}}
-
-    def _annotate(s):
-        ann = annotate(fusion, plan, mesh, target)
-        if annotations:
-            ann.placements.update(annotations)
-        check_annotations(fusion, mesh, ann.placements)
-        s["annotations"] = ann
-
-    def _propagate(s):
-        hints = {**s["annotations"].hints, **(output_hints or {})}
-        s["prop"] = propagate_shardings(fusion, mesh, s["annotations"].placements, hints, partial_pass=target == "reference")
-
-    def _plan(s):
-        s["steps"] = plan_reshards(fusion, s["prop"], mesh, dict(output_hints or {}))
-
-    def _insert(s):
-        s["fusion"], s["placements"], s["set_steps"], s["index_map"] = insert_reshards(fusion, s["prop"], s["steps"])
-
-    def _hoist(s):
-        s["fusion"], s["placements"], s["set_steps"] = hoist_gathers(s["fusion"], s["placements"], s["set_steps"], mesh)
-        s["steps"] = [st for st in s["set_steps"].values()]
-
-    def _verify(s):
-        verify(s["fusion"])
-        verify_sharded(s["fusion"], fusion, {k: (p,) for k, p in s["placements"].items()}, s["prop"])
-
-    passes = [("annotate", _annotate), ("propagate", _propagate), ("plan_reshards", _plan), ("insert_reshards", _insert),
-              ("hoist_gathers", _hoist)]
+    run = Passes()
+    ann = run("annotate", _annotations, fusion, plan, mesh, target, annotations or {})
+    prop = run("propagate", propagate_shardings, fusion, mesh, ann.placements, {**ann.hints, **(output_hints or {})},
+               partial_pass=target == "reference")
+    steps = run("plan_reshards", plan_reshards, fusion, prop, mesh, dict(output_hints or {}))
+    sharded, placements, set_steps, _ = run("insert_reshards", insert_reshards, fusion, prop, steps)
+    sharded, placements, set_steps = run("hoist_gathers", hoist_gathers, sharded, placements, set_steps, mesh)
+    shardings = {k: (p,) for k, p in placements.items()}
     if check:
-        passes.append(("verify", _verify))
-    run_passes(passes, state)
-    return ShardedFusion(
-        state["fusion"], fusion, mesh, {k: (p,) for k, p in state["placements"].items()}, state["steps"],
-        state["set_steps"], state["annotations"], plan if isinstance(plan, str) else "explicit", state["prop"], state["seconds"],
-    )
+        run("verify", _verify, sharded, fusion, shardings, prop)
+    return ShardedFusion(sharded, fusion, mesh, shardings, list(set_steps.values()), set_steps, ann,
+                         plan if isinstance(plan, str) else "explicit", prop, run.seconds)
+
+
+def _annotations(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str,
+                 overrides: Mapping[str, Placement]) -> plans_mod.Annotations:
+    """The plan's annotations with ``overrides`` applied, checked against the fusion and mesh."""
+    ann = annotate(fusion, plan, mesh, target)
+    ann.placements.update(overrides)
+    check_annotations(fusion, mesh, ann.placements)
+    return ann
+
+
+def _verify(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple[Placement, ...]], prop: Propagation) -> None:
+    verify(fusion)
+    verify_sharded(fusion, source, shardings, prop)
 
 
 def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict[str, Placement], dict[str, Placement]]:

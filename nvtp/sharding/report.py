@@ -6,13 +6,14 @@ from typing import Any
 
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import describe, local_shape
+from nvtp.sharding.sharded import ShardedFusion
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
 
 
-def communication_records(sharded) -> list[dict[str, Any]]:
+def communication_records(sharded: ShardedFusion) -> list[dict[str, Any]]:
     out = []
     for step in sharded.communications:
         v = sharded.source.value(step.value) if step.value in sharded.source.values else sharded.fusion.value(step.value)
@@ -30,13 +31,13 @@ def communication_records(sharded) -> list[dict[str, Any]]:
     return out
 
 
-def _sharded_from(sharded) -> str | None:
+def _sharded_from(sharded: ShardedFusion) -> str | None:
     """The forward file a backward fusion was sharded from (None for a forward)."""
     attrs = sharded.source.attrs
     return attrs.get("forward", "its forward") if attrs.get("role") == "backward" else None
 
 
-def as_json(sharded, path: str | None = None) -> dict[str, Any]:
+def as_json(sharded: ShardedFusion, path: str | None = None) -> dict[str, Any]:
     tensors = {}
     for op in sharded.fusion.ops:
         for v in op.outputs:
@@ -63,7 +64,7 @@ def as_json(sharded, path: str | None = None) -> dict[str, Any]:
     }
 
 
-def as_text(sharded, path: str | None = None) -> str:
+def as_text(sharded: ShardedFusion, path: str | None = None) -> str:
     src = sharded.source
     d = sharded.mesh.size
     lines = [f"{path or src.name}: plan {sharded.plan} on a mesh of {d} device(s)"]

@@ -1,0 +1,45 @@
+"""``ShardedFusion``: what the sharding pipeline (nvtp.sharding.pipeline.shard) hands to every
+consumer (the printer, the executors, ``nvtp explain``, ``nvtp.jit``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nvtp.ir.graph import Fusion
+from nvtp.sharding.placements import DeviceMesh, Placement
+from nvtp.sharding.plans import Annotations
+from nvtp.sharding.propagate import Propagation
+from nvtp.sharding.reshard import ReshardStep
+
+
+@dataclass
+class ShardedFusion:
+    """A fusion with its reshard ``set`` ops inserted and a placement for every tensor.
+
+    ``source`` is the fusion before sharding; ``set_steps`` maps each inserted ``set``'s result
+    to its reshard; ``seconds`` holds each pass's wall time."""
+
+    fusion: Fusion
+    source: Fusion
+    mesh: DeviceMesh
+    shardings: dict[str, tuple[Placement, ...]]
+    steps: list[ReshardStep]
+    set_steps: dict[str, ReshardStep]
+    annotations: Annotations
+    plan: str
+    propagation: Propagation
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def communications(self) -> list[ReshardStep]:
+        """Collectives in the order the sharded fusion runs them."""
+        order = {op.outputs[0].name: i for i, op in enumerate(self.fusion.ops) if op.outputs}
+        by_result = sorted(self.set_steps.items(), key=lambda kv: order.get(kv[0], 0))
+        return [s for _, s in by_result if s.is_communication]
+
+    def placement(self, name: str) -> Placement:
+        return self.shardings[name][0]
+
+    def output_placements(self) -> dict[str, Placement]:
+        """Placement of each output, keyed by the *source* fusion's output names."""
+        return {src.name: self.placement(out.name) for src, out in zip(self.source.outputs, self.fusion.outputs)}
