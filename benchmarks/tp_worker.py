@@ -56,6 +56,26 @@ class CountingComm:
         return self.inner.reduce_scatter(chunks, op)
 
 
+def timed_rounds(steps: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per step of each implementation, taking turns round after round (as
+    ``harness.interleave``), each step started after a barrier and lasting as long as its
+    slowest rank (the times are max-reduced over the ranks)."""
+    import torch.distributed as dist
+
+    names = list(steps)
+    local = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        for n in names[r % 2:] + names[: r % 2]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[n]()
+            if r >= warmup:
+                local[n].append(time.perf_counter() - start)
+    times = torch.tensor([local[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    return {n: times[i].tolist() for i, n in enumerate(names)}
+
+
 def worker(rank: int, world: int, init_method: str, job: Job) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -111,22 +131,11 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
         dtensor_comms = {str(k).split(".")[-1]: int(v) for k, v in debug.get_comm_counts().items()}
         compiled = nv.last
 
-        impls = {"dtensor": dt, "nvtp": nv}
-        names = list(impls)
-        local = {n: [] for n in names}
-        for r in range(job.warmup + job.rounds):
-            for n in names[r % 2:] + names[: r % 2]:
-                dist.barrier()
-                start = time.perf_counter()
-                step(impls[n])
-                if r >= job.warmup:
-                    local[n].append(time.perf_counter() - start)
-        times = torch.tensor([local[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        seconds = timed_rounds({"dtensor": lambda: step(dt), "nvtp": lambda: step(nv)}, job.rounds, job.warmup)
         if rank == 0:
             result = {
                 "job": asdict(job), "world": world, "errors": errors,
-                "seconds": {n: times[i].tolist() for i, n in enumerate(names)},
+                "seconds": seconds,
                 "first_call_seconds": {"nvtp": compile_nvtp, "dtensor": compile_dtensor},
                 "nvtp_collectives": [{"kind": k, "bytes": n, "sent_per_rank": s} for k, n, s in nvtp_comms],
                 "nvtp_planned": {"forward": [c.kind for c in compiled.forward.communications],
