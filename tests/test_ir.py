@@ -59,6 +59,42 @@ def test_the_verifier_names_what_is_wrong():
         verify(good.with_ops(good.ops + (good.ops[1],)))
 
 
+def _refused(kind: str, dtypes: list[DType], **kwargs):
+    b = FusionBuilder()
+    args = [b.define_tensor([4, 4], dt) for dt in dtypes]
+    r = b.op(kind, *args, **kwargs)
+    b.add_output(r[0] if isinstance(r, tuple) else r)
+    return b.build()
+
+
+# Operand dtypes nvFuser refuses though the op table infers a result for them: one per rule of
+# the op table (``OpSpec.dtypes`` and ``typed``), with what the error says.
+_REFUSED = [
+    ("erf", [DType.ComplexFloat], {}, r"fd.ops.erf takes no complex operands"),
+    ("neg", [DType.Bool], {}, r"fd.ops.neg takes no Bool operands"),
+    ("sub", [DType.Bool, DType.Bool], {}, r"fd.ops.sub takes numeric \(not only Bool\) operands"),
+    ("frac", [DType.Int], {}, r"fd.ops.frac takes floating-point \(Half, BFloat16, Float or Double\) operands"),
+    ("var", [DType.Int], {"dims": [1]}, r"fd.ops.var takes floating-point or complex operands"),
+    ("bitwise_and", [DType.Float, DType.Float], {}, r"fd.ops.bitwise_and takes integer or Bool operands"),
+    ("matmul", [DType.Float, DType.Half], {}, r"fd.ops.matmul takes same-typed operands"),
+    ("where", [DType.Float, DType.Float, DType.Float], {}, r"fd.ops.where needs DataType.Bool values \(condition\)"),
+    ("take_along_axis", [DType.Float, DType.Int32], {"dim": 1}, r"fd.ops.take_along_axis needs DataType.Int indices \(index\)"),
+    ("gather", [DType.Float, DType.Float], {"dim": 1}, r"fd.ops.gather needs DataType.Int or DataType.Int32 indices \(index\)"),
+]
+
+
+@pytest.mark.parametrize("kind, dtypes, kwargs, message", _REFUSED, ids=[c[0] for c in _REFUSED])
+def test_verify_refuses_the_operand_dtypes_the_parser_refuses(kind, dtypes, kwargs, message):
+    """A fusion built in Python is held to the same operand dtypes as one read from a file:
+    verify() and the parser both refuse it, with the same message (before the op table held
+    these rules, only the parser applied them and verify() passed every case here)."""
+    fusion = _refused(kind, dtypes, **kwargs)
+    with pytest.raises(IRError, match=message):
+        verify(fusion)
+    with pytest.raises(DumpError, match=message):
+        parse(format_file(fusion))
+
+
 def test_printed_numbers_are_exact():
     b = FusionBuilder()
     x = b.define_tensor([3], DType.Float)

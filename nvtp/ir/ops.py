@@ -2,7 +2,9 @@
 
 One ``OpSpec`` per op, registered from families (``UNARY``, ``BINARY``, ...). A spec's parameters
 use nvFuser's Python names; the first ``positional`` of them print positionally, the rest as
-keywords (omitted when equal to their default). ``infer`` returns one ``Out`` per result.
+keywords (omitted when equal to their default). ``infer`` returns one ``Out`` per result. The
+spec also holds every fact a pass reads about the op (operand dtypes, linearity, layout,
+randomness, loop domain: ``OpSpec``), each set in one place at the end of this file.
 
 Other concerns keep their own tables keyed by the same op names: sharding rules
 (``nvtp.sharding.rules``), torch implementations (``nvtp.execute.reference``), nvFuser emission
@@ -12,7 +14,7 @@ Other concerns keep their own tables keyed by the same op names: sharding rules
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from nvtp.ir.dtypes import DType, Scalar, promote
@@ -50,11 +52,33 @@ class Out:
 
 @dataclass(frozen=True)
 class OpSpec:
+    """An op's signature and result inference, and the facts the passes read about it (set by
+    ``_facts`` at the end of the table; ``tests/test_ops.py`` checks every op has each):
+
+    dtypes       the operand dtype rules nvFuser applies (``DTYPE_RULES``) to every tensor
+                 operand but those in ``typed``; ``verify`` and the parser check them.
+    typed        operands with a rule of their own (``OPERAND_RULES``), e.g. integer indices.
+    linear       a partial sum passes through unresolved in "all" operands together, "one" of
+                 them, or the "first" (propagation; ``propagate.partial_passes``).
+    layout       "moves": one operand's elements rearranged, retyped or negated one to one, so
+                 a collective after the op equals the same collective before it (reshard hoists
+                 all-gathers across it); "selects": some of them kept (slice). A partial sum
+                 carried through either never grows.
+    random       draws random numbers (never merged, never recomputed).
+    loop_reduce  results whose nvFuser loop domain keeps the reduced axes (as reduction axes).
+    """
+
     name: str
     params: tuple[Param, ...]
     infer: Callable[[Mapping[str, Any]], list[Out]]
     family: str
     positional: int = 1
+    dtypes: frozenset[str] = frozenset()
+    typed: tuple[tuple[str, str], ...] = ()
+    linear: str = ""
+    layout: str = ""
+    random: bool = False
+    loop_reduce: tuple[int, ...] = ()
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -601,7 +625,6 @@ register(
 # tensor factories (results made inside the fusion)
 
 FACTORY = {"iota", "full", "uniform", "normal"}
-RANDOM = {"uniform", "normal", "sdpfa_fwd"}
 
 
 def _int_arg(x: Any, what: str) -> int:
@@ -713,6 +736,85 @@ def _infer_scatter(a):
 
 
 register("scatter", [Param("arg", "tensor"), Param("index", "tensor"), Param("src", "operand"), Param("dim", "int")], _infer_scatter, "indexing", 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the passes read about each op (``OpSpec``'s fact fields), one place per fact
+
+
+def _facts(names: str, **fields: Any) -> None:
+    for name in names.split():
+        s = spec(name)
+        OPS[name] = replace(s, **{k: s.dtypes | {v} if k == "dtypes" else v for k, v in fields.items()})
+
+
+# Operand dtypes nvFuser refuses when a fusion is defined, which result inference by promotion
+# lets through: (what the operands must be, whether the op's tensor operands ``ds`` are).
+_PLAIN_FLOATS = (DType.Half, DType.BFloat16, DType.Float, DType.Double)
+DTYPE_RULES: dict[str, tuple[str, Callable[[list[DType], Any], bool]]] = {
+    "no_complex": ("no complex", lambda ds, op: not any(d.is_complex for d in ds)),
+    "no_bool": ("no Bool", lambda ds, op: DType.Bool not in ds),
+    "numeric": ("numeric (not only Bool)", lambda ds, op: not (op.outputs and op.outputs[0].dtype is DType.Bool)),
+    "float": ("floating-point (Half, BFloat16, Float or Double)", lambda ds, op: all(d in _PLAIN_FLOATS for d in ds)),
+    "float_or_complex": ("floating-point or complex", lambda ds, op: all(d.is_float or d.is_complex for d in ds)),
+    "integer": ("integer or Bool", lambda ds, op: all(d.is_int or d is DType.Bool for d in ds)),
+    "same": ("same-typed", lambda ds, op: len(set(ds)) <= 1),
+}
+# Rules of single operands (``OpSpec.typed``): the dtypes they take (None: any) and what they hold.
+OPERAND_RULES: dict[str, tuple[tuple[DType, ...] | None, str]] = {
+    "index": ((DType.Int, DType.Int32), "indices"),
+    "int64": ((DType.Int,), "indices"),
+    "bool": ((DType.Bool,), "values"),
+    "any": (None, ""),
+}
+for _rule, _names in {
+    "no_complex": "atan2 ceil floor round trunc frac clamp erf erfc erfcinv erfinv fmod mod remainder ge gt le lt isneginf isposinf "
+                  "lgamma max min maximum minimum nextafter relu threshold sign signbit",
+    "no_bool": "abs ceil floor round trunc frac neg relu threshold",
+    "numeric": "sub neg",
+    "float": "frac silu sdpfa_fwd sdpfa_bwd linear matmul",
+    "float_or_complex": "var var_mean welford",
+    "integer": "bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift bitwise_right_shift gcd",
+    "same": "linear matmul scatter",
+}.items():
+    _facts(_names, dtypes=_rule)
+_facts("gather index_select scatter", typed=(("index", "index"),))
+_facts("take_along_axis", typed=(("index", "int64"),))
+_facts("embedding_fwd", typed=(("input", "index"),))
+_facts("where", typed=(("condition", "bool"),))
+_facts("sdpfa_bwd", typed=(("philox_seed", "any"), ("philox_offset", "any")))  # integers by design
+
+_facts("add sub cat", linear="all")  # sums of partial sums
+_facts("mul matmul", linear="one")  # a product with one factor partial
+_facts("div neg cast reshape permute broadcast_in_dim expand squeeze set segment_set stride_order sum slice", linear="first")
+_facts("permute reshape cast squeeze stride_order set segment_set neg", layout="moves")
+_facts("slice", layout="selects")
+_facts("uniform normal sdpfa_fwd", random=True)
+_facts(" ".join(sorted(REDUCTION)), loop_reduce=(0,))
+_facts("var_mean", loop_reduce=(1,))  # the mean; the variance's loop domain drops the reduced axes
+_facts("welford", loop_reduce=(0, 1, 2))
+
+RANDOM = frozenset(name for name, s in OPS.items() if s.random)
+
+
+def check_operand_dtypes(op: Any) -> None:
+    """Raise ``IRError`` for operand dtypes nvFuser refuses for ``op`` (``OpSpec.dtypes`` and
+    ``typed``): e.g. a Bool ``neg``, a complex ``erf`` or an Int ``linear`` weight."""
+    s = spec(op.kind)
+    if not (s.dtypes or s.typed):
+        return
+    own = dict(s.typed)
+    for name, rule in s.typed:
+        want, noun = OPERAND_RULES[rule]
+        v = op.arg(name)
+        if want is not None and is_value(v) and v.dtype not in want:
+            raise IRError(f"fd.ops.{op.kind} needs {' or '.join(str(w) for w in want)} {noun} ({name}), got {v.name} of type {v.dtype}")
+    named = [v for name, v in op.args if isinstance(v, TensorValue) and name not in own]
+    dtypes = [v.dtype for v in named]
+    for rule, (what, ok) in DTYPE_RULES.items():
+        if rule in s.dtypes and not ok(dtypes, op):
+            got = ", ".join(f"{v.name} ({v.dtype})" for v in named)
+            raise IRError(f"fd.ops.{op.kind} takes {what} operands, got {got}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -444,7 +444,7 @@ class _FunctionReader:
         kwargs = _coerce_bools(kind, args, kwargs)
         ir_names = [self._fresh(n.removeprefix("fd.")) for n in names]
         op = make_op(kind, args, kwargs, ir_names)
-        check_operand_dtypes(op)
+        opstable.check_operand_dtypes(op)
         self.ops.append(op)
         if kind == "define_tensor" or (kind == "define_scalar" and op.arg("value") is None):
             self.n_inputs += 1
@@ -612,70 +612,6 @@ class _FunctionReader:
                 return [op.outputs[0] for op in self.ops if op.kind == "define_tensor" or (op.kind == "define_scalar" and op.arg("value") is None)]
             raise self.fail(node, f"unexpected call `{_snippet(node)}`; a definition may not call other functions")
         raise self.fail(node, f"unexpected expression `{_snippet(node)}`")
-
-
-# ---------------------------------------------------------------------------------------------
-# operand types: what nvFuser refuses when a fusion is defined, which the op table (it infers
-# result types by promotion) lets through. Checked as each op is read, so the error has its line.
-
-_NO_COMPLEX = {"atan2", "ceil", "floor", "round", "trunc", "frac", "clamp", "erf", "erfc", "erfcinv", "erfinv", "fmod",
-               "mod", "remainder", "ge", "gt", "le", "lt", "isneginf", "isposinf", "lgamma", "max", "min", "maximum",
-               "minimum", "nextafter", "relu", "threshold", "sign", "signbit"}
-_NO_BOOL = {"abs", "ceil", "floor", "round", "trunc", "frac", "neg", "relu", "threshold"}
-_FLOAT_ONLY = {"frac", "silu", "sdpfa_fwd", "sdpfa_bwd", "linear", "matmul"}  # Half, BFloat16, Float, Double
-_FLOAT_OR_COMPLEX = {"var", "var_mean", "welford"}
-_INTEGER_ONLY = {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_left_shift", "bitwise_right_shift", "gcd"}
-_SAME_DTYPE = {"linear", "matmul"}
-# Operands that hold indices: integers (``take_along_axis`` reads Int, i.e. int64, only).
-_INDEX = {"gather": "index", "index_select": "index", "scatter": "index", "take_along_axis": "index", "embedding_fwd": "input"}
-_PLAIN_FLOATS = (DType.Half, DType.BFloat16, DType.Float, DType.Double)
-
-
-def _operand_dtype(x: Any) -> DType | None:
-    return x.dtype if is_value(x) else None
-
-
-def check_operand_dtypes(op: Op) -> None:
-    """Raise ``IRError`` for operand types nvFuser refuses for ``op`` (the op table infers result
-    types by promotion and would accept, e.g., a Bool ``neg`` or an Int ``linear`` weight)."""
-    kind = op.kind
-    named = [(name, v) for name, v in op.args if isinstance(v, TensorValue)]
-    if kind == "sdpfa_bwd":  # the philox seed and offset are integers by design
-        named = [(n, v) for n, v in named if n not in ("philox_seed", "philox_offset")]
-    index = _INDEX.get(kind)
-    if kind == "where":
-        cond = op.arg("condition")
-        if is_value(cond) and cond.dtype is not DType.Bool:
-            raise IRError(f"fd.ops.where needs a Bool condition, got {cond.name} of type {cond.dtype}")
-        named = [(n, v) for n, v in named if n != "condition"]
-    if index is not None:
-        idx = op.arg(index)
-        want = (DType.Int,) if kind == "take_along_axis" else (DType.Int, DType.Int32)
-        if is_value(idx) and idx.dtype not in want:
-            raise IRError(f"fd.ops.{kind} needs {' or '.join(str(w) for w in want)} indices ({index}), got {idx.name} of type {idx.dtype}")
-        named = [(n, v) for n, v in named if n != index]
-
-    def refuse(what: str) -> None:
-        got = ", ".join(f"{v.name} ({v.dtype})" for _, v in named)
-        raise IRError(f"fd.ops.{kind} takes {what} operands, got {got}")
-
-    dtypes = [v.dtype for _, v in named]
-    if kind in _NO_COMPLEX and any(d.is_complex for d in dtypes):
-        refuse("no complex")
-    if kind in _NO_BOOL and any(d is DType.Bool for d in dtypes):
-        refuse("no Bool")
-    if kind in ("sub", "neg") and op.outputs and op.outputs[0].dtype is DType.Bool:
-        refuse("numeric (not only Bool)")
-    if kind in _FLOAT_ONLY and any(d not in _PLAIN_FLOATS for d in dtypes):
-        refuse("floating-point (Half, BFloat16, Float or Double)")
-    if kind in _FLOAT_OR_COMPLEX and any(not (d.is_float or d.is_complex) for d in dtypes):
-        refuse("floating-point or complex")
-    if kind in _INTEGER_ONLY and any(not (d.is_int or d is DType.Bool) for d in dtypes):
-        refuse("integer or Bool")
-    if kind in _SAME_DTYPE and len(set(dtypes)) > 1:
-        refuse("same-typed")
-    if kind == "scatter" and isinstance(op.arg("src"), TensorValue) and op.arg("src").dtype != op.arg("arg").dtype:
-        raise IRError(f"fd.ops.scatter needs src of the type of arg ({op.arg('arg').dtype}), got {op.arg('src').name} of type {op.arg('src').dtype}")
 
 
 def _is_fd_attr(node: ast.AST) -> bool:

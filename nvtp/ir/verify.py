@@ -1,5 +1,6 @@
-"""The verifier: a fusion is SSA, every op is known and well typed, and its results are what the
-op table infers. Failures name the op in IR syntax and print the fusion around it."""
+"""The verifier: a fusion is SSA, every op is known and well typed (operand dtypes nvFuser takes:
+``OpSpec.dtypes``), and its results are what the op table infers. Failures name the op in IR
+syntax and print the fusion around it."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def _verify_op(op: Op, defined: dict[str, object]) -> None:
             want = f"{out.dtype.value}{list(out.shape)}"
         if not ok:
             raise IRError(f"result {v.describe()} should be {want}")
+    opstable.check_operand_dtypes(op)
     for _, a in op.args:
         if not (is_value(a) or _is_literal(a)):
             raise IRError(f"argument {a!r} is neither a value nor a literal")
