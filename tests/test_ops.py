@@ -54,6 +54,42 @@ def test_every_sample_op_has_a_reference_impl():
     assert kinds <= set(reference.IMPLS), sorted(kinds - set(reference.IMPLS))
 
 
+def test_every_op_has_every_fact_the_passes_read():
+    """What the passes read about an op is in the op table (``OpSpec``'s fact fields) or the rule
+    registry: every op but the input definitions has a sharding rule, and every fact holds a value
+    the passes know, naming the op's own parameters. A fact the passes rely on together holds
+    together: each layout op passes a partial sum on, and only reductions keep reduced axes."""
+    from nvtp.sharding.rules import RULES
+
+    no_rule = sorted(n for n, s in OPS.items() if s.family != "input" and n not in RULES)
+    assert not no_rule, f"ops with no sharding rule in nvtp/sharding/rules.py RULES: {no_rule}"
+    assert set(RULES) <= set(OPS), sorted(set(RULES) - set(OPS))
+    bad = []
+    for name, s in OPS.items():
+        params = {p.name for p in s.params}
+        if not (s.dtypes <= set(opstable.DTYPE_RULES) and all(p in params and r in opstable.OPERAND_RULES for p, r in s.typed)):
+            bad.append(f"{name}: dtypes {sorted(s.dtypes)}, typed {s.typed}")
+        if s.linear not in ("", "all", "one", "first") or s.layout not in ("", "moves", "selects") or (s.layout and s.linear != "first"):
+            bad.append(f"{name}: linear {s.linear!r}, layout {s.layout!r}")
+        if s.loop_reduce and (s.family != "reduction" or not all(0 <= r < 3 for r in s.loop_reduce)):
+            bad.append(f"{name}: loop_reduce {s.loop_reduce}")
+        if not isinstance(s.random, bool):
+            bad.append(f"{name}: random {s.random!r}")
+    assert not bad, "\n".join(bad)
+    assert opstable.RANDOM == {n for n, s in OPS.items() if s.random} and {"uniform", "normal", "sdpfa_fwd"} <= opstable.RANDOM
+
+
+def test_an_op_with_no_sharding_rule_is_named_with_the_table(monkeypatch):
+    from nvtp.sharding import rules
+
+    b = FusionBuilder()
+    x = b.define_tensor([2, 4], DType.Float)
+    b.add_output(b.op("exp", x))
+    monkeypatch.delitem(rules.RULES, "exp")
+    with pytest.raises(rules.RuleError, match=r"^op exp has no sharding rule in nvtp/sharding/rules.py RULES; add one$"):
+        rules.factors_of(b.build().ops[-1])
+
+
 # ---------------------------------------------------------------------------------------------
 # 1-2. the reference backend: the op table's shapes and dtypes, and the right numbers
 

@@ -13,7 +13,7 @@ within a relative error of 1e-5 for float32/float64 and of the type's own roundi
 floats (``nvtp.dump.TOLERANCE``). Random ops are no exception: the reference backend draws random
 tensors whole from the seeded generator and slices them, so a sharded run draws the same numbers.
 
-The partial sums propagation lets pass through an op unresolved (``propagate.PARTIAL_PASS``) are
+The partial sums propagation lets pass through an op unresolved (the op table's ``OpSpec.linear``) are
 claims of the same kind and are checked the same way, each rank holding random parts of the sum.
 
 A case's id names it: ``<sample>:<op>@<op index>-d<mesh size>-<decision>-<operands>-><results>``,
@@ -36,6 +36,7 @@ from nvtp.dump import TOLERANCE, relative_error
 from nvtp.execute import reference, spmd
 from nvtp.execute.collectives import ThreadComm, ThreadGroup
 from nvtp.ir import DType, Fusion, FusionBuilder, Op, TensorValue
+from nvtp.ir import ops as opstable
 from nvtp.ir.graph import INPUT_KINDS
 from nvtp.sharding import propagate, rules
 from nvtp.sharding.placements import (
@@ -184,10 +185,10 @@ def decisions(f: OpFactors, d: int) -> list[Decision]:
 
 def partial_decisions(fusion: Fusion, op: Op, d: int) -> list[Decision]:
     """The decisions that let partial sums pass through ``op`` unresolved, as propagation offers
-    them when every tensor operand is a partial sum (``propagate.PARTIAL_PASS``: all operands
+    them when every tensor operand is a partial sum (``OpSpec.linear``: all operands
     partial, one of them, or the first). Each is a claim about the op, checked like a rule.
     Booleans are left out: they cannot be split into summands."""
-    if op.kind not in propagate.PARTIAL_PASS or any(t.dtype is DType.Bool for t in tensor_operands(op)):
+    if not opstable.spec(op.kind).linear or any(t.dtype is DType.Bool for t in tensor_operands(op)):
         return []
     sums = {t.name: SUM for t in tensor_operands(op)}
     offered = propagate._Propagator(one_op_fusion(fusion, op), DeviceMesh.of_size(d), sums, {}).candidates(op, factors_of(op))
@@ -453,15 +454,15 @@ def test_the_cases_cover_every_rule_the_samples_use():
 
 
 def _partial_passes_the_table_implies(op: Op) -> int:
-    """How many partial-sum passes ``propagate.PARTIAL_PASS`` promises for ``op``, from the
+    """How many partial-sum passes the op table's ``OpSpec.linear`` promises for ``op``, from the
     table's styles and the algebra alone: "all" operands partial together (once), "one" of them
     at a time (one per tensor operand), or the "first" (once); none for a result that is not
     floating point (integer division truncates, a cast to integers rounds), for a boolean
     operand, for a number added to or subtracted from a partial sum (it would be added on every
     rank), or for a number divided by one (2 / (a + b) is not 2 / a + 2 / b)."""
-    style = propagate.PARTIAL_PASS.get(op.kind)
+    style = opstable.spec(op.kind).linear
     tensors = tensor_operands(op)
-    if style is None or not op.outputs[0].dtype.is_float or any(t.dtype is DType.Bool for t in tensors):
+    if not style or not op.outputs[0].dtype.is_float or any(t.dtype is DType.Bool for t in tensors):
         return 0
     if op.kind == "cast" and not tensors[0].dtype.is_float:
         return 0
@@ -473,7 +474,7 @@ def _partial_passes_the_table_implies(op: Op) -> int:
 
 
 def test_the_partial_sum_cases_are_those_the_table_implies():
-    """Each op in propagate.PARTIAL_PASS that a sample uses gets its partial-sum cases, on each
+    """Each op with an ``OpSpec.linear`` that a sample uses gets its partial-sum cases, on each
     mesh size: a renamed or emptied table, or a pass propagation stops offering, drops them."""
     got: dict[tuple[str, int], int] = {}
     for c in CASES:
@@ -485,7 +486,7 @@ def test_the_partial_sum_cases_are_those_the_table_implies():
     # the dividend, layout ops, sum): the table must hold each, and each must have cases.
     linear = {"add", "sub", "cat", "mul", "matmul", "div", "neg", "cast", "reshape", "permute", "broadcast_in_dim",
               "expand", "squeeze", "set", "segment_set", "stride_order", "sum", "slice"}
-    assert set(propagate.PARTIAL_PASS) == linear
+    assert {name for name, s in opstable.OPS.items() if s.linear} == linear
     assert {c.kind for c in CASES if c.decision.partial} == linear
     assert sum(want.values()) == 114  # as counted when written: a sample added or removed changes it
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from nvtp.ir.graph import Fusion, Op, TensorValue, defines_input
+from nvtp.ir.ops import spec
 from nvtp.sharding.placements import (
     REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, is_replicate, make_shard,
 )
@@ -53,16 +54,6 @@ class Decision:
 
 
 NONE = Decision(None)
-
-# Ops through which a partial sum can pass unresolved, and which operands may then be partial:
-# "all" of them (sums of partial sums), "one" of them (the others replicated), or the "first".
-PARTIAL_PASS = {
-    "add": "all", "sub": "all", "cat": "all",
-    "mul": "one", "matmul": "one",
-    "div": "first", "neg": "first", "cast": "first", "reshape": "first", "permute": "first",
-    "broadcast_in_dim": "first", "expand": "first", "squeeze": "first", "set": "first",
-    "segment_set": "first", "stride_order": "first", "sum": "first", "slice": "first",
-}
 
 
 @dataclass
@@ -217,9 +208,9 @@ class _Propagator:
                         found.append(dec)
         if self.partial_pass and partial_passes(op):
             partial = [pos for pos, v in enumerate(tensor_operands(op)) if self.placement.get(v.name) == SUM]
-            style = PARTIAL_PASS[op.kind]
+            style = spec(op.kind).linear
             # A number added to a partial sum would be added on every rank.
-            all_tensors = op.kind not in ("add", "sub") or all(isinstance(op.arg(n), TensorValue) for n in ("lhs", "rhs"))
+            all_tensors = all(isinstance(op.arg(p.name), TensorValue) for p in spec(op.kind).params if p.kind == "operand")
             options = {"all": [tuple(range(len(tensor_operands(op))))] if partial and all_tensors else [],
                        "one": [(pos,) for pos in partial],
                        "first": [(0,)] if 0 in partial else []}[style]
@@ -404,7 +395,7 @@ def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[s
     (see ``check_annotations``). Ensures: every tensor value has a placement, annotated inputs
     keep theirs, every op has a decision, and each operand use records the placement it needs.
     ``output_hints`` says where outputs should end up (e.g. a gradient where its parameter is).
-    ``partial_pass`` lets partial sums flow through linear ops (``PARTIAL_PASS``) when that
+    ``partial_pass`` lets partial sums flow through linear ops (``OpSpec.linear``) when that
     communicates less; nvFuser holds a partial sum only on a split reduction axis, so programs
     for nvFuser resolve each partial sum where it is produced.
     """
@@ -456,32 +447,22 @@ def _index(fusion: Fusion) -> _Index:
 
 
 def partial_passes(op: Op) -> bool:
-    """Whether a partial sum may flow through ``op``: a linear op computing in floating point
-    (integer division truncates; casts to integers round)."""
-    if op.kind not in PARTIAL_PASS or not op.outputs or not isinstance(op.outputs[0], TensorValue):
+    """Whether a partial sum may flow through ``op``: an op linear in some operands
+    (``OpSpec.linear``) computing in floating point (integer division truncates, casts to and
+    from integers round)."""
+    s = spec(op.kind)
+    if not s.linear or not op.outputs or not isinstance(op.outputs[0], TensorValue) or not op.outputs[0].dtype.is_float:
         return False
-    if op.kind == "cast":
-        return _float_cast(op)
-    if op.kind == "div" and not isinstance(op.arg("lhs"), TensorValue):
+    if s.linear == "first" and not isinstance(op.args[0][1], TensorValue):
         return False  # 2 / (a + b) is not 2 / a + 2 / b: only the dividend may be partial
-    return op.outputs[0].dtype.is_float
-
-
-_LAYOUT = {"reshape", "permute", "squeeze", "set", "segment_set", "stride_order", "neg", "slice", "cast"}
+    return not s.layout or tensor_operands(op)[0].dtype.is_float
 
 
 def _shrinks_or_keeps(op: Op) -> bool:
-    """A single-operand op whose result is no bigger than its operand (so carrying a partial sum
-    through it never costs more bytes later)."""
+    """A layout op (``OpSpec.layout``) whose result is no bigger than its operand (so carrying a
+    partial sum through it never costs more bytes later); callers have checked ``partial_passes``."""
     xs = tensor_operands(op)
-    return op.kind in _LAYOUT and len(xs) == 1 and op.outputs[0].nbytes <= xs[0].nbytes and (op.kind != "cast" or _float_cast(op))
-
-
-def _float_cast(op: Op) -> bool:
-    from nvtp.ir.graph import TensorValue as _T
-
-    x = op.arg("arg")
-    return isinstance(x, _T) and x.dtype.is_float and op.arg("dtype").is_float
+    return bool(spec(op.kind).layout) and len(xs) == 1 and op.outputs[0].nbytes <= xs[0].nbytes
 
 
 def check_annotations(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from nvtp.ir.build import make_op
 from nvtp.ir.graph import Fusion, Op, TensorValue, Value, defines_input, fresh_names, is_value
+from nvtp.ir.ops import spec
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
 from nvtp.sharding.propagate import Propagation, reshard_bytes
 
@@ -135,12 +136,9 @@ def communications(steps: list[ReshardStep]) -> list[ReshardStep]:
     return [s for s in steps if s.is_communication]
 
 
-# Ops that only move or retype data: a gather after them is a gather before them.
-_LAYOUT = {"permute", "reshape", "cast", "squeeze", "stride_order", "set", "segment_set", "neg"}
-
-
 def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[str, ReshardStep], mesh: DeviceMesh) -> tuple[Fusion, dict[str, Placement], dict[str, ReshardStep]]:
-    """Move an all-gather above the layout op that produced its input, when that lets two
+    """Move an all-gather above the layout op that produced its input (one that only moves data,
+    ``OpSpec.layout == "moves"``: a gather after it is a gather before it), when that lets two
     gathers of the same data become one or makes the gathered tensor smaller:
 
         v = permute(u); r = set(v)  [S -> R]      becomes      u' = set(u) [S -> R]; r' = permute(u')
@@ -178,7 +176,7 @@ def _hoist_scan(ops: list[Op], placements, made, names, mesh) -> tuple[list[Op],
         if step is not None and axis_split(step.src) is not None:
             v = op.arg("arg")
             p_op = producers.get(v.name)
-            if p_op is not None and p_op.kind in _LAYOUT and len(p_op.operands) == 1 and p_op.outputs[0].name not in made:
+            if p_op is not None and spec(p_op.kind).layout == "moves" and len(p_op.operands) == 1 and p_op.outputs[0].name not in made:
                 u = p_op.operands[0]
                 f = factors_of(p_op)
                 dec = as_decision(f.results[0], f, step.dst, mesh.size)

@@ -55,8 +55,8 @@ Rule = Callable[[Op], OpFactors]
 RULES: dict[str, Rule] = {}
 
 
-class RuleError(KeyError):
-    pass
+class RuleError(LookupError):
+    """An op the op table knows with no entry in ``RULES`` (a gap in nvtp, not bad input)."""
 
 
 rule = registrar(RULES, "sharding rule")
@@ -71,7 +71,7 @@ def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
     fn = RULES.get(op.kind)
     if fn is None:
-        raise RuleError(f"no sharding rule for fd.ops.{op.kind}; add one to nvtp/sharding/rules.py")
+        raise RuleError(f"op {op.kind} has no sharding rule in nvtp/sharding/rules.py RULES; add one")
     f = fn(op)
     n_ops = len(tensor_operands(op))
     if len(f.operands) != n_ops or len(f.results) != len(op.outputs):

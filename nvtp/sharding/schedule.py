@@ -16,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
-from nvtp.ir.ops import norm_dim
+from nvtp.ir.ops import norm_dim, spec
 from nvtp.ir.parser import ScheduleStep
 from nvtp.sharding.placements import REPLICATE, Partial, Placement, axis_split, is_partial, make_shard
 from nvtp.sharding.rules import factors_of, tensor_operands
-
-_REDUCTIONS = {"sum", "max", "min", "prod"}
 
 
 class ScheduleError(ValueError):
@@ -33,7 +31,7 @@ def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
     logical axis i, ("reduce", j) for a reduction over operand axis j."""
     v = op.outputs[result]
     dims = [("dim", i) for i in range(len(v.shape))]
-    if op.kind in _REDUCTIONS or (op.kind == "var_mean" and result == 1) or op.kind == "welford":
+    if result in spec(op.kind).loop_reduce:
         x = tensor_operands(op)[0]
         if op.arg_dict.get("keepdim"):
             return dims
