@@ -410,6 +410,26 @@ def test_sharded_fusion_runs_on_nvfuser(tmp_path):  # pragma: no cover - GPU onl
         assert dump.relative_error(got.cpu(), want)[0] <= 1e-5, (v.name, placement)  # 2e-7 on the CPU mesh
 
 
+def test_nvfuser_builds_the_schedule_data_as_it_reads_the_printed_schedule(gpt3):
+    """execute_sharded builds from the schedule as data (schedule_steps); nvFuser must hold the
+    same loop domains as when it reads the schedule `nvtp shard` prints."""
+    import re
+
+    from nvtp.dump.sharded import format_sharded
+    from nvtp.execute.nvfuser import build_definition, build_from_text
+    from nvtp.sharding.schedule import schedule_steps
+
+    def loop_domain(tv):  # without nvFuser's running ids: T3_g_float[iS394{3}, ...] -> T_g_float[iS{3}, ...]
+        return re.sub(r"([A-Za-z.]+)\d+\{", r"\1{", re.sub(r"^T\d+", "T", str(tv)))
+
+    for sharded in shard_pair(*gpt3, "megatron-sp", DeviceMesh.of_size(2)):
+        built = build_definition(sharded.fusion, schedule_steps(sharded))  # keep the definitions alive while
+        read = build_from_text(format_sharded(sharded, []))  # their TensorViews are read
+        names = [v.name for op in sharded.fusion.ops for v in op.outputs if v.name in sharded.shardings]
+        assert sum("deviceIdx.x" in str(built.nvtp_values[n]) for n in names) > 100
+        assert [loop_domain(built.nvtp_values[n]) for n in names] == [loop_domain(read.nvtp_values[n]) for n in names]
+
+
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_nvfuser_holds_the_device_axes_of_the_gpt3_backward(gpt3, plan):
     """Batch 1: nvFuser squeezes a reduced size-1 axis rather than reducing it (the bias and

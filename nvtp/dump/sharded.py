@@ -13,13 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from nvtp.ir.parser import Dump
-from nvtp.ir.printer import format_file
+from nvtp.ir.printer import format_file, format_schedule
 from nvtp.sharding import plans as plans_mod
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, local_shape
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.propagate import Propagation
 from nvtp.sharding.reshard import ReshardStep, reshard_bytes
-from nvtp.sharding.schedule import placements_from_schedule, schedule_lines
+from nvtp.sharding.schedule import placements_from_schedule, schedule_steps
 
 PREAMBLE = [
     "# One process per GPU (mpirun -np N, or torchrun): each rank runs on its GPU with its own shards.",
@@ -43,7 +43,7 @@ def format_sharded(sharded: ShardedFusion, header: list[str]) -> str:
         fusion,
         header=header,
         extra_imports=["import nvfuser_direct", "from nvfuser_direct import ParallelType"],
-        extra_body=schedule_lines(sharded),
+        extra_body=format_schedule(schedule_steps(sharded)),
         input_shapes=shapes,
         device="cuda",
         preamble=PREAMBLE,

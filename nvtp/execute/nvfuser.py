@@ -187,7 +187,7 @@ def build_definition(fusion: Fusion, schedule: Sequence["ScheduleStep"] = ()) ->
     Requires a verified fusion whose outputs are tensors (nvFuser has no scalar outputs).
     Ensures the definition's inputs and outputs are ``fusion``'s, in order, and records on it
     (``fd.nvtp_values``) which nvFuser value stands for each nvtp value, for ``compare_definition``.
-    ``schedule`` (a parsed dump's device schedule) is applied after the outputs, as nvFuser's
+    ``schedule`` (``schedule_steps(sharded)``, or a parsed dump's) is applied after the outputs, as nvFuser's
     multidevice tests do: meshes, splits and ``mesh_x`` parallelization.
     """
     from nvfuser_direct import FusionDefinition
@@ -523,20 +523,18 @@ def execute_sharded(sharded: "ShardedFusion", local_inputs: Sequence[Any]) -> li
     """Run this rank's part of a sharded fusion with nvFuser's multidevice executor.
 
     One process per GPU, launched by ``mpirun`` or ``torchrun`` (nvFuser's Communicator reads
-    their environment); ``local_inputs`` are this rank's shards. nvFuser builds the definition
-    from the sharded dump's text (``build_from_text``: nvtp's parser checks it, then only its
-    function definition runs, in nvfuser_direct), so what runs is exactly what ``nvtp shard``
-    writes: the fusion with its resharding ``set`` ops and its device schedule. Raises at once
-    without a GPU.
+    their environment); ``local_inputs`` are this rank's shards. The definition is the fusion
+    with its resharding ``set`` ops and its device schedule (``schedule_steps``, the data that
+    ``nvtp shard`` prints). Raises at once without a GPU.
     """
     if not torch.cuda.is_available():
         raise RuntimeError(NO_GPU_MESSAGE)
     import nvfuser_direct
 
-    from nvtp.dump.sharded import format_sharded
     from nvtp.sharding.placements import local_shape
+    from nvtp.sharding.schedule import schedule_steps
 
-    fd = build_from_text(format_sharded(sharded, []), f"<{sharded.fusion.name} sharded over {sharded.mesh.size} devices>")
+    fd = build_definition(sharded.fusion, schedule_steps(sharded))
     rank = nvfuser_direct.multidevice.Communicator.instance().rank()
     device = torch.device("cuda", rank % torch.cuda.device_count())
     prepared = []

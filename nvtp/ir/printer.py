@@ -10,11 +10,14 @@ print at full precision (``repr``), so a printed fusion is exactly the fusion.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from nvtp.ir import ops as opstable
 from nvtp.ir.dtypes import DType, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nvtp.ir.parser import ScheduleStep
 
 INDENT = "    "
 
@@ -76,6 +79,27 @@ def format_call(op: Op) -> str:
 def format_op(op: Op) -> str:
     lhs = ", ".join(v.name for v in op.outputs)
     return f"{lhs} = {format_call(op)}"
+
+
+def format_schedule(steps: Sequence["ScheduleStep"]) -> list[str]:
+    """A device schedule as the statements that end a definition, in nvFuser's multidevice
+    Python: a ``mesh = ...DeviceMesh([...])`` line before the first tensor put on that mesh, then
+    ``T.set_device_mesh(mesh)``, ``T.outer_split(axis, factor)``, ``T.axis(i).parallelize(...)``."""
+    lines, mesh = [], None
+    for step in steps:
+        name, args = step.tensor, step.args
+        if step.kind == "mesh":
+            if args != mesh:
+                mesh = args
+                lines.append(f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(args)})")
+            lines.append(f"{name}.set_device_mesh(mesh)")
+        elif step.kind == "split":
+            lines.append(f"{name}.{'inner' if args[2] else 'outer'}_split({args[0]}, {args[1]})")
+        elif step.kind == "parallelize":
+            lines.append(f"{name}.axis({args[0]}).parallelize(ParallelType.{args[1]})")
+        else:
+            raise ValueError(f"unknown schedule step kind {step.kind!r} in {step}; the printer knows mesh, split, parallelize")
+    return lines
 
 
 def format_definition(fusion: Fusion, extra_body: Sequence[str] = (), comments: dict[str, str] | None = None) -> str:

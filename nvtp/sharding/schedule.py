@@ -20,6 +20,7 @@ from nvtp.ir.ops import norm_dim, spec
 from nvtp.ir.parser import ScheduleStep
 from nvtp.sharding.placements import REPLICATE, Partial, Placement, axis_split, is_partial, make_shard
 from nvtp.sharding.rules import factors_of, tensor_operands
+from nvtp.sharding.sharded import ShardedFusion
 
 
 class ScheduleError(ValueError):
@@ -61,14 +62,14 @@ def _partial_axis(op: Op, result: int, sharded_operand_axis: int | None) -> int:
     return reduce[0]
 
 
-def _split_lines(name: str, axis: int, split_factor: int, d: int) -> list[str]:
+def _split_steps(name: str, axis: int, split_factor: int, d: int) -> list[ScheduleStep]:
     if split_factor == 1:
-        return [f"{name}.outer_split({axis}, {d})", f"{name}.axis({axis}).parallelize(ParallelType.mesh_x)"]
-    return [f"{name}.outer_split({axis}, {split_factor})", f"{name}.outer_split({axis + 1}, {d})",
-            f"{name}.axis({axis + 1}).parallelize(ParallelType.mesh_x)"]
+        return [ScheduleStep(name, "split", (axis, d, False)), ScheduleStep(name, "parallelize", (axis, "mesh_x"))]
+    return [ScheduleStep(name, "split", (axis, split_factor, False)), ScheduleStep(name, "split", (axis + 1, d, False)),
+            ScheduleStep(name, "parallelize", (axis + 1, "mesh_x"))]
 
 
-def device_axis(sharded, op: Op | None, result: int, v: TensorValue) -> tuple[int, int] | None:
+def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorValue) -> tuple[int, int] | None:
     """(loop axis, split factor) nvtp splits over devices for value ``v``; None if replicated."""
     p = sharded.placement(v.name)
     split = axis_split(p)
@@ -89,15 +90,16 @@ def device_axis(sharded, op: Op | None, result: int, v: TensorValue) -> tuple[in
     return None
 
 
-def _op_index(sharded, op: Op) -> int | None:
+def _op_index(sharded: ShardedFusion, op: Op) -> int | None:
     for i, o in enumerate(sharded.source.ops):
         if o.outputs and op.outputs and o.outputs[0].name == op.outputs[0].name:
             return i
     return None
 
 
-def schedule_lines(sharded) -> list[str]:
-    """The device schedule of a sharded fusion, as statements for the end of its definition.
+def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
+    """The device schedule of a sharded fusion: the calls that end its definition, as data
+    (``nvtp.ir.printer.format_schedule`` prints them, ``nvfuser.build_definition`` applies them).
 
     A partial sum resolved into a split (a reduce-scatter) also gets the destination's split on
     its own loop domain, next to its split reduction axis: that is how nvFuser says
@@ -108,12 +110,12 @@ def schedule_lines(sharded) -> list[str]:
     for step in sharded.set_steps.values():
         if is_partial(step.src) and axis_split(step.dst) is not None:
             scattered[step.value] = axis_split(step.dst)
-    lines = [f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(sharded.mesh.devices)})"]
+    steps: list[ScheduleStep] = []
     for op in sharded.fusion.ops:
         for r, v in enumerate(op.outputs):
             if not isinstance(v, TensorValue) or v.name not in sharded.shardings:
                 continue
-            lines.append(f"{v.name}.set_device_mesh(mesh)")
+            steps.append(ScheduleStep(v.name, "mesh", tuple(sharded.mesh.devices)))
             if d == 1:
                 continue
             where = device_axis(sharded, None if op.kind == "define_tensor" else op, r, v)
@@ -124,11 +126,11 @@ def schedule_lines(sharded) -> list[str]:
                 # Split the later loop axis first so the earlier one's index stays put.
                 red_axis, red_sf = where
                 for axis, split in sorted([(red_axis, red_sf), (dst_axis, sf)], reverse=True):
-                    lines.extend(_split_lines(v.name, axis, split, d))
+                    steps.extend(_split_steps(v.name, axis, split, d))
                 continue
             if where is not None:
-                lines.extend(_split_lines(v.name, where[0], where[1], d))
-    return lines
+                steps.extend(_split_steps(v.name, where[0], where[1], d))
+    return steps
 
 
 @dataclass
