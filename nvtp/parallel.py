@@ -189,8 +189,7 @@ class ShardedModule(torch.nn.Module):
             # Parameters' gradients land where the parameters live; arguments' gradients whole.
             inputs, grad_hints = backward_annotations(captured.backward, forward)
             for v in captured.backward.outputs:
-                label = captured.backward.label(v.name)
-                if label.startswith("grad(") and label[5:-1] in names:
+                if captured.backward.grad_of(v.name) in names:
                     grad_hints[v.name] = REPLICATE
             backward = shard(captured.backward, "replicate", self.mesh, annotations=inputs, output_hints=grad_hints, target="reference")
         compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
@@ -459,11 +458,11 @@ class _Run(torch.autograd.Function):
         params |= {f.label(v.name): ctx.values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
         inputs = backward_inputs(b, params, ctx.values, local_grads)
         outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
-        by_label = {b.label(v.name): t for v, t in zip(b.outputs, outs)}
+        by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         result = [None, None, None, None]
         for label in ctx.param_labels:
-            result.append(by_label.get(f"grad({label})"))
-        result += [by_label.get(f"grad({name})") for name in compiled.traced_args]
+            result.append(by_grad.get(label))
+        result += [by_grad.get(name) for name in compiled.traced_args]
         return tuple(result)
 
 

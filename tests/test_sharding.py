@@ -235,6 +235,35 @@ def test_the_pipeline_times_each_pass_and_names_a_failing_one(gpt3, monkeypatch)
         shard(fwd, "megatron", DeviceMesh.of_size(2))
 
 
+def test_gradients_go_where_the_forward_input_they_belong_to_lives(gpt3):
+    """A gradient output's forward input is data (ValueInfo.grad_of; a dump's `grad(x)` label is
+    read into it), not parsed out of the label by the passes: relabelled gradients still land
+    where their parameters live."""
+    from dataclasses import replace
+
+    from nvtp.sharding.pipeline import backward_annotations
+
+    fwd, bwd = gpt3
+    assert bwd.grad_of(bwd.outputs[0].name) and all(bwd.label(v.name) == f"grad({bwd.grad_of(v.name)})" for v in bwd.outputs)
+    relabelled = replace(bwd, info={n: replace(i, label=f"d{k}") if i.grad_of else i for k, (n, i) in enumerate(bwd.info.items())})
+    forward = shard(fwd, "megatron", DeviceMesh.of_size(4))
+    _, hints = backward_annotations(bwd, forward)
+    _, relabelled_hints = backward_annotations(relabelled, forward)
+    weight = next(v.name for v in bwd.outputs if bwd.grad_of(v.name) == "attn.c_attn.weight")
+    assert len(hints) == len(bwd.outputs) and relabelled_hints == hints
+    assert hints[weight] == _StridedShard(0, split_factor=3)
+
+
+def test_a_captured_backward_records_its_gradients_forward_inputs(tiny_capture):
+    from nvtp.ir.parser import parse
+    from nvtp.ir.printer import format_file
+
+    b = tiny_capture.backward
+    params = {v.name: tiny_capture.forward.label(v.name) for v in tiny_capture.forward.inputs if tiny_capture.forward.role(v.name) == "parameter"}
+    assert {b.grad_of(v.name) for v in b.outputs} == set(params.values()) | {"x"}
+    assert parse(format_file(b)).fusion.info == b.info  # the dump's grad(x) labels read back into grad_of
+
+
 # -- sharded runs equal the single-device run ---------------------------------------------------
 
 

@@ -143,11 +143,24 @@ class ValueInfo:
           ``grad`` (an incoming or outgoing gradient) | ``output``.
     label: the user's name for it (``attn.c_attn.weight``, ``x``, ``grad(x)``).
     source: for ``saved`` inputs of a backward fusion, the forward value they are (``T42``).
+    grad_of: for a gradient output of a backward fusion, the label of the forward input it is
+          the gradient of (``attn.c_attn.weight``; its label is ``grad(attn.c_attn.weight)``).
     """
 
     role: str
     label: str = ""
     source: str = ""
+    grad_of: str = ""
+
+    def __post_init__(self) -> None:
+        # A dump's nvtp_info records grad_of only in the label it prints: read it back here, once.
+        if self.role == "grad" and not (self.grad_of or self.source) and self.label.startswith("grad(") and self.label.endswith(")"):
+            object.__setattr__(self, "grad_of", self.label[5:-1])
+
+    @classmethod
+    def gradient(cls, of: str) -> "ValueInfo":
+        """A backward fusion's output: the gradient of the forward input labelled ``of``."""
+        return cls("grad", f"grad({of})", grad_of=of)
 
 
 @dataclass(frozen=True)
@@ -202,6 +215,11 @@ class Fusion:
     def role(self, name: str) -> str:
         info = self.info.get(name)
         return info.role if info else ""
+
+    def grad_of(self, name: str) -> str:
+        """The label of the forward input whose gradient output ``name`` is; "" for other values."""
+        info = self.info.get(name)
+        return info.grad_of if info else ""
 
     def with_ops(self, ops: tuple[Op, ...], outputs: tuple[Value, ...] | None = None) -> "Fusion":
         return replace(self, ops=tuple(ops), outputs=self.outputs if outputs is None else tuple(outputs))

@@ -160,9 +160,8 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
             inputs[v.name] = produced[user_outputs[0]]
     hints: dict[str, Placement] = {}
     for v in backward.outputs:
-        label = backward.label(v.name)
-        if label.startswith("grad(") and label[5:-1] in by_label:
-            hints[v.name] = by_label[label[5:-1]]
+        if backward.grad_of(v.name) in by_label:
+            hints[v.name] = by_label[backward.grad_of(v.name)]
     return inputs, hints
 
 
