@@ -22,29 +22,7 @@ import time
 
 import torch
 
-CONFIGS = {  # small: hidden 64, 4 heads, 2 layers, vocabulary 256, fp32
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                                      num_hidden_layers=2, vocab_size=256, intermediate_size=128)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
-                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                                            num_hidden_layers=2, vocab_size=256, intermediate_size=128)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                                      num_hidden_layers=2, vocab_size=256, intermediate_size=128)),
-}
-
-
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    import transformers
-
-    config_cls, model_cls, kwargs = CONFIGS[name]
-    config = getattr(transformers, config_cls)(**kwargs, use_cache=False, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config)
-
-
-def batch(step: int, batch_size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch_size, seq), generator=torch.Generator().manual_seed(1000 + step))
+from nvtp.models.hf import CONFIGS, batch, build  # the small configs, shared with nvtp demo --model
 
 
 def main() -> int:
