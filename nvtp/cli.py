@@ -206,6 +206,13 @@ def cmd_demo(args) -> int:
         print(f"nvtp demo: unknown plan {args.plan!r}; use {', '.join(DEMO_PLANS)}, or an explicit plan 'glob=placement;...' "
               "(placements S(d), S(d,k), R, colwise, rowwise)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.model != "nanogpt":
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            print(f"nvtp demo: --model {args.model} needs transformers, which is not installed; run `uv sync` (the dev group "
+                  "installs it) or `pip install nvtp[hf]`", file=sys.stderr)
+            return EXIT_BAD_INPUT
     from nvtp import demo
 
     return demo.main(args)
@@ -255,11 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args)), traced whole")
         c.set_defaults(fn=fn)
 
-    m = sub.add_parser("demo", help="the main job: train a small GPT sharded over a local CPU mesh, checked against one process")
+    m = sub.add_parser("demo", help="the main job: train a small GPT (or --model llama: a transformers model) sharded over a local CPU mesh, checked against one process")
     m.add_argument("--devices", type=_positive_int, default=4, help="processes in the local mesh (default 4)")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)
-    m.add_argument("--config", default="tiny", choices=["tiny"])
+    m.add_argument("--config", default="tiny", choices=["tiny"], help="nvtp's GPT's config (with --model nanogpt)")
+    m.add_argument("--model", default="nanogpt", choices=["nanogpt", "llama", "gpt2", "mistral", "qwen2"],
+                   help="nanogpt (default: nvtp's GPT), or a small Hugging Face transformers model built from a config "
+                        "(traced by the FX route; needs transformers)")
     m.add_argument("--timeout", type=_seconds, default=60.0,
                    help="seconds a rank waits for a silent peer before the mesh stops (default 60); a rank that dies stops the others at once")
     m.set_defaults(fn=cmd_demo)
