@@ -561,7 +561,7 @@ def test_a_rank_hanging_inside_demo_training_stops_the_other_naming_it():
 
 @pytest.mark.slow
 def test_a_rank_raising_inside_torchrun_training_stops_the_other_naming_it():
-    from nvtp.execute.launch import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / "tools/train.py"), "--steps", "4"]
@@ -618,7 +618,7 @@ sys.exit(run_rank(int(os.environ["RANK"]), body))
 
 
 def test_under_torchrun_the_surviving_ranks_name_the_killed_one(tmp_path):
-    from nvtp.execute.launch import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
     script = tmp_path / "victim.py"
     script.write_text(TORCHRUN_SCRIPT)
@@ -629,6 +629,32 @@ def test_under_torchrun_the_surviving_ranks_name_the_killed_one(tmp_path):
     assert re.search(r"nvtp: rank 0 stopping(?: \(SIGTERM\))?: rank 1 failed: its process \(pid \d+\) "
                      r"(was killed by SIGKILL|is gone)", result.stderr), result.stderr
     assert time.perf_counter() - start < 60
+
+
+HOOKS_SCRIPT = """
+import atexit, signal, sys
+registered = []
+_register = atexit.register
+atexit.register = lambda f, *a, **k: (registered.append(getattr(f, "__module__", None) or ""), _register(f, *a, **k))[1]
+hook, term = sys.excepthook, signal.getsignal(signal.SIGTERM)
+import nvtp, nvtp.cli, nvtp.parallel, nvtp.execute.launch as launch
+
+def state():
+    return [sys.excepthook is hook, signal.getsignal(signal.SIGTERM) is term, [m for m in registered if m.startswith("nvtp")]]
+
+print(state())
+launch._install_exit_hooks()  # what the CLI's ranks and nvtp.jit(..., timeout=) opt into
+launch.Watchdog(None, 0, 2, 5.0, hosts_store=False, store_desc="")._install_sigterm()
+print(state())
+"""
+
+
+def test_importing_nvtp_installs_no_process_wide_handlers():
+    """sys.excepthook, atexit and SIGTERM belong to the program: importing nvtp leaves them alone;
+    the watchdog's hooks (which the check below sees) come only with the CLI or nvtp.jit(..., timeout=)."""
+    result = subprocess.run([sys.executable, "-c", HOOKS_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[True, True, []]", "[False, False, ['nvtp.execute.launch']]"], result.stdout + result.stderr
 
 
 def test_the_command_line_exits_with_distinct_codes(tiny, capsys, monkeypatch):

@@ -281,7 +281,7 @@ def test_torchrun_training_matches_one_process_for_20_steps(family):
     import sys
     from pathlib import Path
 
-    from nvtp.execute.launch import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),

@@ -38,7 +38,7 @@ def test_a_sharded_file_runs_on_its_own_schedule(files, tmp_path, capfd):
 
 def test_replay_works_under_torchrun(files):
     """The same command, launched by torchrun instead of starting its own processes."""
-    from nvtp.execute.launch import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "nvtp",
            "replay", str(files / "nanogpt_tiny_fp32_fwd.py"), "--plan", "megatron", "--devices", "2", "--check"]

@@ -96,7 +96,7 @@ def test_checkpoint_resumes_exactly_and_on_another_mesh(tmp_path):
 
 def _torchrun(nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N tools/train.py ARGS`` as a user types it (this environment's Python)."""
-    from nvtp.execute.launch import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            str(ROOT / "tools/train.py"), *args]

@@ -46,12 +46,6 @@ JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the others to join (importin
 _PREFIX = "nvtp/"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
