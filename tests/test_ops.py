@@ -57,8 +57,9 @@ def test_every_sample_op_has_a_reference_impl():
 def test_every_op_has_every_fact_the_passes_read():
     """What the passes read about an op is in the op table (``OpSpec``'s fact fields) or the rule
     registry: every op but the input definitions has a sharding rule, and every fact holds a value
-    the passes know, naming the op's own parameters. A fact the passes rely on together holds
-    together: each layout op passes a partial sum on, and only reductions keep reduced axes."""
+    the passes know, naming the op's own parameters. Facts the passes rely on together hold
+    together: a layout op is linear in its operand and, in every sample, keeps ("moves") or
+    drops ("selects") its one operand's elements; only reductions keep reduced axes."""
     from nvtp.sharding.rules import RULES
 
     no_rule = sorted(n for n, s in OPS.items() if s.family != "input" and n not in RULES)
@@ -76,6 +77,12 @@ def test_every_op_has_every_fact_the_passes_read():
         if not isinstance(s.random, bool):
             bad.append(f"{name}: random {s.random!r}")
     assert not bad, "\n".join(bad)
+    # A layout op reads one tensor and keeps ("moves") or drops ("selects") its elements.
+    layout_ops = [op for s in SAMPLES for op in s.build().ops if OPS[op.kind].layout]
+    for op in layout_ops:
+        (x,), y = [v for v in op.operands if isinstance(v, TensorValue)], op.outputs[0]
+        assert y.numel == x.numel if OPS[op.kind].layout == "moves" else y.numel <= x.numel, f"{op.kind}: {x.describe()} -> {y.describe()}"
+    assert {op.kind for op in layout_ops} == {n for n, s in OPS.items() if s.layout}
     assert opstable.RANDOM == {n for n, s in OPS.items() if s.random} and {"uniform", "normal", "sdpfa_fwd"} <= opstable.RANDOM
 
 

@@ -624,8 +624,6 @@ register(
 # ---------------------------------------------------------------------------------------------
 # tensor factories (results made inside the fusion)
 
-FACTORY = {"iota", "full", "uniform", "normal"}
-
 
 def _int_arg(x: Any, what: str) -> int:
     _check(isinstance(x, int) and not isinstance(x, bool), lambda: f"{what} must be a static integer, got {x!r}")

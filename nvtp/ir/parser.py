@@ -13,7 +13,6 @@ and ``fd.execute(inputs)``. Anything else is refused with the file, the line and
 from __future__ import annotations
 
 import ast
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
