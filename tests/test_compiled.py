@@ -1,6 +1,7 @@
-"""Compiled reference programs compute what the interpreter computes: bit for bit, except the
-fused patterns, which round like eager PyTorch's kernels; patterns fire where they should, and
-only where the rank holds whole rows; no step overwrites an input."""
+"""The reference backend's lowered modules (a fusion as a torch.fx GraphModule) compute what its
+op implementations compute, op by op: bit for bit, except the fused patterns, which round like
+eager PyTorch's kernels; patterns fire where they should, and only where the rank holds whole
+rows; no step overwrites an input; each value is dropped after its last use."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nvtp.dump import relative_error
-from nvtp.execute import compiled, reference, spmd
+from nvtp.execute import reference, spmd
 from nvtp.frontend.capture import capture, forward_inputs, output_value, run_pair
 from nvtp.ir import DType, FusionBuilder, verify
 from nvtp.models import gpt
@@ -33,13 +34,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
+def _op_by_op(f, inputs, seed):
+    """The fusion evaluated op by op with ``execute_op``, independently of the lowering."""
+    ctx = reference.Context(f, seed=seed)
+    env = {v.name: reference.input_value(ctx, v, x) for v, x in zip(f.inputs, inputs)}
+    for op in f.ops:
+        if op.kind == "define_scalar" and op.arg("value") is not None:
+            env[op.outputs[0].name] = reference.constant_value(ctx, op)
+        elif op.kind not in ("define_tensor", "define_scalar"):
+            env.update(zip((v.name for v in op.outputs), reference.execute_op(ctx, op, {n: reference._resolve(a, env) for n, a in op.args})))
+    return [env[v.name] for v in f.outputs]
+
+
 @pytest.mark.parametrize("s", SAMPLES, ids=str)
-def test_a_program_equals_the_interpreter_on_every_op_sample(s):
+def test_a_lowered_module_equals_the_op_implementations_on_every_op_sample(s):
     f = verify(s.build())
     inputs = _example(s)
     saved = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-    want = reference.run(f, inputs, compiled=False, seed=3)
-    got = compiled.compile_program(f).run(inputs, reference.SoloComm(), seed=3)
+    want = _op_by_op(f, inputs, seed=3)
+    got = reference.run(f, inputs, seed=3)
     for i, (a, b) in enumerate(zip(got, want)):
         assert _same(torch.as_tensor(a), torch.as_tensor(b)), f"output {i} of {s.name}"
     for x, y in zip(inputs, saved):  # inputs are never written
@@ -56,11 +69,23 @@ def block(request):
 
 def test_the_gpt_blocks_patterns_fuse(block):
     _, _, _, c = block
-    fwd, bwd = compiled.compile_program(c.forward), compiled.compile_program(c.backward)
+    fwd, bwd = reference.lower_fusion(c.forward), reference.lower_fusion(c.backward)
     assert fwd.fused == {"layer_norm": 2, "gelu": 1, "softmax": 1}
     assert bwd.fused == {"layer_norm_backward": 2, "gelu": 1, "gelu_backward": 1, "softmax_backward": 1}
     assert fwd.folded >= 1 and bwd.folded >= 1  # the causal mask is built once
-    assert bwd.in_place >= 5
+    code = bwd.module.code
+    assert "torch_gelu_backward(" in code and "fd_ops_var_mean" not in code
+
+
+def test_the_lowered_code_drops_each_value_after_its_last_use(block):
+    _, _, _, c = block
+    lines = reference.lower_fusion(c.forward, fuse=False).module.code.splitlines()
+    calls = [line for line in lines if "fd_ops_" in line]
+    assert len(calls) > 50  # one line per op
+    first = next(i for i, line in enumerate(lines) if "fd_ops_var_mean" in line)
+    made = lines[first].split("=")[0].strip()  # the var_mean's (var, mean) pair
+    last = max(i for i, line in enumerate(lines) if made in line.split("=", 1)[-1])
+    assert f"{made} = None" in lines[last] and last < len(lines) - 2  # dropped well before the end
 
 
 def _eager_with_masks(b, cfg, x, g, masks, monkeypatch):
@@ -93,7 +118,7 @@ def _eager_with_masks(b, cfg, x, g, masks, monkeypatch):
     return y.detach(), grads
 
 
-def test_a_compiled_block_matches_the_interpreter_and_eager(block, monkeypatch):
+def test_a_fused_block_matches_the_unfused_one_and_eager(block, monkeypatch):
     cfg, b, x, c = block
     named = {n: p.detach() for n, p in b.named_parameters()} | {"x": x.detach()}
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
@@ -126,7 +151,7 @@ def test_a_compiled_block_matches_the_interpreter_and_eager(block, monkeypatch):
 def test_sharded_programs_fuse_the_same_patterns_on_every_rank(tiny_capture, plan):
     sf, sb = shard_pair(tiny_capture.forward, tiny_capture.backward, plan, DeviceMesh.of_size(2), target="reference")
     for s, kinds in ((sf, {"layer_norm", "gelu", "softmax"}), (sb, {"layer_norm_backward", "gelu_backward", "softmax_backward"})):
-        programs = [compiled.compile_program(s.fusion, s.shardings, s.mesh, r, 2) for r in range(2)]
+        programs = [reference.lower_fusion(s.fusion, s.shardings, s.mesh, r, 2) for r in range(2)]
         assert programs[0].fused == programs[1].fused
         assert kinds <= set(programs[0].fused), (plan, programs[0].fused)
 
@@ -143,16 +168,16 @@ def test_a_pattern_needs_whole_rows():
                 b.op("broadcast_in_dim", rstd, shape=[4, 8], broadcast_dims=[0, 1]))
     b.add_output(b.op("mul", xhat, b.op("broadcast_in_dim", w, shape=[4, 8], broadcast_dims=[1])))
     f = verify(b.build())
-    assert compiled.compile_program(f).fused == {"layer_norm": 1}
+    assert reference.lower_fusion(f).fused == {"layer_norm": 1}
     rows = {v.name: (Shard(0),) for v in f.values.values() if v.shape and v.shape[0] == 4}
-    assert compiled.compile_program(f, rows, DeviceMesh.of_size(2), 0, 2).fused == {"layer_norm": 1}
+    assert reference.lower_fusion(f, rows, DeviceMesh.of_size(2), 0, 2).fused == {"layer_norm": 1}
     cols = {v.name: (Shard(v.ndim - 1),) for v in f.values.values() if v.shape and v.shape[-1] == 8}
-    assert compiled.compile_program(f, cols, DeviceMesh.of_size(2), 0, 2).fused == {}
+    assert reference.lower_fusion(f, cols, DeviceMesh.of_size(2), 0, 2).fused == {}
     xs, ws = torch.randn(4, 8), torch.randn(8)
     assert relative_error(reference.run(f, [xs, ws])[0], torch.nn.functional.layer_norm(xs, [8], ws, eps=1e-5))[0] <= 1e-6
 
 
-def test_dropout_masks_are_those_of_the_interpreter_sharded_too(tiny_cfg):
+def test_dropout_masks_are_those_of_the_unfused_run_sharded_too(tiny_cfg):
     cfg = gpt.config("tiny", dropout=0.5)
     c = capture(make_block(cfg).train(), gpt.example_input(cfg), backward=False)
     sf, _ = shard_pair(c.forward, None, "megatron", DeviceMesh.of_size(2), target="reference")
@@ -170,7 +195,7 @@ def test_dropout_masks_are_those_of_the_interpreter_sharded_too(tiny_cfg):
 
 
 def test_a_changed_implementation_table_is_honoured(monkeypatch):
-    """A monkeypatched implementation (tests inject faults that way) sends runs through the interpreter."""
+    """A monkeypatched implementation (tests inject faults that way) is called, unfused."""
     s = next(s for s in SAMPLES if s.name == "exp")
     f = s.build()
     calls = []

@@ -2,210 +2,114 @@
 forward and backward, as Thunder decomposes them into nvFuser's primitive ops.
 
 Eager PyTorch calls ``F.layer_norm``; Thunder hands nvtp ``var_mean``, eight broadcasts and
-five pointwise ops, and for the backward some thirty more. Each pattern here is a *template*
-(the op graph Thunder emits, written with the helpers below), a *check* (shapes, reduced axes,
-constants, placements: the fused kernel must compute what the ops compute, on this rank's
-parts), and a *kernel* (the torch call eager PyTorch itself makes). ``find`` matches the
-templates against a program's ops and says which ops a fused step replaces.
+five pointwise ops, and for the backward some thirty more. Each pattern is a small fx graph of op
+kinds (written below with ``_Builder``, in the order Thunder emits the ops), matched by fx's own
+``SubgraphMatcher`` against a lowered fusion (``lower.py``); a *check* (shapes, reduced axes,
+constants, placements: the kernel must compute what the ops compute, on this rank's parts); and
+a *kernel*, the torch call eager PyTorch itself makes.
 
-A template matches structurally: ``mul`` and ``add`` in either operand order, ``bcast(x)`` one
-or more ``broadcast_in_dim`` ops, a node used twice must bind the same value twice. A fused
-step reads only the template's leaves and writes the values its kernel gives (``exports``);
-a matched op whose value something else still reads, and which the kernel cannot give, stays.
-A template that no longer matches (another Thunder version, another decomposition) costs speed,
+A matched op whose value is read outside the match stays, and so do the ops it needs; every
+other matched op goes (``fuse`` adds the kernel and removes what nothing reads any more). A
+pattern that no longer matches (another Thunder version, another decomposition) costs speed,
 never correctness: the ops then run one by one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
-from nvtp.ir.graph import Op, TensorValue, Value, is_value
+from nvtp.execute.lower import kind_target
+from nvtp.ir.graph import Op, TensorValue, Value
 from nvtp.sharding.placements import Placement, axis_split, is_partial
 
 # ---------------------------------------------------------------------------------------------
-# templates
-
-_LEAF, _CONST, _BCAST = "<leaf>", "<const>", "<bcast>"
-_OPERAND_ARGS = {"add": ("lhs", "rhs"), "sub": ("lhs", "rhs"), "mul": ("lhs", "rhs"), "div": ("lhs", "rhs"),
-                 "pow": ("lhs", "rhs"), "where": ("condition", "x", "y")}
-_COMMUTATIVE = {"add", "mul"}
+# writing patterns
 
 
-class Node:
-    """A template node: an op (with operand nodes), a leaf, a constant or a broadcast chain."""
+class _Builder:
+    """Writes a pattern graph: ``b.add(x, 1.0)`` is an ``add`` op node, ``b.leaf("x")`` an input;
+    ``name=`` names a node for the check (``m["name"]``)."""
 
-    __slots__ = ("kind", "operands", "name", "out", "value")
+    def __init__(self):
+        self.graph = fx.Graph()
+        self.named: dict[str, fx.Node] = {}
 
-    def __init__(self, kind: str, operands: tuple = (), name: str | None = None, out: int = 0, value: Any = None):
-        self.kind, self.operands, self.name, self.out, self.value = kind, operands, name, out, value
+    def leaf(self, name: str) -> fx.Node:
+        return self._name(self.graph.placeholder(name), name)
 
+    def op(self, kind: str, *args: Any, name: str | None = None) -> fx.Node:
+        return self._name(self.graph.call_function(kind_target(kind), args), name)
 
-def leaf(name: str) -> Node:
-    return Node(_LEAF, name=name)
+    def get(self, node: fx.Node, i: int, name: str) -> fx.Node:
+        """Result ``i`` of a multi-result op."""
+        return self._name(self.graph.call_function(operator.getitem, (node, i)), name)
 
+    def bcast(self, x: fx.Node, depth: int = 1, name: str | None = None) -> fx.Node:
+        """``depth`` chained ``broadcast_in_dim`` ops."""
+        for _ in range(depth):
+            x = self.op("broadcast_in_dim", x)
+        return self._name(x, name)
 
-def const(value: float | None = None, name: str | None = None) -> Node:
-    """A literal number in the op's arguments (any number when ``value`` is None)."""
-    return Node(_CONST, name=name, value=value)
+    def __getattr__(self, kind: str) -> Callable[..., fx.Node]:
+        return lambda *args, name=None: self.op(kind, *args, name=name)
 
+    def _name(self, node: fx.Node, name: str | None) -> fx.Node:
+        if name:
+            self.named[name] = node
+        return node
 
-def bcast(x: Node, name: str | None = None) -> Node:
-    """One or more ``broadcast_in_dim`` ops applied to ``x``."""
-    return Node(_BCAST, (x,), name)
-
-
-def op(kind: str, *operands: Node | float, name: str | None = None, out: int = 0) -> Node:
-    return Node(kind, tuple(o if isinstance(o, Node) else const(o) for o in operands), name, out)
-
-
-def add(a, b, name=None): return op("add", a, b, name=name)  # noqa: E704 - a table of one-liners
-def sub(a, b, name=None): return op("sub", a, b, name=name)  # noqa: E704
-def mul(a, b, name=None): return op("mul", a, b, name=name)  # noqa: E704
-def div(a, b, name=None): return op("div", a, b, name=name)  # noqa: E704
-def reduce(kind, a, name): return op(kind, a, name=name)  # noqa: E704
-
-
-# ---------------------------------------------------------------------------------------------
-# matching
-
-
-class _Graph:
-    """What the matcher may look through: the ops still in the program, by the values they make."""
-
-    def __init__(self, live: Mapping[int, Op]):
-        self.producer: dict[str, tuple[int, Op]] = {v.name: (i, o) for i, o in live.items() for v in o.outputs}
-
-
-_OPS = "<ops>"
-
-
-def _match(node: Node, x: Any, b: dict, g: _Graph) -> Iterator[dict]:
-    k = node.kind
-    key = id(node)
-    if k == _CONST:
-        if is_value(x) or isinstance(x, bool) or not isinstance(x, (int, float)):
-            return
-        if node.value is not None and not math.isclose(x, node.value, rel_tol=1e-12, abs_tol=0.0):
-            return
-        yield {**b, key: x}
-        return
-    if not is_value(x):
-        return
-    if key in b:  # a node used twice binds one value
-        if b[key].name == x.name:
-            yield b
-        return
-    if k == _LEAF:
-        yield {**b, key: x}
-        return
-    found = g.producer.get(x.name)
-    if found is None:
-        return
-    index, o = found
-    if k == _BCAST:
-        if o.kind != "broadcast_in_dim":
-            return
-        b = {**b, key: x, _OPS: b[_OPS] + (index,)}
-        inner = o.arg("arg")
-        yield from _match(node.operands[0], inner, b, g)
-        if is_value(inner) and inner.name in g.producer and g.producer[inner.name][1].kind == "broadcast_in_dim":
-            yield from _match(Node(_BCAST, node.operands), inner, b, g)  # a longer chain
-        return
-    if o.kind != k or node.out >= len(o.outputs) or o.outputs[node.out].name != x.name:
-        return
-    b = {**b, key: x, _OPS: b[_OPS] + (index,)}
-    args = [o.arg(n) for n in _OPERAND_ARGS.get(k, ("arg",))]
-    orders = [args, args[::-1]] if k in _COMMUTATIVE else [args]
-    for a in orders:
-        yield from _match_all(node.operands, a, b, g)
-
-
-def _match_all(nodes: tuple, xs: list, b: dict, g: _Graph) -> Iterator[dict]:
-    if len(nodes) != len(xs):
-        return
-    if not nodes:
-        yield b
-        return
-    for b1 in _match(nodes[0], xs[0], b, g):
-        yield from _match_all(nodes[1:], xs[1:], b1, g)
-
-
-def _named(root: Node) -> dict[str, Node]:
-    out: dict[str, Node] = {}
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        if n.name and n.name not in out:
-            out[n.name] = n
-        stack.extend(o for o in n.operands if isinstance(o, Node))
-    return out
-
-
-def _leaves(root: Node) -> list[Node]:
-    seen, out, stack = set(), [], [root]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.kind == _LEAF:
-            out.append(n)
-        stack.extend(o for o in n.operands if isinstance(o, Node))
-    return out
+    def done(self, root: fx.Node) -> "_Builder":
+        self.graph.output(root)
+        return self
 
 
 @dataclass
 class Match:
-    """A template bound to a program's values: ``m["x"]`` is the value (or literal) node x bound."""
+    """A pattern bound to a lowered fusion: ``m["x"]`` is the value (or literal) node x bound."""
 
-    pattern: "Pattern"
-    bindings: dict
-    ops: dict[int, Op]
+    nodes: dict[fx.Node, Any]  # pattern node -> graph node (or literal)
+    named: dict[str, fx.Node]
     local_shape: Callable[[Value], tuple[int, ...]]
     sharding: Callable[[Value], Placement | None]
 
+    def node(self, name: str) -> Any:
+        return self.nodes[self.named[name]]
+
     def __getitem__(self, name: str) -> Any:
-        return self.bindings[id(self.pattern.named[name])]
+        n = self.node(name)
+        return n.meta["value"] if isinstance(n, fx.Node) else n
 
     def op_of(self, name: str) -> Op:
-        v = self[name]
-        for o in self.ops.values():
-            if any(out.name == v.name for out in o.outputs):
-                return o
-        raise KeyError(name)
+        n = self.node(name)
+        return n.args[0].meta["op"] if n.target is operator.getitem else n.meta["op"]
 
     def values(self) -> list[Value]:
         """Every value the match binds (leaves and op results)."""
-        return [x for k, x in self.bindings.items() if k != _OPS and is_value(x)]
+        return [n.meta["value"] for n in self.nodes.values() if isinstance(n, fx.Node) and "value" in n.meta]
+
+    def chain(self, top: str, bottom: str) -> list[int] | None:
+        """Which axis of ``top`` each axis of ``bottom`` becomes through the broadcasts between them."""
+        n, stop, dims = self.node(top), self.node(bottom), None
+        while n is not stop:
+            op = n.meta.get("op")
+            if op is None or op.kind != "broadcast_in_dim":
+                return None
+            here = list(op.arg("broadcast_dims"))
+            dims = here if dims is None else [dims[d] for d in here]
+            n = n.args[0]
+        return dims if dims is not None else list(range(len(self[top].shape)))
 
 
 # ---------------------------------------------------------------------------------------------
 # checks shared by the patterns
-
-
-def _bcast_map(m: Match, top: Value, bottom: Value) -> list[int] | None:
-    """Which axis of ``top`` each axis of ``bottom`` becomes through the broadcast chain between them."""
-    producer = {o.outputs[0].name: o for o in m.ops.values()}
-    dims: list[int] | None = None
-    v = top
-    while v.name != bottom.name:
-        o = producer.get(v.name)
-        if o is None or o.kind != "broadcast_in_dim":
-            return None
-        here = list(o.arg("broadcast_dims"))
-        dims = here if dims is None else [dims[d] for d in here]
-        v = o.arg("arg")
-    return dims if dims is not None else list(range(len(top.shape)))
-
-
-def _chain(m: Match, top_name: str, bottom_name: str) -> list[int] | None:
-    return _bcast_map(m, m[top_name], m[bottom_name])
 
 
 def _no_partial(m: Match) -> bool:
@@ -238,99 +142,96 @@ def _reduced(o: Op, ndim: int) -> set[int]:
 @dataclass
 class Pattern:
     name: str
-    root: Node
-    kernel: Callable[[Match], tuple[list[str], Callable[..., dict[str, torch.Tensor]]]]
-    exports: tuple[str, ...]
-    in_place: dict[str, str]  # export -> the leaf the kernel may overwrite with it (kernel(..., out=leaf))
-    named: dict[str, Node] = field(init=False)
-    leaves: list[Node] = field(init=False)
-
-    def __post_init__(self):
-        self.named = _named(self.root)
-        self.leaves = _leaves(self.root)
+    built: _Builder
+    check: Callable[[Match], tuple[list[str], dict[str, str], Callable[..., dict[str, torch.Tensor]]] | None]
+    # check -> (leaf names, {exported node name: kernel result key}, kernel), or None: no fusing
 
 
 PATTERNS: list[Pattern] = []
 
 
-def pattern(name: str, root: Node, exports: tuple[str, ...], in_place: dict[str, str] | None = None):
-    """Register a pattern; the decorated function checks a match and returns (leaves, kernel)."""
-
-    def deco(fn):
-        PATTERNS.append(Pattern(name, root, fn, exports, in_place or {}))
-        return fn
+def pattern(name: str, built: _Builder):
+    def deco(check):
+        PATTERNS.append(Pattern(name, built, check))
+        return check
 
     return deco
 
 
 # LayerNorm forward: var_mean, rsqrt(var + eps), (x - mean) * rstd * w + b ----------------------
 
-def _layer_norm_template(bias: bool) -> Node:
-    x, w = leaf("x"), leaf("w")
-    var = op("var_mean", x, name="var", out=0)
-    mean = op("var_mean", x, name="mean", out=1)
-    rstd = op("rsqrt", add(bcast(var, name="var_k"), const(name="eps")), name="rstd")
-    mean_k = bcast(mean, name="mean_k")
-    xhat = mul(sub(x, bcast(mean_k, name="mean_full")), bcast(rstd, name="rstd_full"))
-    y = mul(xhat, bcast(w, name="w_full"), name="y" if not bias else None)
-    return add(y, bcast(leaf("b"), name="b_full"), name="y") if bias else y
+def _layer_norm_pattern(bias: bool) -> _Builder:
+    b = _Builder()
+    x, w = b.leaf("x"), b.leaf("w")
+    vm = b.var_mean(x)
+    var, mean = b.get(vm, 0, "var"), b.get(vm, 1, "mean")
+    b.bcast(var, name="var_k")
+    rstd = b.rsqrt(b.add(b.named["var_k"], b.leaf("eps")), name="rstd")
+    mean_k = b.bcast(mean, name="mean_k")
+    xhat = b.mul(b.sub(x, b.bcast(mean_k, name="mean_full")), b.bcast(rstd, name="rstd_full"))
+    y = b.mul(xhat, b.bcast(w, name="w_full"), name="y" if not bias else None)
+    return b.done(b.add(y, b.bcast(b.leaf("b"), name="b_full"), name="y") if bias else y)
 
 
 def _layer_norm_check(m: Match, bias: bool):
     x, w = m["x"], m["w"]
     vm = m.op_of("mean")
-    if not _float(x, w, m["mean"]) or (bias and not _float(x, m["b"])) or not _no_partial(m):
+    if not _float(x, w, m["mean"]) or (bias and not _float(x, m["b"])) or not _no_partial(m) or isinstance(m["eps"], Value):
         return None
-    if m.op_of("var").outputs[0].name != vm.outputs[0].name or vm.arg("correction") != 0 or vm.arg("keepdim"):
+    if vm.arg("correction") != 0 or vm.arg("keepdim"):
         return None
     axes = sorted(_reduced(vm, x.ndim))
     k = x.ndim - len(axes)
     if not axes or axes != list(range(k, x.ndim)) or not _unsplit(m, x, axes):
         return None
     norm = tuple(x.shape[k:])
-    lead = list(range(k))
-    trail = list(range(k, x.ndim))
-    if w.shape != norm or _chain(m, "w_full", "w") != trail or (bias and (m["b"].shape != norm or _chain(m, "b_full", "b") != trail)):
+    lead, trail = list(range(k)), list(range(k, x.ndim))
+    if w.shape != norm or m.chain("w_full", "w") != trail or (bias and (m["b"].shape != norm or m.chain("b_full", "b") != trail)):
         return None
-    if _chain(m, "var_k", "var") != lead or tuple(m["var_k"].shape) != tuple(x.shape[:k]) + (1,) * len(norm):
+    if m.chain("var_k", "var") != lead or tuple(m["var_k"].shape) != tuple(x.shape[:k]) + (1,) * len(norm):
         return None
-    if _chain(m, "mean_full", "mean") != lead or tuple(m["mean_full"].shape) != tuple(x.shape):
+    if m.chain("mean_full", "mean") != lead or tuple(m["mean_full"].shape) != tuple(x.shape):
         return None
-    if tuple(m["rstd_full"].shape) != tuple(x.shape) or tuple(m["rstd"].shape) != tuple(x.shape[:k]) + (1,) * len(norm):
+    if tuple(m["rstd_full"].shape) != tuple(x.shape) or m.chain("rstd_full", "rstd") != list(range(x.ndim)):
         return None
     eps = float(m["eps"])
-    mean_shape = m.local_shape(m["mean"])
-    mean_k_shape = m.local_shape(m["mean_k"])
+    mean_shape, mean_k_shape = m.local_shape(m["mean"]), m.local_shape(m["mean_k"])
 
     def kernel(x, w, b=None):
         y, mean, rstd = torch.native_layer_norm(x, norm, w, b, eps)
         return {"y": y, "rstd": rstd, "mean": mean.reshape(mean_shape), "mean_k": mean.reshape(mean_k_shape)}
 
-    return (["x", "w", "b"] if bias else ["x", "w"]), kernel
+    exports = {"y": "y", "rstd": "rstd", "mean": "mean", "mean_k": "mean_k"}
+    return (["x", "w", "b"] if bias else ["x", "w"]), exports, kernel
 
 
-pattern("layer_norm", _layer_norm_template(bias=True), ("y", "rstd", "mean", "mean_k"))(lambda m: _layer_norm_check(m, True))
-pattern("layer_norm", _layer_norm_template(bias=False), ("y", "rstd", "mean", "mean_k"))(lambda m: _layer_norm_check(m, False))
+pattern("layer_norm", _layer_norm_pattern(bias=True))(lambda m: _layer_norm_check(m, True))
+pattern("layer_norm", _layer_norm_pattern(bias=False))(lambda m: _layer_norm_check(m, False))
 
 
 # LayerNorm backward (input gradient), from the saved mean and rstd ----------------------------
 
-def _layer_norm_backward_template(residual: bool) -> Node:
-    x, dy, mean, rstd, w = leaf("x"), leaf("dy"), leaf("mean"), leaf("rstd"), leaf("w")
-    xmu = sub(x, bcast(mean, name="mean_full"), name="xmu")
-    dxhat = mul(bcast(w, name="w_full"), dy)
-    rd = mul(bcast(rstd, name="rstd_full"), dxhat)
-    s1 = reduce("sum", mul(xmu, dxhat), "s1")
-    dvar = mul(mul(-0.5, bcast(s1, name="s1_top")), op("pow", rstd, 3.0))
-    s3 = reduce("sum", dvar, "s3")
-    var_term = div(mul(mul(2.0, bcast(s3, name="s3_top")), xmu), const(name="n"))
-    s2 = reduce("sum", op("neg", rd), "s2")
-    s4 = reduce("sum", bcast(s2, name="s2_top"), "s4")
-    mean_term = mul(const(name="inv_n"), bcast(s4, name="s4_top"))
-    tail = add(mean_term, var_term)
+def _layer_norm_backward_pattern(residual: bool, depth: int) -> _Builder:
+    """``depth``: the broadcasts that put the per-row sums s3 and s4 back on the rows (2, or 3
+    where a size-1 leading axis was summed away too)."""
+    b = _Builder()
+    x, dy, mean, rstd, w = (b.leaf(n) for n in ("x", "dy", "mean", "rstd", "w"))
+    b.bcast(mean, 2, name="mean_full")
+    b.bcast(w, name="w_full")
+    dxhat = b.mul(b.named["w_full"], dy)
+    xmu = b.sub(x, b.named["mean_full"], name="xmu")
+    s1 = b.sum(b.mul(xmu, dxhat), name="s1")
+    rd = b.mul(b.bcast(rstd, name="rstd_full"), dxhat)
+    dvar = b.mul(b.mul(-0.5, b.bcast(s1, name="s1_top")), b.pow(rstd, 3.0))
+    s2 = b.sum(b.neg(rd), name="s2")
+    s3 = b.sum(dvar, name="s3")
+    s4 = b.sum(b.bcast(s2, name="s2_top"), name="s4")
+    var_term = b.div(b.mul(b.mul(2.0, b.bcast(s3, depth, name="s3_top")), xmu), b.leaf("n"))
+    mean_term = b.mul(b.leaf("inv_n"), b.bcast(s4, depth, name="s4_top"))
+    tail = b.add(mean_term, var_term)
     if residual:
-        return add(add(leaf("g"), rd), tail, name="dx")
-    return add(rd, tail, name="dx")
+        return b.done(b.add(b.add(b.leaf("g"), rd), tail, name="dx"))
+    return b.done(b.add(rd, tail, name="dx"))
 
 
 def _layer_norm_backward_check(m: Match, residual: bool):
@@ -339,18 +240,18 @@ def _layer_norm_backward_check(m: Match, residual: bool):
         return None
     if x.shape != dy.shape or m.local_shape(x) != m.local_shape(dy) or (residual and m.local_shape(m["g"]) != m.local_shape(x)):
         return None
-    ndim = x.ndim
-    k = mean.ndim
+    ndim, k = x.ndim, mean.ndim
     if k >= ndim or tuple(mean.shape) != tuple(x.shape[:k]) or tuple(rstd.shape) != tuple(x.shape[:k]) + (1,) * (ndim - k):
         return None
     norm = tuple(x.shape[k:])
     axes = list(range(k, ndim))
-    if w.shape != norm or _chain(m, "w_full", "w") != axes or _chain(m, "mean_full", "mean") != list(range(k)):
+    if w.shape != norm or m.chain("w_full", "w") != axes or m.chain("mean_full", "mean") != list(range(k)):
         return None
-    if _chain(m, "rstd_full", "rstd") != list(range(ndim)) or tuple(m["mean_full"].shape) != tuple(x.shape):
+    if m.chain("rstd_full", "rstd") != list(range(ndim)) or tuple(m["mean_full"].shape) != tuple(x.shape):
         return None
     n = math.prod(norm)
-    if float(m["n"]) != float(n) or not math.isclose(float(m["inv_n"]), 1.0 / n, rel_tol=1e-12):
+    if isinstance(m["n"], Value) or isinstance(m["inv_n"], Value) or float(m["n"]) != float(n) or \
+            not math.isclose(float(m["inv_n"]), 1.0 / n, rel_tol=1e-12):
         return None
     for s, whole in (("s1", True), ("s2", True), ("s3", False), ("s4", False)):
         if not _row_sum(m, s, k, whole):
@@ -365,7 +266,7 @@ def _layer_norm_backward_check(m: Match, residual: bool):
         dx = backward(dy, x, norm, mean, rstd, w, None, [True, False, False])[0]
         return {"dx": dx if g is None else g + dx}
 
-    return ["x", "dy", "mean", "rstd", "w"] + (["g"] if residual else []), kernel
+    return ["x", "dy", "mean", "rstd", "w"] + (["g"] if residual else []), {"dx": "dx"}, kernel
 
 
 def _row_sum(m: Match, name: str, k: int, whole: bool) -> bool:
@@ -387,11 +288,12 @@ def _row_sum(m: Match, name: str, k: int, whole: bool) -> bool:
         return False
     kept = [d for d in range(ndim) if d not in red]
     top = m[f"{name}_top"]
-    return top.ndim == ndim and _chain(m, f"{name}_top", name) == kept and all(top.shape[d] == m["x"].shape[d] for d in range(k))
+    return top.ndim == ndim and m.chain(f"{name}_top", name) == kept and all(top.shape[d] == m["x"].shape[d] for d in range(k))
 
 
-pattern("layer_norm_backward", _layer_norm_backward_template(True), ("dx",))(lambda m: _layer_norm_backward_check(m, True))
-pattern("layer_norm_backward", _layer_norm_backward_template(False), ("dx",))(lambda m: _layer_norm_backward_check(m, False))
+for _depth in (2, 3):
+    pattern("layer_norm_backward", _layer_norm_backward_pattern(True, _depth))(lambda m: _layer_norm_backward_check(m, True))
+    pattern("layer_norm_backward", _layer_norm_backward_pattern(False, _depth))(lambda m: _layer_norm_backward_check(m, False))
 
 
 # tanh-GELU, forward and backward ---------------------------------------------------------------
@@ -400,64 +302,59 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
 
 
-def _gelu_inner(x: Node, x2: Node) -> Node:
-    return op("tanh", mul(_SQRT_2_OVER_PI, add(x, mul(_KAPPA, mul(x2, x)))), name="t")
+def _gelu_inner(b: _Builder, x: fx.Node, x2: fx.Node) -> fx.Node:
+    return b.tanh(b.mul(_SQRT_2_OVER_PI, b.add(x, b.mul(_KAPPA, b.mul(x2, x)))))
 
 
-def _gelu_template() -> Node:
-    x = leaf("x")
-    return mul(mul(0.5, x), add(1.0, _gelu_inner(x, mul(x, x))), name="y")
+def _gelu_pattern() -> _Builder:
+    b = _Builder()
+    x = b.leaf("x")
+    t = _gelu_inner(b, x, b.mul(x, x))
+    return b.done(b.mul(b.mul(0.5, x), b.add(1.0, t), name="y"))
 
 
-def _gelu_backward_template() -> Node:
-    x, g = leaf("x"), leaf("g")
-    x2 = mul(x, x)
-    t = _gelu_inner(x, x2)
-    d_inner = mul(_SQRT_2_OVER_PI, mul(mul(mul(0.5, x), g), sub(1.0, mul(t, t))))
-    outer = mul(0.5, mul(add(1.0, t), g))
-    c = mul(_KAPPA, d_inner)
-    h = mul(x, mul(x, c))
-    return add(add(add(add(d_inner, outer), mul(x2, c)), h), h, name="dx")
+def _gelu_backward_pattern() -> _Builder:
+    b = _Builder()
+    x, g = b.leaf("x"), b.leaf("g")
+    x2 = b.mul(x, x)
+    t = _gelu_inner(b, x, x2)
+    d_inner = b.mul(_SQRT_2_OVER_PI, b.mul(b.mul(b.mul(0.5, x), g), b.sub(1.0, b.mul(t, t))))
+    outer = b.mul(0.5, b.mul(b.add(1.0, t), g))
+    c = b.mul(_KAPPA, d_inner)
+    h = b.mul(x, b.mul(x, c))
+    return b.done(b.add(b.add(b.add(b.add(d_inner, outer), b.mul(x2, c)), h), h, name="dx"))
 
 
-@pattern("gelu", _gelu_template(), ("y",), in_place={"y": "x"})
+@pattern("gelu", _gelu_pattern())
 def _gelu_check(m: Match):
     if not _float(m["x"]) or not _no_partial(m) or m.local_shape(m["x"]) != m.local_shape(m["y"]):
         return None
-
-    def kernel(x, out=None):
-        return {"y": F.gelu(x, approximate="tanh") if out is None else torch._C._nn.gelu(x, approximate="tanh", out=out)}
-
-    return ["x"], kernel
+    return ["x"], {"y": "y"}, lambda x: {"y": F.gelu(x, approximate="tanh")}
 
 
-@pattern("gelu_backward", _gelu_backward_template(), ("dx",), in_place={"dx": "g"})
+@pattern("gelu_backward", _gelu_backward_pattern())
 def _gelu_backward_check(m: Match):
     x, g = m["x"], m["g"]
     if not _float(x, g) or not _no_partial(m) or m.local_shape(x) != m.local_shape(g) or m.local_shape(x) != m.local_shape(m["dx"]):
         return None
-    backward, backward_into = torch.ops.aten.gelu_backward.default, torch.ops.aten.gelu_backward.grad_input
-
-    def kernel(x, g, out=None):
-        if out is None:
-            return {"dx": backward(g, x, approximate="tanh")}
-        return {"dx": backward_into(g, x, approximate="tanh", grad_input=out)}
-
-    return ["x", "g"], kernel
+    backward = torch.ops.aten.gelu_backward.default
+    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x, approximate="tanh")}
 
 
 # softmax, forward and backward -----------------------------------------------------------------
 
-def _softmax_template() -> Node:
-    s = leaf("s")
-    e = op("exp", sub(s, bcast(reduce("max", s, "max"), name="max_full")), name="e")
-    return div(e, bcast(reduce("sum", e, "sum"), name="sum_full"), name="p")
+def _softmax_pattern() -> _Builder:
+    b = _Builder()
+    s = b.leaf("s")
+    e = b.exp(b.sub(s, b.bcast(b.max(s, name="max"), 2, name="max_full")), name="e")
+    return b.done(b.div(e, b.bcast(b.sum(e, name="sum"), 2, name="sum_full"), name="p"))
 
 
-def _softmax_backward_template() -> Node:
-    p, dp = leaf("p"), leaf("dp")
-    s = reduce("sum", mul(p, dp), "sum")
-    return mul(p, sub(dp, bcast(s, name="sum_full")), name="dx")
+def _softmax_backward_pattern() -> _Builder:
+    b = _Builder()
+    p, dp = b.leaf("p"), b.leaf("dp")
+    s = b.sum(b.mul(p, dp), name="sum")
+    return b.done(b.mul(p, b.sub(dp, b.bcast(s, 2, name="sum_full")), name="dx"))
 
 
 def _softmax_axis(m: Match, src: str, full_of: Mapping[str, str]) -> int | None:
@@ -469,27 +366,22 @@ def _softmax_axis(m: Match, src: str, full_of: Mapping[str, str]) -> int | None:
         if len(dims) != 1 or o.arg("keepdim") or tuple(m[full].shape) != tuple(s.shape):
             return None
         (d,) = dims
-        if axis not in (None, d) or _chain(m, full, red) != [i for i in range(s.ndim) if i != d]:
+        if axis not in (None, d) or m.chain(full, red) != [i for i in range(s.ndim) if i != d]:
             return None
         axis = d
     return axis
 
 
-@pattern("softmax", _softmax_template(), ("p",), in_place={"p": "s"})
+@pattern("softmax", _softmax_pattern())
 def _softmax_check(m: Match):
     s = m["s"]
     axis = _softmax_axis(m, "s", {"max": "max_full", "sum": "sum_full"})
     if axis is None or not _float(s, m["p"]) or not _no_partial(m) or not _unsplit(m, s, [axis]):
         return None
-
-    def kernel(s, out=None):
-        # The softmax kernel reads each row before writing it, so it may overwrite its input.
-        return {"p": torch.softmax(s, axis) if out is None else torch._softmax(s, axis, False, out=out)}
-
-    return ["s"], kernel
+    return ["s"], {"p": "p"}, lambda s: {"p": torch.softmax(s, axis)}
 
 
-@pattern("softmax_backward", _softmax_backward_template(), ("dx",), in_place={"dx": "dp"})
+@pattern("softmax_backward", _softmax_backward_pattern())
 def _softmax_backward_check(m: Match):
     p, dp = m["p"], m["dp"]
     axis = _softmax_axis(m, "p", {"sum": "sum_full"})
@@ -498,114 +390,74 @@ def _softmax_backward_check(m: Match):
     if p.shape != dp.shape or m.local_shape(p) != m.local_shape(dp):
         return None
     dtype = p.dtype.torch
-
-    def kernel(p, dp, out=None):
-        if out is None:
-            return {"dx": torch._softmax_backward_data(dp, p, axis, dtype)}
-        return {"dx": torch._softmax_backward_data(dp, p, axis, dtype, grad_input=out)}  # row by row: may overwrite dp
-
-    return ["p", "dp"], kernel
+    return ["p", "dp"], {"dx": "dx"}, lambda p, dp: {"dx": torch._softmax_backward_data(dp, p, axis, dtype)}
 
 
 # ---------------------------------------------------------------------------------------------
-# finding matches in a program
+# fusing a lowered graph
 
 
-@dataclass
-class Fused:
-    """One fused step: reads ``leaves`` (value names), writes ``exports`` (value name -> kernel key)."""
+class _Matcher(SubgraphMatcher):
+    """fx's matcher, also finding matches whose inner values are read elsewhere (``fuse`` keeps
+    the ops that make those)."""
 
-    name: str
-    position: tuple[int, int]
-    leaves: list[str]
-    exports: dict[str, str]
-    removed: list[int]
-    kernel: Callable[..., dict[str, torch.Tensor]]
-    root: Op
-    leaf_names: dict[str, str]  # leaf value -> its template name
-    in_place: dict[str, str]  # as Pattern.in_place
+    def _is_contained(self, nodes_map) -> bool:
+        return True
 
 
-def find(live: dict[int, Op], outputs: set[str], local_shape: Callable[[Value], tuple[int, ...]],
-         sharding: Callable[[Value], Placement | None], patterns: list[Pattern] | None = None) -> list[Fused]:
-    """Match ``patterns`` against the ops ``live`` (index -> op; removed from it as they are
-    fused) and return the fused steps, each placed after the last op its leaves need."""
-    consumers: dict[str, set[int]] = {}
-    for i, o in live.items():
-        for v in o.operands:
-            consumers.setdefault(v.name, set()).add(i)
-    ready: dict[str, tuple[int, int]] = {v.name: (i, 0) for i, o in live.items() for v in o.outputs}
-    gone: set[str] = set()  # values of removed ops no fused step writes
-    fused: list[Fused] = []
-    g = _Graph(live)
+def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], sharding: Callable[[Value], Any],
+         dtype: Callable[[Any], torch.dtype], patterns: list[Pattern] | None = None) -> dict[str, int]:
+    """Replace each match of ``patterns`` in ``graph`` (the matching form of ``lower.lower``) by
+    one call of its kernel; returns how many times each pattern fused. ``sharding(v)``: the
+    placements of ``v`` (None: whole); ``dtype``: the run's torch dtype of a declared dtype."""
+    first = lambda v: (sharding(v) or (None,))[0]  # noqa: E731 - the 1-D mesh's placement
+    counts: dict[str, int] = {}
     for pat in patterns if patterns is not None else PATTERNS:
-        for index in sorted(live):
-            o = live.get(index)
-            if o is None or o.kind != pat.root.kind or len(o.outputs) <= pat.root.out:
-                continue
-            for b in _match(pat.root, o.outputs[pat.root.out], {_OPS: ()}, g):
-                m = Match(pat, b, {i: live[i] for i in b[_OPS]}, local_shape, sharding)
-                step = _accept(m, live, consumers, ready, gone, outputs, len(fused) + 1)
-                if step is not None:
-                    fused.append(step)
-                    g = _Graph(live)
-                    break
-    return fused
+        matcher = _Matcher(pat.built.graph, remove_overlapping_matches=True)
+        stale = True
+        while stale:  # again while a match read a value an earlier one replaced
+            stale = False
+            for found in matcher.match(graph):
+                if any(getattr(n, "_erased", False) for n in found.nodes_map.values() if isinstance(n, fx.Node)):
+                    stale = True
+                    continue
+                m = Match(found.nodes_map, pat.built.named, local_shape, first)
+                try:
+                    made = pat.check(m)
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    made = None
+                if made is not None and _replace(graph, pat.name, m, found, made, dtype):
+                    counts[pat.name] = counts.get(pat.name, 0) + 1
+    return counts
 
 
-def _accept(m: Match, live, consumers, ready, gone, outputs, seq) -> Fused | None:
-    pat = m.pattern
-    try:
-        made = pat.kernel(m)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        made = None
-    if made is None:
-        return None
-    leaf_names, kernel = made
-    leaves = [m[n] for n in leaf_names]
-    if any(v.name in gone for v in leaves):
-        return None
-    position = (max([ready.get(v.name, (-1, 0))[0] for v in leaves] + [-1]), seq)
-    covered = set(m.ops)
-    export_of = {m[n].name: n for n in pat.exports if id(pat.named[n]) in m.bindings}
-    keep: set[int] = set()
+def _replace(graph: fx.Graph, name: str, m: Match, found: InternalMatch, made, dtype) -> bool:
+    leaves, exports, kernel = made
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    leaf_nodes = [m.node(n) for n in leaves]
+    if not all(isinstance(n, fx.Node) for n in leaf_nodes):
+        return False
+    last = max(leaf_nodes, key=order.__getitem__)
+    replaced = {m.node(n): key for n, key in exports.items()}
+    if any(order[u] <= order[last] for n in replaced for u in n.users):
+        return False  # a reader of a result comes before the kernel's operands are ready
+    want = {key: dtype(n.meta["value"].dtype) for n, key in replaced.items()}
 
-    def outside(name: str) -> set[int]:
-        return consumers.get(name, set()) - covered
+    def fused(*args):
+        out = kernel(*args)
+        return {k: r if r.dtype == want[k] else r.to(want[k]) for k, r in out.items() if k in want}
 
-    for i in covered:
-        for v in live[i].outputs:
-            users = outside(v.name)
-            if v.name in outputs or users:
-                if v.name not in export_of or any(u <= position[0] for u in users):
-                    keep.add(i)
-    todo = list(keep)
-    producer = {v.name: i for i in covered for v in live[i].outputs}
-    while todo:
-        i = todo.pop()
-        for v in live[i].operands:
-            j = producer.get(v.name)
-            if j is not None and j not in keep:
-                keep.add(j)
-                todo.append(j)
-    removed = covered - keep
-    root_index = producer[m[pat.root.name].name] if pat.root.name else None
-    if not removed or root_index not in removed:
-        return None
-    exports = {}
-    for i in removed:
-        for v in live[i].outputs:
-            if v.name in outputs or outside(v.name):
-                exports[v.name] = export_of[v.name]
-    root = live[root_index]
-    for i in sorted(removed):
-        for v in live[i].operands:
-            consumers.get(v.name, set()).discard(i)
-        for v in live[i].outputs:
-            if v.name in exports:
-                ready[v.name] = position
-            else:
-                gone.add(v.name)
-        del live[i]
-    return Fused(pat.name, position, [v.name for v in leaves], exports, sorted(removed), kernel, root,
-                 {v.name: n for v, n in zip(leaves, leaf_names)}, pat.in_place)
+    fused.__name__ = fused.__qualname__ = f"torch_{name}"
+    with graph.inserting_after(last):
+        call = graph.call_function(fused, tuple(leaf_nodes))
+    anchor = call
+    for n, key in replaced.items():
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (call, key), name=f"{n.name}_")
+        anchor.meta["value"] = n.meta["value"]
+        n.replace_all_uses_with(anchor)
+    inner = [n for p, n in found.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, fx.Node)]
+    for n in sorted(inner, key=order.__getitem__, reverse=True):  # the matched ops nothing reads any more
+        if not n.users:
+            graph.erase_node(n)
+    return True

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from nvtp.execute import patterns
 from nvtp.execute.collectives import Comm, SoloComm, reshard, take
+from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
-from nvtp.ir.ops import pad_pairs, slice_bounds
+from nvtp.ir.ops import RANDOM, pad_pairs, slice_bounds
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices, local_shape
 from nvtp.registry import registrar
 
@@ -63,6 +66,7 @@ class Context:
     op: Op | None = None
     rng_count: int = 0
     log: list[Communication] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # local shapes by value name, as asked
 
     # -- placements -----------------------------------------------------------------------
     def sharding(self, v: Value) -> tuple[Placement, ...] | None:
@@ -83,10 +87,12 @@ class Context:
         return out
 
     def local_shape(self, v: Value) -> tuple[int, ...]:
-        sharding = self.sharding(v)
-        if sharding is None or self.mesh is None:
-            return tuple(v.shape)
-        return local_shape(v.shape, sharding, self.mesh)
+        shape = self.shapes.get(v.name)
+        if shape is None:
+            sharding = self.sharding(v)
+            shape = tuple(v.shape) if sharding is None or self.mesh is None else local_shape(v.shape, sharding, self.mesh)
+            self.shapes[v.name] = shape
+        return shape
 
     def take_local(self, full: torch.Tensor, v: Value) -> torch.Tensor:
         """This rank's part of ``full``, a whole (global) value of ``v``."""
@@ -676,15 +682,7 @@ def _scatter(ctx, op, a):
 
 
 # ---------------------------------------------------------------------------------------------
-# the interpreter
-
-
-def _resolve(x: Any, env: dict[str, Any]) -> Any:
-    if is_value(x):
-        return env[x.name]
-    if isinstance(x, tuple) and any(is_value(e) for e in x):
-        return tuple(_resolve(e, env) for e in x)
-    return x
+# running a fusion: lowered once to a torch.fx GraphModule (nvtp/execute/lower.py), then called
 
 
 def _local_part(ctx: Context, v: Value, r: torch.Tensor) -> torch.Tensor:
@@ -698,11 +696,6 @@ def _local_part(ctx: Context, v: Value, r: torch.Tensor) -> torch.Tensor:
     if isinstance(v, TensorValue) and tuple(r.shape) == tuple(v.shape) != ctx.local_shape(v):
         return ctx.take_local(r, v)
     return r
-
-
-# Programs call torch directly for common ops; a changed table (a test's monkeypatch, a new
-# implementation registered at run time) sends every run through the interpreter instead.
-_PRISTINE_IMPLS: dict[str, Impl] = {}
 
 
 def execute_op(ctx: Context, op: Op, args: dict[str, Any], strict: bool = False) -> tuple[torch.Tensor, ...]:
@@ -752,6 +745,135 @@ def constant_value(ctx: Context, op: Op) -> torch.Tensor | None:
     return _as_tensor(op.arg("value")).to(ctx.dtype(op.outputs[0].dtype))
 
 
+def _call_for(strict: bool) -> Callable[[Op], Callable[..., Any]]:
+    """How a lowered module calls ``op``: its implementation through ``execute_op``, the values
+    it reads passed positionally (the node's arguments), every other argument bound here."""
+
+    def call_for(op: Op) -> Callable[..., Any]:
+        names = value_args(op)
+        static = {name: a for name, a in op.args if name not in names}
+        single = len(op.outputs) == 1
+
+        def call(ctx: Context, *values: Any) -> Any:
+            args = dict(static)
+            args.update(zip(names, values))
+            results = execute_op(ctx, op, args, strict)
+            return results[0] if single else results
+
+        call.__name__ = call.__qualname__ = f"fd_ops_{op.kind}"
+        return call
+
+    return call_for
+
+
+_FOLD_LIMIT = 4 << 20  # bytes a folded constant may keep alive
+
+
+class _Position(SoloComm):
+    """The mesh position a module is lowered for; lowering never communicates."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+def _constants(ctx: Context, fold: bool) -> dict[str, Any]:
+    """Every ``define_scalar`` value, and (``fold``) the results of ops that read only
+    constants, are not random and are small (e.g. the causal mask's iota, broadcasts, compare):
+    computed once, by their implementations, while lowering."""
+    constants: dict[str, Any] = {}
+    for op in ctx.fusion.ops:
+        if op.kind == "define_scalar":
+            c = constant_value(ctx, op)
+            if c is not None:
+                constants[op.outputs[0].name] = c
+        elif fold and op.kind not in RANDOM and op.kind not in ("set", "segment_set", "define_tensor") and \
+                all(v.name in constants for v in op.operands):
+            args = {name: _resolve(a, constants) for name, a in op.args}
+            try:
+                results = execute_op(ctx, op, args)
+            except ExecutionError:
+                continue  # the run raises it, in its place
+            if all(r.untyped_storage().nbytes() <= _FOLD_LIMIT for r in results):
+                constants.update((v.name, r) for v, r in zip(op.outputs, results))
+    return constants
+
+
+def _resolve(x: Any, env: Mapping[str, Any]) -> Any:
+    if is_value(x):
+        return env[x.name]
+    if isinstance(x, tuple) and any(is_value(e) for e in x):
+        return tuple(_resolve(e, env) for e in x)
+    return x
+
+
+@dataclass
+class Lowered:
+    """A fusion lowered for one mesh position: ``module(ctx, *inputs)`` runs it."""
+
+    module: torch.fx.GraphModule
+    inputs: list[tuple[Value, tuple[int, ...], torch.dtype]]  # declared local shape and dtype of each input
+    shapes: dict[str, tuple[int, ...]]  # local shapes, filled as the runs ask (Context.local_shape)
+    fused: dict[str, int]  # pattern name -> times fused
+    folded: int  # ops computed while lowering
+
+    def accepts(self, inputs: Sequence[Any]) -> bool:
+        """True when ``inputs`` have the local shapes and dtypes the module was lowered for."""
+        return len(inputs) == len(self.inputs) and all(
+            not isinstance(v, TensorValue) or (isinstance(x, torch.Tensor) and x.dtype == dtype and tuple(x.shape) == shape)
+            for (v, shape, dtype), x in zip(self.inputs, inputs))
+
+
+def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] | None = None, mesh: DeviceMesh | None = None,
+                 rank: int = 0, size: int = 1, *, compute_dtype: torch.dtype | None = None, strict: bool = False,
+                 fuse: bool = True, all_values: bool = False) -> Lowered:
+    """Lower ``fusion`` for mesh position ``rank`` of ``size``: constants folded, and with ``fuse``
+    the LayerNorm, tanh-GELU and softmax patterns replaced by torch's kernels (``patterns.py``)."""
+    ctx = Context(fusion, shardings, mesh, _Position(rank, size), 0, compute_dtype)
+    constants = _constants(ctx, fold=not all_values)
+    folded = sum(1 for op in fusion.ops if op.kind != "define_scalar" and op.outputs and all(v.name in constants for v in op.outputs))
+    fused: dict[str, int] = {}
+
+    def rewrite(graph):
+        fused.update(patterns.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype))
+
+    module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values)
+    inputs = [(v, ctx.local_shape(v) if isinstance(v, TensorValue) else (), ctx.dtype(v.dtype)) for v in fusion.inputs]
+    return Lowered(module, inputs, ctx.shapes, fused, folded)
+
+
+@dataclass
+class _Entry:
+    fusion: "weakref.ref[Fusion]"
+    key: tuple
+    lowered: Lowered
+
+
+_CACHE: dict[int, list[_Entry]] = {}
+_PER_FUSION = 8
+
+
+def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] | None, mesh: DeviceMesh | None,
+                rank: int, size: int, **options: Any) -> Lowered:
+    """The lowered module of ``fusion`` for this mesh position and options (lowered on first use)."""
+    key = (id(shardings), mesh, rank, size, tuple(sorted(options.items())))
+    entries = _CACHE.get(id(fusion))
+    for e in entries or ():
+        if e.fusion() is fusion and e.key == key:
+            return e.lowered
+    lowered = lower_fusion(fusion, shardings, mesh, rank, size, **options)
+    if not entries or entries[0].fusion() is not fusion:
+        entries = _CACHE[id(fusion)] = []
+        weakref.finalize(fusion, _CACHE.pop, id(fusion), None)
+    entries.append(_Entry(weakref.ref(fusion), key, lowered))
+    del entries[:-_PER_FUSION]
+    return lowered
+
+
+# Fused kernels stand in for the patterns' ops only while those ops run their own implementations:
+# a changed table (a test's monkeypatch, an implementation registered at run time) runs unfused.
+_PRISTINE_IMPLS: dict[str, Impl] = {}
+
+
 def run(
     fusion: Fusion,
     inputs: Sequence[Any],
@@ -768,45 +890,39 @@ def run(
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
-    Results are cast to the dtype the op table infers; with ``strict`` an implementation whose
-    result has another dtype or shape raises instead (the op tests use it to keep the table and
-    the implementations in agreement). ``values``, if given, receives every value of the run by
-    name (inputs, constants and op results, as this rank holds them; scalars as 0-d tensors),
-    e.g. for the rule tests, which re-run each op on its own from its operands.
+    The fusion is lowered once per mesh position and options to a torch.fx GraphModule
+    (``lower_fusion``): one call per op, each op exactly as its implementation here says, each
+    value dropped after its last use. Results are cast to the dtype the op table infers; with
+    ``strict`` an implementation whose result has another dtype or shape raises instead (the op
+    tests use it to keep the table and the implementations in agreement). ``values``, if given,
+    receives every value of the run by name (inputs, constants and op results, as this rank holds
+    them; scalars as 0-d tensors), e.g. for the rule tests, which re-run each op on its own.
 
-    By default the fusion runs as a compiled program (``nvtp/execute/compiled.py``: built once per
-    fusion, placements and mesh position, then straight-line steps with fused kernels for the
-    patterns it recognises). ``compiled=False``, ``strict``, ``values`` and ``compute_dtype``
-    interpret the fusion op by op, each op exactly as its implementation here says.
+    By default LayerNorm, tanh-GELU and softmax run as torch's fused kernels (rounding as eager
+    PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
+    by its own implementation, and so do inputs of other shapes or dtypes than declared.
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
-    if compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS:
-        from nvtp.execute.compiled import program_for
-
-        program = program_for(fusion, shardings, mesh, comm.rank, comm.size)
-        if program.accepts(inputs):
-            return program.run(inputs, comm, seed, log)
-    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype)
+    options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None)
+    fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS
+    lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
+    if fuse and lowered.fused and not lowered.accepts(inputs):
+        lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
+    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes)
     if log is not None:
         ctx.log = log
-    env: dict[str, Any] = {}
-    for v, x in zip(fusion.inputs, inputs):
-        env[v.name] = input_value(ctx, v, x)
-    for op in fusion.ops:
-        if op.kind == "define_tensor":
-            continue
-        if op.kind == "define_scalar":
-            if op.arg("value") is not None:
-                env[op.outputs[0].name] = constant_value(ctx, op)
-            continue
-        args = {name: _resolve(value, env) for name, value in op.args}
-        for v, r in zip(op.outputs, execute_op(ctx, op, args, strict)):
-            env[v.name] = r
+    try:
+        out = lowered.module(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
+    except ExecutionError:
+        raise
+    except Exception as e:  # a fused kernel: name the fusion, keep the cause
+        raise ExecutionError(f"while running {fusion.name}: {type(e).__name__}: {e}") from e
     if values is not None:
-        values.update(env)
-    return [env[v.name] if isinstance(v, TensorValue) else env[v.name].item() for v in fusion.outputs]
+        values.update(out)
+        out = [out[v.name] for v in fusion.outputs]
+    return [x if isinstance(v, TensorValue) else x.item() for v, x in zip(fusion.outputs, out)]
 
 
 _PRISTINE_IMPLS.update(IMPLS)

@@ -1,0 +1,112 @@
+"""A fusion lowered to a torch.fx GraphModule: straight-line Python, one call per op.
+
+``lower`` writes one fx node per op, named after the value it makes (``T19 =
+fd_ops_rsqrt(ctx, T18)``), whose target is the op's one implementation as ``call_for(op)``
+gives it (the reference backend passes ``execute_op`` bound to the op). Constants, and ops the
+caller folded, enter as module attributes. fx's own code generation then gives straight-line
+code that drops each value after its last use (``T18 = None``).
+
+Before the ops are bound, ``patterns.fuse`` may replace op subgraphs (LayerNorm, tanh-GELU,
+softmax) by torch's fused kernels: while matching, each op node's target is one function per op
+kind (``kind_target``) and its arguments are its operands, so fx's ``SubgraphMatcher`` compares
+graphs of op kinds. This module knows nothing of the implementations; the reference backend
+(``reference.run``) owns them and the cache of lowered modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from nvtp.ir.graph import Fusion, Op, is_value
+
+# Arguments a pattern compares even when they are literals (``add(T19, 1e-05)``); every other
+# argument takes part in matching only when it holds values.
+_POSITIONAL = ("arg", "lhs", "rhs", "condition", "x", "y")
+
+
+@functools.cache
+def kind_target(kind: str) -> Callable[..., Any]:
+    """The stand-in target of every ``kind`` op node while patterns are matched."""
+
+    def target(*args):
+        raise RuntimeError(f"fd.ops.{kind} was not bound to its implementation")
+
+    target.__name__ = target.__qualname__ = f"fd_ops_{kind}"
+    return target
+
+
+def _holds_value(a: Any) -> bool:
+    return is_value(a) or (isinstance(a, tuple) and any(is_value(e) for e in a))
+
+
+def value_args(op: Op) -> list[str]:
+    """The names of ``op``'s arguments that hold values: the node's arguments at run time, in order."""
+    return [name for name, a in op.args if _holds_value(a)]
+
+
+def lower(
+    fusion: Fusion,
+    call_for: Callable[[Op], Callable[..., Any]],
+    constants: Mapping[str, Any],
+    *,
+    rewrite: Callable[[fx.Graph], Any] | None = None,
+    all_values: bool = False,
+) -> fx.GraphModule:
+    """``fusion`` as a GraphModule ``forward(ctx, *inputs)`` returning its outputs (with
+    ``all_values``: a dict of every value by name). Ops whose results are all in ``constants``
+    are left out; ``rewrite(graph)`` runs on the matching form (see the module docstring)."""
+    g = fx.Graph()
+    ctx = g.placeholder("ctx")
+    env: dict[str, fx.Node] = {}
+    root = torch.nn.Module()
+    for v in fusion.inputs:
+        env[v.name] = g.placeholder(v.name)
+        env[v.name].meta["value"] = v
+    for name, c in constants.items():
+        attr = f"const_{name}"
+        setattr(root, attr, c)
+        env[name] = g.get_attr(attr)
+        env[name].meta["value"] = fusion.values[name]
+
+    def arg(a: Any) -> Any:
+        if is_value(a):
+            return env[a.name]
+        if isinstance(a, tuple) and any(is_value(e) for e in a):
+            return tuple(arg(e) for e in a)
+        return a
+
+    for op in fusion.ops:
+        if op.kind in ("define_tensor", "define_scalar") or all(v.name in constants for v in op.outputs):
+            continue
+        args = tuple(arg(a) for name, a in op.args if name in _POSITIONAL or _holds_value(a))
+        if len(op.outputs) == 1:
+            node = env[op.outputs[0].name] = g.call_function(kind_target(op.kind), args, name=op.outputs[0].name)
+            node.meta["value"] = op.outputs[0]
+        else:
+            node = g.call_function(kind_target(op.kind), args, name="_".join(v.name for v in op.outputs))
+            for i, v in enumerate(op.outputs):
+                env[v.name] = g.call_function(operator.getitem, (node, i), name=v.name)
+                env[v.name].meta["value"] = v
+        node.meta["op"] = op
+    if all_values:
+        g.output({name: node for name, node in env.items()})
+    else:
+        g.output([env[v.name] for v in fusion.outputs])
+    if rewrite is not None:
+        rewrite(g)
+    for node in list(g.nodes):  # constants only folded ops read
+        if node.op == "get_attr" and not node.users:
+            g.erase_node(node)
+    for node in g.nodes:  # bind each op node to its implementation; its arguments: the values it reads
+        op = node.meta.get("op")
+        if op is not None:
+            names = [name for name, a in op.args if name in _POSITIONAL or _holds_value(a)]
+            node.target = call_for(op)
+            node.args = (ctx,) + tuple(a for name, a in zip(names, node.args) if _holds_value(op.arg(name)))
+    g.lint()
+    return fx.GraphModule(root, g, class_name=f"{fusion.name or 'Fusion'}")
