@@ -5,11 +5,17 @@
 
 On the first call nvtp traces the module with ``thunder.jit`` and nvtp's executor (on meta
 tensors: the parameters are not touched), shards the forward and backward fusions with the plan,
-and replaces every sharded parameter's data by this rank's shard, so each rank holds 1/d of a
-split weight. Calls run the sharded forward fusion on the reference backend with
-torch.distributed collectives inside a ``torch.autograd.Function`` whose backward runs the
-sharded backward fusion; gradients land on the local shards, so a plain ``torch.optim``
-optimizer steps them. ``nvtp.full_tensor(t)`` gathers any parameter or gradient whole.
+and makes every parameter a ``torch.distributed.tensor.DTensor`` on torch's ``DeviceMesh``
+(``Shard(dim)`` when split, ``Replicate()`` otherwise; the fused QKV's inner split is
+``nvtp.dtensor.FusedShard``), so each rank holds 1/d of a split weight. An optimizer made before
+the first call holds the old parameter objects; it is pointed at the DTensor ones before its
+first step (``_retarget_optimizer``). Calls run the sharded forward fusion on the reference backend with torch.distributed
+collectives inside a ``torch.autograd.Function`` whose backward runs the sharded backward fusion;
+gradients are DTensors placed like their parameters, so ``torch.optim``,
+``torch.nn.utils.clip_grad_norm_`` and ``torch.distributed.checkpoint`` work as on any DTensor
+model, and ``p.full_tensor()`` gives a parameter or gradient whole. On a simulated mesh (``comm=``,
+ranks as threads in one process: no process group, so no DTensor) parameters are plain tensors
+holding this rank's part, and ``nvtp.full_tensor(t)`` gathers them whole (it also takes DTensors).
 
 Inputs and outputs at the module's boundary are whole tensors on every rank (each rank slices
 what its shards need; outputs and the gradients of inputs are gathered or reduced to whole).
@@ -34,6 +40,7 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import reference, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
@@ -67,6 +74,42 @@ class _Compiled:
 # Each parameter of an nvtp.jit module -> (placement, whole shape, comm), for full_tensor; weak,
 # so a module and its parameters are freed as usual (the entry holds no reference to either).
 _PLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+# A parameter replaced by its DTensor form at the first call -> that DTensor parameter. An optimizer
+# made before the first call holds the old objects: before its first step it is pointed at the new
+# ones (``_retarget_optimizer``; torch's swap_tensors cannot turn a Parameter into a DTensor in place).
+_REPLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_RETARGET_HOOK: list = []
+
+
+def _replace_parameter(root: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
+    """Put ``new`` wherever ``root`` holds ``old`` (every owner of a tied parameter)."""
+    for module in root.modules():
+        for attr, q in list(module._parameters.items()):
+            if q is old:
+                module._parameters[attr] = new
+    _REPLACED[old] = new
+    if not _RETARGET_HOOK:  # installed on the first replacement, not on import
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_retarget_optimizer))
+
+
+def _retarget_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before a step: swap parameters nvtp.jit replaced by DTensors for their replacements."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            new = _REPLACED.get(p)
+            if new is None:
+                continue
+            if p in optimizer.state:
+                raise InputError(f"{type(optimizer).__name__} holds state for a parameter that nvtp.jit has since made a DTensor "
+                                 "(it stepped before the module's first call); make the optimizer after model.compile(*inputs)")
+            if p.grad is not None and new.grad is None:  # DCP's _init_optim_state gave the old one zeros: so does the new
+                new.grad = torch.zeros_like(new)
+            params[i] = new
 
 
 def _default_mesh() -> DeviceMesh:
@@ -104,6 +147,7 @@ class ShardedModule(torch.nn.Module):
         self.dynamic = dynamic
         self.plan = plan
         self.mesh = _as_mesh(mesh) if mesh is not None else _default_mesh()
+        self._torch_mesh = None if mesh is None or isinstance(mesh, DeviceMesh) else mesh  # torch's, when given
         self.check_replicas = check_replicas
         self._comm = comm
         _check_mesh(self.mesh, comm)
@@ -139,6 +183,20 @@ class ShardedModule(torch.nn.Module):
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def uses_dtensor(self) -> bool:
+        """Whether parameters become DTensors: on torch.distributed's own group (not a simulated ``comm``)."""
+        import torch.distributed as dist
+
+        return (self._comm is None or isinstance(self._comm, DistComm)) and dist.is_available() and dist.is_initialized()
+
+    def _device_mesh(self):
+        """torch's DeviceMesh the DTensor parameters live on (the one given, or one over the default group)."""
+        if self._torch_mesh is None:
+            device = next((p.device.type for p in self.module.parameters()), "cpu")
+            self._torch_mesh = _dt.torch_mesh(self.mesh.devices, device)
+        return self._torch_mesh
 
     def placement(self, name: str) -> Placement:
         """Where parameter ``name`` lives (Replicate until the first call has sharded it)."""
@@ -209,10 +267,15 @@ class ShardedModule(torch.nn.Module):
                         raise ShardingError(f"{label} is placed {self._placements[label]} but a new trace wants {placement}")
                     continue
                 self._placements[label] = placement
-                if not is_replicate(placement):
+                part = p.data if is_replicate(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
+                if self.uses_dtensor:
+                    shape = self._global_shapes[label]
+                    new = torch.nn.Parameter(_dt.as_dtensor(part, placement, self._device_mesh(), shape), requires_grad=p.requires_grad)
+                    _replace_parameter(self.module, p, new)
+                else:
                     with torch.no_grad():
-                        p.data = spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
-                _PLACED[p] = (placement, self._global_shapes[label], self.comm)
+                        p.data = part
+                    _PLACED[p] = (placement, self._global_shapes[label], self.comm)
             elif label in buffers and not is_replicate(placement):
                 raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
 
@@ -325,7 +388,7 @@ class ShardedModule(torch.nn.Module):
 
 def _checksum(t: torch.Tensor) -> str:
     """A checksum of a tensor's shape, dtype and bytes."""
-    t = t.detach().contiguous().cpu()
+    t = _dt.local(t).contiguous().cpu()
     h = hashlib.blake2b(f"{str(t.dtype)}{list(t.shape)}".encode(), digest_size=8)
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -421,7 +484,7 @@ class _Run(torch.autograd.Function):
         inputs = []
         for v in f.inputs:
             label = f.label(v.name)
-            t = named[label].detach()
+            t = _dt.local(named[label])
             if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's whole tensor: take our part
                 t = spmd.shard_tensor(t, fwd.placement(v.name), fwd.mesh, module.rank)
             inputs.append(t)
@@ -453,15 +516,16 @@ class _Run(torch.autograd.Function):
             local_grads.append(spmd.shard_tensor(g, bwd.placement(v.name), bwd.mesh, ctx.module.rank))
         from nvtp.frontend.capture import backward_inputs
 
-        params = {label: ctx.named[label].detach() for label in ctx.param_labels}
+        params = {label: _dt.local(ctx.named[label]) for label in ctx.param_labels}
         f = compiled.forward.source  # inputs the backward reads by label that are not parameters (the FX
         params |= {f.label(v.name): ctx.values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
         inputs = backward_inputs(b, params, ctx.values, local_grads)
         outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
         by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         result = [None, None, None, None]
-        for label in ctx.param_labels:
-            result.append(by_grad.get(label))
+        for label in ctx.param_labels:  # a DTensor parameter's gradient is a DTensor placed like it
+            g = by_grad.get(label)
+            result.append(_dt.grad_like(ctx.named[label], g) if isinstance(ctx.named[label], _dt.DTensor) else g)
         result += [by_grad.get(name) for name in compiled.traced_args]
         return tuple(result)
 
@@ -481,7 +545,10 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a parameter of an ``nvtp.jit`` module, or of its gradient."""
+    """The whole value of a parameter of an ``nvtp.jit`` module, or of its gradient (a collective:
+    every rank calls it). A DTensor's is ``t.full_tensor()``; a plain tensor not of an nvtp module is itself."""
+    if isinstance(t, _dt.DTensor):
+        return t.full_tensor().detach().clone()
     owner = _PLACED.get(t)
     if owner is None:
         owner = next((o for p, o in list(_PLACED.items()) if p.grad is t), None)

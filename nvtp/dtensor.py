@@ -1,0 +1,142 @@
+"""An ``nvtp.jit`` module's parameters as torch ``DTensor``s.
+
+On a mesh of processes (torch.distributed initialised, no ``comm=``) every parameter of the
+wrapped module becomes a ``DTensor`` on torch's ``DeviceMesh``: ``Shard(dim)`` for a split one,
+``Replicate()`` for the rest (all of them, as torchtitan does, so torch's utilities never mix
+DTensors and plain tensors). ``clip_grad_norm_``, ``torch.optim`` and
+``torch.distributed.checkpoint`` then work on them as on any DTensor model.
+
+The fused QKV projection's weight is split *inside* each of its k = 3 chunks: rank r holds the
+r-th slice of q, of k and of v, stacked. Its placement is torch's ``_StridedShard(dim,
+split_factor=k)``, but torch 2.10's ``full_tensor``/``redistribute`` fail on it on a 1-D mesh
+(an assertion in ``_redistribute``), and DCP describes a DTensor's part as one box per rank, so
+``dcp.save`` refuses it. ``FusedShard`` is a DTensor subclass that knows the layout:
+
+* ``full_tensor``/``redistribute(Replicate)``: the local part viewed as ``[k, piece, ...]`` is a
+  plain ``Shard(dim + 1)`` DTensor of the ``[k, n/k, ...]`` view; torch gathers that.
+* ``__create_chunk_list__``, ``__create_write_items__``, ``__get_tensor_shard__`` (the hooks DCP's
+  planner calls, ``torch/distributed/checkpoint/planner_helpers.py``): k boxes per rank, each a
+  view of the local tensor, so DCP saves, loads and reshards (2 ranks -> 4) it like any tensor.
+* ``__torch_function__`` re-wraps a DTensor result that still carries ``_StridedShard`` into
+  ``FusedShard``, so ``torch.zeros_like(p)`` (AdamW's moments, SGD's momentum) and other tensors
+  made from the parameter are ``FusedShard`` too. Elementwise ops and norms run as torch's
+  ``_StridedShard`` rules give them (they are layout-blind, so correct).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["FusedShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
+
+
+def torch_mesh(devices, device_type: str = "cpu"):
+    """torch's 1-D ``DeviceMesh`` over ``devices`` (ranks of the default group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, list(devices))
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return torch.empty(tuple(shape), device="meta").stride()
+
+
+def as_dtensor(local_part: torch.Tensor, placement, mesh, shape) -> DTensor:
+    """The DTensor whose part on this rank is ``local_part`` (no copy, no communication)."""
+    d = DTensor.from_local(local_part, mesh, [placement], shape=torch.Size(shape), stride=_contiguous_stride(shape),
+                           run_check=False)
+    return _rewrap(d)
+
+
+def grad_like(param: DTensor, local_grad: torch.Tensor | None) -> DTensor | None:
+    """``local_grad`` (this rank's part) as the gradient of ``param``: a DTensor placed like it."""
+    if local_grad is None:
+        return None
+    return _rewrap(DTensor(local_grad, param._spec, requires_grad=False))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself when it is no DTensor), detached."""
+    return t._local_tensor.detach() if isinstance(t, DTensor) else t.detach()
+
+
+def _strided(t: DTensor) -> bool:
+    return any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _rewrap(t):
+    if type(t) is DTensor and _strided(t):
+        return FusedShard(t._local_tensor, t._spec, requires_grad=t.requires_grad)
+    return t
+
+
+class FusedShard(DTensor):
+    """A DTensor placed ``_StridedShard(dim, split_factor=k)`` on a 1-D mesh (the fused QKV's
+    inner split) that ``full_tensor`` and DCP handle; see the module docstring."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return tree_map_only(DTensor, _rewrap, out)
+
+    def _split(self) -> tuple[int, int, int]:
+        """(dim, k, piece): axis ``dim`` is ``[k, n/k]`` and each rank holds ``piece`` of each chunk."""
+        (p,) = self.placements
+        chunk = self.shape[p.dim] // p.split_factor
+        return p.dim, p.split_factor, chunk // self.device_mesh.size()
+
+    def _boxes(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
+        """This rank's k boxes of the whole tensor: (offsets, sizes, view of the local tensor)."""
+        dim, k, piece = self._split()
+        rank = self.device_mesh.get_local_rank()
+        chunk = self.shape[dim] // k
+        sizes = list(self.shape)
+        sizes[dim] = piece
+        boxes = []
+        for c in range(k):
+            offsets = [0] * self.ndim
+            offsets[dim] = c * chunk + rank * piece
+            boxes.append((torch.Size(offsets), torch.Size(sizes), self._local_tensor.narrow(dim, c * piece, piece)))
+        return boxes
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        dim, k, piece = self._split()
+        part = self._local_tensor.unflatten(dim, (k, piece))  # [k, piece, ...]: a plain Shard(dim + 1)
+        shape = list(self.shape)
+        shape[dim:dim + 1] = [k, self.shape[dim] // k]
+        whole = DTensor.from_local(part, self.device_mesh, [Shard(dim + 1)], shape=torch.Size(shape),
+                                   stride=_contiguous_stride(shape), run_check=False).full_tensor()
+        return whole.flatten(dim, dim + 1)
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs) -> DTensor:
+        if placements is None or not all(isinstance(p, Replicate) for p in placements):
+            raise NotImplementedError(f"FusedShard (placement {self.placements[0]}) redistributes only to Replicate(); "
+                                      "take full_tensor() and distribute_tensor it where you need it")
+        return DTensor.from_local(self.full_tensor(), self.device_mesh, [Replicate()], run_check=False)
+
+    # -- torch.distributed.checkpoint: k boxes per rank -----------------------------------------
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in self._boxes()]
+
+    def __create_write_items__(self, fqn: str, object):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(self._local_tensor)
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=s), properties=props,
+                                                      size=self.size()))
+                for o, s, _ in self._boxes()]
+
+    def __get_tensor_shard__(self, index):
+        for offsets, _, view in self._boxes():
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"{index.fqn}: this rank holds no box at offset {list(index.offset)}")
