@@ -70,11 +70,7 @@ def from_dump(dump: Dump) -> ShardedFusion | None:
     fusion = dump.fusion
     placements, devices = placements_from_schedule(fusion, dump.schedule)
     mesh = DeviceMesh(devices or (0,))
-    shardings = {}
-    for op in fusion.ops:
-        for v in op.outputs:
-            if hasattr(v, "shape") and v.shape is not None and not isinstance(v.shape, int):
-                shardings[v.name] = (placements.get(v.name, REPLICATE),)
+    shardings = {v.name: (placements.get(v.name, REPLICATE),) for op in fusion.ops for v in op.outputs}
     set_steps = {}
     for op in fusion.compute_ops():
         if op.kind == "set":
@@ -83,5 +79,5 @@ def from_dump(dump: Dump) -> ShardedFusion | None:
                 v = op.outputs[0]
                 set_steps[v.name] = ReshardStep(op.arg("arg").name, src, dst, (), v.nbytes, round(reshard_bytes(src, dst, v.nbytes, mesh.size)))
     prop = Propagation({k: s[0] for k, s in shardings.items()}, {}, [])
-    return ShardedFusion(fusion, fusion, mesh, shardings, list(set_steps.values()), set_steps,
+    return ShardedFusion(fusion, fusion, mesh, shardings, set_steps,
                          plans_mod.Annotations({}), fusion.attrs.get("plan", "from file"), prop)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
+import functools
 import os
 import signal
 import socket
@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -50,14 +51,6 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
-def backend_for_this_machine() -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
 def init_group(rank: int, world: int, init_method: str | None, timeout_s: float = 60.0) -> None:
     """Join the default process group (unless the caller already did) and start this rank's
     watchdog. ``init_method``: ``nvtp://host:port`` (the store ``spawn`` hosts), ``tcp://...``,
@@ -67,17 +60,17 @@ def init_group(rank: int, world: int, init_method: str | None, timeout_s: float 
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = backend_for_this_machine()
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         group_timeout = max(timeout_s, JOIN_TIMEOUT_S)
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": _td(group_timeout)}
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=group_timeout)}
         with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every rank
             if init_method is None:
                 dist.init_process_group(**kwargs)  # torchrun's environment
             elif init_method.startswith("nvtp://"):
                 host, port = _address(init_method)
-                store = dist.TCPStore(host, port, is_master=False, timeout=_td(group_timeout))
+                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=group_timeout))
                 dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
             else:
                 dist.init_process_group(init_method=init_method, rank=rank, world_size=world, **kwargs)
@@ -495,7 +488,7 @@ def start_watchdog(timeout_s: float, init_method: str | None = None) -> Watchdog
     if address is None:
         return None
     host, port, hosts_store, desc = address
-    store = dist.TCPStore(host, port, is_master=False, timeout=_td(min(timeout_s, 30.0)))
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 30.0)))
     _WATCHDOG = Watchdog(store, rank, world, timeout_s, hosts_store=hosts_store and rank == 0, store_desc=desc).start()
     _install_exit_hooks()
     return _WATCHDOG
@@ -520,16 +513,10 @@ def _store_address(init_method: str | None) -> tuple[str, int, bool, str] | None
     return None
 
 
-_HOOKS_INSTALLED = False
-
-
+@functools.cache  # once per process
 def _install_exit_hooks() -> None:
     """For programs that call nvtp.jit themselves: an uncaught exception is recorded (or, if a
     peer's failure caused it, the peer is named); a normal exit says this rank is done."""
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -669,7 +656,7 @@ def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_td(30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     init_method = f"nvtp://127.0.0.1:{store.port}"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(r, fn, world, init_method, args), name=f"nvtp-rank{r}", daemon=False)

@@ -111,7 +111,8 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
             if proxy_name is not None:
                 grads_of[proxy_name] = params.get(arg, arg)
         for v, proxy in zip(b.outputs, bwd.output_proxies):
-            binfo.setdefault(v.name, ValueInfo.gradient(grads_of[proxy]) if proxy in grads_of else ValueInfo("grad"))
+            of = grads_of.get(proxy, "")
+            binfo.setdefault(v.name, ValueInfo("grad", f"grad({of})" if of else "", grad_of=of))
         backward = replace(b, info=binfo, attrs={**b.attrs, "role": "backward"})
     return forward, backward
 

@@ -157,11 +157,6 @@ class ValueInfo:
         if self.role == "grad" and not (self.grad_of or self.source) and self.label.startswith("grad(") and self.label.endswith(")"):
             object.__setattr__(self, "grad_of", self.label[5:-1])
 
-    @classmethod
-    def gradient(cls, of: str) -> "ValueInfo":
-        """A backward fusion's output: the gradient of the forward input labelled ``of``."""
-        return cls("grad", f"grad({of})", grad_of=of)
-
 
 @dataclass(frozen=True)
 class Fusion:

@@ -88,10 +88,10 @@ def format_schedule(steps: Sequence["ScheduleStep"]) -> list[str]:
     lines, mesh = [], None
     for step in steps:
         name, args = step.tensor, step.args
+        if step.kind == "mesh" and args != mesh:
+            mesh = args
+            lines.append(f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(args)})")
         if step.kind == "mesh":
-            if args != mesh:
-                mesh = args
-                lines.append(f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(args)})")
             lines.append(f"{name}.set_device_mesh(mesh)")
         elif step.kind == "split":
             lines.append(f"{name}.{'inner' if args[2] else 'outer'}_split({args[0]}, {args[1]})")

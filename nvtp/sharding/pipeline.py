@@ -26,8 +26,6 @@ from nvtp.sharding.sharded import ShardedFusion
 
 T = TypeVar("T")
 
-PLANS = ("megatron", "megatron-sp")
-
 
 class PassError(RuntimeError):
     pass
@@ -53,31 +51,31 @@ class Passes:
         return result
 
 
-def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str = "nvfuser") -> plans_mod.Annotations:
-    """Apply ``plan`` (a plan name, an explicit glob plan, or a per-input plan) to ``fusion``.
+def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str = "nvfuser",
+             overrides: Mapping[str, Placement] | None = None) -> plans_mod.Annotations:
+    """Apply ``plan`` (a plan name, an explicit glob plan, or a per-input plan) to ``fusion``, then
+    ``overrides`` (input name -> placement); checked against the fusion and mesh.
 
     The Megatron plans split embedding tables along the vocabulary only for the reference
     target: a vocabulary-parallel lookup gives a partial sum on an ``index_select``, which
     nvFuser cannot hold (it keeps partial sums only on reduction axes)."""
-    if isinstance(plan, str):
-        if plan in ("megatron", "megatron-sp"):
-            return plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target == "reference")
-        if plan in ("replicate", "none"):
-            return plans_mod.Annotations({v.name: REPLICATE for v in fusion.inputs if isinstance(v, TensorValue)})
-        return _explicit_or_per_input(fusion, plans_mod.parse_plan_text(plan), mesh)
-    return _explicit_or_per_input(fusion, plan, mesh)
-
-
-def _explicit_or_per_input(fusion: Fusion, plan: Mapping[str, Any], mesh: DeviceMesh) -> plans_mod.Annotations:
-    names = {v.name for v in fusion.inputs}
-    if plan and all(k in names for k in plan):
-        return plans_mod.per_input(fusion, plan)
-    return plans_mod.explicit(fusion, mesh, plan)
+    if plan in ("megatron", "megatron-sp"):
+        ann = plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target == "reference")
+    elif plan in ("replicate", "none"):
+        ann = plans_mod.Annotations({v.name: REPLICATE for v in fusion.inputs if isinstance(v, TensorValue)})
+    else:
+        plan = plans_mod.parse_plan_text(plan) if isinstance(plan, str) else plan
+        per_input = plan and all(k in {v.name for v in fusion.inputs} for k in plan)
+        ann = plans_mod.per_input(fusion, plan) if per_input else plans_mod.explicit(fusion, mesh, plan)
+    ann.placements.update(overrides or {})
+    check_annotations(fusion, mesh, ann.placements)
+    return ann
 
 
 def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple[Placement, ...]], prop: Propagation) -> None:
-    """Every op reads each operand in the placement its decision needs, results are where the
-    decision puts them, and no output is a partial sum. Checks the reshard passes' wiring."""
+    """``fusion`` verifies, every op reads each operand in the placement its decision needs, results
+    are where the decision puts them, and no output is a partial sum: the reshard passes' wiring."""
+    verify(fusion)
     producers = fusion.producers()
     for old, decision in prop.decisions.items():
         name = source.ops[old].outputs[0].name
@@ -113,7 +111,7 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
     run = Passes()
-    ann = run("annotate", _annotations, fusion, plan, mesh, target, annotations or {})
+    ann = run("annotate", annotate, fusion, plan, mesh, target, annotations)
     prop = run("propagate", propagate_shardings, fusion, mesh, ann.placements, {**ann.hints, **(output_hints or {})},
                partial_pass=target == "reference")
     steps = run("plan_reshards", plan_reshards, fusion, prop, mesh, dict(output_hints or {}))
@@ -121,23 +119,9 @@ def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
     sharded, placements, set_steps = run("hoist_gathers", hoist_gathers, sharded, placements, set_steps, mesh)
     shardings = {k: (p,) for k, p in placements.items()}
     if check:
-        run("verify", _verify, sharded, fusion, shardings, prop)
-    return ShardedFusion(sharded, fusion, mesh, shardings, list(set_steps.values()), set_steps, ann,
+        run("verify", verify_sharded, sharded, fusion, shardings, prop)
+    return ShardedFusion(sharded, fusion, mesh, shardings, set_steps, ann,
                          plan if isinstance(plan, str) else "explicit", prop, run.seconds)
-
-
-def _annotations(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str,
-                 overrides: Mapping[str, Placement]) -> plans_mod.Annotations:
-    """The plan's annotations with ``overrides`` applied, checked against the fusion and mesh."""
-    ann = annotate(fusion, plan, mesh, target)
-    ann.placements.update(overrides)
-    check_annotations(fusion, mesh, ann.placements)
-    return ann
-
-
-def _verify(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple[Placement, ...]], prop: Propagation) -> None:
-    verify(fusion)
-    verify_sharded(fusion, source, shardings, prop)
 
 
 def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict[str, Placement], dict[str, Placement]]:
@@ -158,10 +142,7 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
             inputs[v.name] = produced[info.source]
         elif info.role == "grad" and len(user_outputs) == 1:
             inputs[v.name] = produced[user_outputs[0]]
-    hints: dict[str, Placement] = {}
-    for v in backward.outputs:
-        if backward.grad_of(v.name) in by_label:
-            hints[v.name] = by_label[backward.grad_of(v.name)]
+    hints = {v.name: by_label[backward.grad_of(v.name)] for v in backward.outputs if backward.grad_of(v.name) in by_label}
     return inputs, hints
 
 

@@ -78,7 +78,8 @@ def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorVal
         dim, sf = split
         return axes.index(("dim", dim)), sf
     if is_partial(p):
-        decision = sharded.propagation.decisions.get(_op_index(sharded, op))
+        index = next((i for i, o in enumerate(sharded.source.ops) if o.outputs and o.outputs[0].name == op.outputs[0].name), None)
+        decision = sharded.propagation.decisions.get(index)
         if decision is None or decision.factor is None:
             raise ScheduleError(f"{op}: no decision recorded for partial {v.name}")
         f = factors_of(op)
@@ -87,13 +88,6 @@ def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorVal
             if decision.factor in factors:
                 operand_axis = ax_i
         return _partial_axis(op, result, operand_axis), decision.split
-    return None
-
-
-def _op_index(sharded: ShardedFusion, op: Op) -> int | None:
-    for i, o in enumerate(sharded.source.ops):
-        if o.outputs and op.outputs and o.outputs[0].name == op.outputs[0].name:
-            return i
     return None
 
 
@@ -106,10 +100,7 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
     reduce-scatter (its ``test_linear_reduce_scatter``); with the reduction axis alone nvFuser
     would all-reduce and the ``set`` would slice."""
     d = sharded.mesh.size
-    scattered = {}
-    for step in sharded.set_steps.values():
-        if is_partial(step.src) and axis_split(step.dst) is not None:
-            scattered[step.value] = axis_split(step.dst)
+    scattered = {s.value: axis_split(s.dst) for s in sharded.set_steps.values() if is_partial(s.src) and axis_split(s.dst) is not None}
     steps: list[ScheduleStep] = []
     for op in sharded.fusion.ops:
         for r, v in enumerate(op.outputs):
@@ -119,17 +110,14 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
             if d == 1:
                 continue
             where = device_axis(sharded, None if op.kind == "define_tensor" else op, r, v)
-            if v.name in scattered and where is not None:
-                dim, sf = scattered[v.name]
-                axes = loop_axes(op, r)
-                dst_axis = axes.index(("dim", dim))
-                # Split the later loop axis first so the earlier one's index stays put.
-                red_axis, red_sf = where
-                for axis, split in sorted([(red_axis, red_sf), (dst_axis, sf)], reverse=True):
-                    steps.extend(_split_steps(v.name, axis, split, d))
+            if where is None:
                 continue
-            if where is not None:
-                steps.extend(_split_steps(v.name, where[0], where[1], d))
+            splits = [where]
+            if v.name in scattered:  # a reduce-scatter's destination split, beside its split reduction axis
+                dim, sf = scattered[v.name]
+                splits.append((loop_axes(op, r).index(("dim", dim)), sf))
+            for axis, split in sorted(splits, reverse=True):  # the later loop axis first: the earlier one's index stays put
+                steps.extend(_split_steps(v.name, axis, split, d))
     return steps
 
 
@@ -194,11 +182,9 @@ def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple
         for name, p in placements.items():
             split = axis_split(p)
             if split is not None:
-                v = values[name]
                 dim, sf = split
                 loop = loops.get(name, [])
                 par = [a for a in loop if a.origin == ("dim", dim) and a.outer == sf]
                 if par and par[0].size != len(devices):
                     raise ScheduleError(f"{name}: axis {dim} is split into {par[0].size} device pieces but the mesh has {len(devices)} devices")
-                _ = v
     return placements, devices

@@ -23,7 +23,6 @@ class ShardedFusion:
     source: Fusion
     mesh: DeviceMesh
     shardings: dict[str, tuple[Placement, ...]]
-    steps: list[ReshardStep]
     set_steps: dict[str, ReshardStep]
     annotations: Annotations
     plan: str
