@@ -455,7 +455,7 @@ def partial_passes(op: Op) -> bool:
         return False
     if s.linear == "first" and not isinstance(op.args[0][1], TensorValue):
         return False  # 2 / (a + b) is not 2 / a + 2 / b: only the dividend may be partial
-    return not s.layout or tensor_operands(op)[0].dtype.is_float
+    return not s.layout or tensor_operands(op)[0].dtype.is_float  # a cast from integers rounds
 
 
 def _shrinks_or_keeps(op: Op) -> bool:
