@@ -36,6 +36,37 @@ class TrainJob:
     log_dir: str | None = None  # each rank appends {"step", "loss", "rss_kib", "seconds"} to rank<r>.jsonl here ...
     log_every: int = 1  # ... every this many steps
     inject_fault: tuple[int, int, str] | None = None  # (rank, step, "kill" | "raise" | "hang"): for tests of failure handling
+    model: str = "nanogpt"  # nvtp's GPT (with ``config``), or a small Hugging Face causal LM: llama, gpt2, mistral, qwen2
+
+
+def build_model(job: TrainJob) -> torch.nn.Module:
+    """The model the job trains, seeded alike on every rank."""
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        torch.manual_seed(0)
+        return gpt.GPT(gpt.config(job.config))
+    from nvtp.models import hf
+
+    return hf.build(job.model)
+
+
+def batch(job: TrainJob, step: int) -> tuple[tuple, dict]:
+    """Step ``step``'s arguments, as the model is called: ``GPT(idx, targets)``, or a transformers
+    model's ``model(input_ids, labels=input_ids)``."""
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        return gpt.example_tokens(gpt.config(job.config), seed=step), {}
+    from nvtp.models import hf
+
+    idx = hf.batch(step)
+    return (idx,), {"labels": idx}
+
+
+def loss_of(out) -> torch.Tensor:
+    """The loss: the GPT returns it, a transformers model's output object holds it."""
+    return out.loss if hasattr(out, "loss") else out
 
 
 def rss_kib() -> int:
@@ -103,29 +134,28 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
 
     import nvtp
     from nvtp.checkpoint import latest_checkpoint, prune
+    from nvtp.dtensor import local as to_local
     from nvtp.execute.launch import init_group
-    from nvtp.models import gpt
 
     if job.inject_fault is None:
         job.inject_fault = fault_from_env()
     if world > 1:
         init_group(rank, world, init_method, job.timeout)
     try:
-        torch.manual_seed(0)
-        cfg = gpt.config(job.config)
-        model = nvtp.jit(gpt.GPT(cfg), plan=job.plan, timeout=job.timeout)
+        model = nvtp.jit(build_model(job), plan=job.plan, timeout=job.timeout)
         whole_bytes = sum(p.nbytes for p in model.parameters())
-        idx, tgt = gpt.example_tokens(cfg, seed=0)
+        args, kwargs = batch(job, 0)
         start = time.perf_counter()
-        model.compile(idx, tgt)
+        model.compile(*args, **kwargs)
         compile_s = time.perf_counter() - start
-        held = sum(p.nbytes for p in model.parameters())
+        held = sum(to_local(p).nbytes for p in model.parameters())  # this rank's parts (parameters are DTensors on a mesh)
         opt = make_optimizer(job, model.parameters())
         show = rank == 0 and job.verbose
         if show:
             compiled = next(iter(model._compiled.values()))
             fwd, bwd = compiled.forward, compiled.backward
-            print(f"1. nvtp.jit traced the GPT with Thunder into one forward fusion ({len(list(fwd.source.compute_ops()))} ops) "
+            route = "TorchDynamo's graph, then Thunder," if model._fx else "Thunder"
+            print(f"1. nvtp.jit traced the {type(model.module).__name__} with {route} into one forward fusion ({len(list(fwd.source.compute_ops()))} ops) "
                   f"and one backward fusion ({len(list(bwd.source.compute_ops()))} ops), and sharded them with plan {job.plan}, "
                   f"in {compile_s:.1f} s", flush=True)
             for note in fwd.annotations.notes:
@@ -149,9 +179,9 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
         losses, times = [], []
         for step in range(first, job.steps):
             _inject(job, rank, step)
-            idx, tgt = gpt.example_tokens(cfg, seed=step)
+            args, kwargs = batch(job, step)
             t0 = time.perf_counter()
-            loss = model(idx, tgt)
+            loss = loss_of(model(*args, **kwargs))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -171,7 +201,7 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
         if log is not None:
             log.close()
         params = {n: nvtp.full_tensor(p) for n, p in model.module.named_parameters()}
-        local = {n: (tuple(p.shape), model.global_shape(n), str(model.placement(n))) for n, p in model.module.named_parameters()}
+        local = {n: (tuple(to_local(p).shape), model.global_shape(n), str(model.placement(n))) for n, p in model.module.named_parameters()}
         if rank == 0:
             torch.save({"losses": losses, "times": times, "params": params, "held": held, "whole": whole_bytes, "local": local,
                         "first": first}, job.out)
@@ -183,16 +213,12 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
 
 def single_process(job: TrainJob) -> dict:
     """The same training with plain PyTorch on one process."""
-    from nvtp.models import gpt
-
-    torch.manual_seed(0)
-    cfg = gpt.config(job.config)
-    model = gpt.GPT(cfg)
+    model = build_model(job)
     opt = make_optimizer(job, model.parameters())
     losses = []
     for step in range(job.steps):
-        idx, tgt = gpt.example_tokens(cfg, seed=step)
-        loss = model(idx, tgt)
+        args, kwargs = batch(job, step)
+        loss = loss_of(model(*args, **kwargs))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -229,41 +255,63 @@ def run(job: TrainJob, devices: int) -> tuple[dict, dict]:
     return run_sharded(job, devices), single_process(job)
 
 
-def check_job(cfg, plan: str, devices: int, model: torch.nn.Module) -> None:
-    """Refuse, before any process starts or anything is traced, a plan the demo's GPT cannot take
-    (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split: the
-    heads, the vocabulary (vocabulary-parallel embedding) and, with sequence parallelism, the
-    sequence must divide by the number of processes. (The plan checks the same once traced; this
-    says it at once, once, instead of on every rank after tracing.)"""
+def split_sizes(job: TrainJob) -> dict[str, int]:
+    """The sizes the job's Megatron plans split over the processes: heads, KV heads, the vocabulary
+    (vocabulary-parallel embedding) and, with sequence parallelism, the sequence."""
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        cfg = gpt.config(job.config)
+        sizes, seq = {"heads": cfg.n_head, "vocabulary": cfg.vocab_size}, cfg.seq_len
+    else:
+        from nvtp.models import hf
+
+        sizes, seq = hf.split_sizes(job.model), hf.SEQ
+    return sizes | ({"sequence": seq} if job.plan == "megatron-sp" else {})
+
+
+def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
+    """Refuse, before any process starts or anything is traced, a plan the demo's model cannot take
+    (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
+    (``split_sizes`` must divide by the number of processes). (The plan checks the same once
+    traced; this says it at once, once, instead of on every rank after tracing.)"""
     from nvtp.sharding.plans import check_plan
     from nvtp.sharding.propagate import ShardingError
 
-    check_plan(plan, [n for n, _ in model.named_parameters()], "the demo's GPT")
-    if plan not in ("megatron", "megatron-sp"):
+    what = f"the demo's {type(model).__name__}"
+    check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
+    if job.plan not in ("megatron", "megatron-sp"):
         return
-    sizes = {"heads": cfg.n_head, "vocabulary": cfg.vocab_size}
-    if plan == "megatron-sp":
-        sizes["sequence"] = cfg.seq_len
-    bad = [f"{n} {what}" if what != "vocabulary" else f"a vocabulary of {n}" for what, n in sizes.items() if n % devices]
+    sizes = split_sizes(job)
+    bad = [f"{n} {kind}" if kind != "vocabulary" else f"a vocabulary of {n}" for kind, n in sizes.items() if n % devices]
     if bad:
         fits = [k for k in range(1, max(sizes.values()) + 1) if all(n % k == 0 for n in sizes.values())]
-        raise ShardingError(f"plan {plan} cannot split the demo's GPT over {devices} processes: {devices} does not divide its "
+        raise ShardingError(f"plan {job.plan} cannot split {what} over {devices} processes: {devices} does not divide its "
                             f"{' and '.join(bad)}; choose --devices {', '.join(map(str, fits[:-1]))} or {fits[-1]}")
 
 
-def main(args) -> int:
-    from nvtp.models import gpt
-
-    d = args.devices
-    cfg = gpt.config(args.config)
-    model = gpt.GPT(cfg)
-    check_job(cfg, args.plan, d, model)
+def describe(model: torch.nn.Module, job: TrainJob) -> str:
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"nvtp demo: train a GPT ({cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, vocabulary {cfg.vocab_size}, "
-          f"{n_params:,} parameters, fp32) sharded with plan {args.plan} over a local CPU mesh of {d} processes, "
-          "and check it against one process\n", flush=True)
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        cfg = gpt.config(job.config)
+        return (f"a GPT ({cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, vocabulary {cfg.vocab_size}, "
+                f"{n_params:,} parameters, fp32)")
+    sizes = split_sizes(job)
+    return (f"a Hugging Face {type(model).__name__} from a config ({sizes['heads']} heads, {sizes['KV heads']} KV heads, "
+            f"vocabulary {sizes['vocabulary']}, {n_params:,} parameters, fp32, random init)")
+
+
+def main(args) -> int:
+    d = args.devices
     with tempfile.TemporaryDirectory() as tmp:
-        job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout)
+        job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout,
+                       model=args.model)
+        model = build_model(job)
+        check_job(job, d, model)
+        print(f"nvtp demo: train {describe(model, job)} sharded with plan {args.plan} over a local CPU mesh of {d} processes, "
+              "and check it against one process\n", flush=True)
         start = time.perf_counter()
         sharded, single = run(job, d)
         elapsed = time.perf_counter() - start
