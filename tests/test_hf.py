@@ -345,3 +345,142 @@ def test_demo_trains_a_transformers_llama_on_2_processes_and_passes():
     assert "step   3/3" in result.stdout and result.stdout.rstrip().endswith("PASSED"), result.stdout
     verdict = re.search(r"loss of every step within ([0-9.e+-]+) \(relative\), final parameters within ([0-9.e+-]+)", result.stdout)
     assert verdict and float(verdict[1]) <= 1e-4 and float(verdict[2]) <= 1e-4, result.stdout
+
+
+# -- in-place updates and ``x @ W.T`` on the FX route (Falcon) ----------------------------------------
+
+
+def _exported(fn, *args):
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    return dynamo.export(fn, assume_static_by_default=True)(*args).graph_module
+
+
+def test_in_place_updates_are_written_out_of_place_with_the_same_values():
+    """``h += x`` (operator), ``relu(h, inplace=True)`` (keyword), ``z.mul_(3)`` (method) and
+    ``dropout(z, 0.0, True, True)`` (positional ``inplace``): each becomes its out-of-place op, later
+    reads of the updated tensor read the new value, and the graph computes what eager computes."""
+    from nvtp.frontend.fx import _functionalize, _inplace_positional, _out_of_place
+
+    def f(x, w):
+        h = x @ w.T
+        h += x
+        y = torch.nn.functional.relu(h, inplace=True)  # h is y from here on
+        z = h * 2
+        z.mul_(3)
+        return h.sum() + y.sum() + torch.nn.functional.dropout(z, 0.0, True, True).sum()
+
+    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    gm = _exported(f, x, w)
+    assert _functionalize(gm.graph, "f") == 4
+    gm.recompile()
+    assert not [n.name for n in gm.graph.nodes if _out_of_place(n) is not None or _inplace_positional(n)]
+    assert torch.allclose(gm(x, w), f(x.clone(), w))
+
+
+class _BumpsItsArgument(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x += 1  # the caller's tensor changes: no fusion output can do that
+        return self.lin(x)
+
+
+class _UpdatesAViewedTensor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        v = h.view(2, 4, 2)
+        h += 1  # v sees the update in eager
+        return v.sum()
+
+
+@pytest.mark.parametrize("module,match", [
+    (_BumpsItsArgument, r"_BumpsItsArgument: iadd at .*test_hf.py:\d+ in forward: `x \+= 1[^`]*` updates the argument x .*in place; "
+                        r".*write the update out of place"),
+    (_UpdatesAViewedTensor, r"_UpdatesAViewedTensor: iadd at .*test_hf.py:\d+ in forward: `h \+= 1[^`]*` updates a tensor in place that "
+                            r"v \(from .*`v = h.view\(2, 4, 2\)`\) aliases and sum_1 .* reads afterwards"),
+])
+def test_an_in_place_update_nvtp_cannot_write_out_of_place_is_named_with_its_line(module, match):
+    from nvtp.frontend.capture import CaptureError
+
+    model = nvtp.jit(module(), plan="megatron", frontend="fx")
+    with pytest.raises(CaptureError, match=match):
+        model(torch.randn(2, 8))
+
+
+class _TransposedWeights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(8, 8)) for _ in range(3))
+
+    def forward(self, x):
+        return torch.matmul(x @ self.a.T, self.b.t()) @ self.c.transpose(0, 1)
+
+
+def test_x_matmul_a_transposed_weight_is_a_linear():
+    """``x @ W.T`` (``.T``, ``.t()``, ``.transpose(0, 1)``) with W a parameter is ``F.linear(x, W)``,
+    the form the plans read as a projection with weight ``[out, in]``; the values are unchanged."""
+    from nvtp.frontend.fx import export_program
+
+    model, x = _TransposedWeights(), torch.randn(2, 3, 8)
+    program = export_program(model, (x,), {})
+    calls = [n.target for n in program.graph_module.graph.nodes if n.op in ("call_function", "call_method")]
+    assert calls.count(torch.nn.functional.linear) == 3 and operator_matmuls(calls) == 0, calls
+    assert torch.allclose(program.graph_module(x)[0], model(x), atol=1e-6)
+
+
+def operator_matmuls(calls) -> int:
+    import operator
+
+    return sum(c in (operator.matmul, torch.matmul, "matmul") for c in calls)
+
+
+def build_falcon(seed: int = 0, **extra) -> torch.nn.Module:
+    """Falcon from a config (transformers 5.23): one fused ``query_key_value``, attention and MLP in
+    parallel whose outputs are summed in place (``mlp_output += attention_output``), and
+    ``FalconLinear`` computing ``x @ W.T``; the embedding is tied to the LM head."""
+    torch.manual_seed(seed)
+    cfg = transformers.FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, use_cache=False,
+                                    hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0, **extra)
+    return transformers.FalconForCausalLM(cfg)
+
+
+def test_falcon_with_2_kv_heads_megatron_d2_matches_eager():
+    """new_decoder_architecture with 2 KV heads: query_key_value's rows are [kv group][q, q, k, v][16],
+    so its plain S(0) gives each rank one KV group whole; dense and dense_4h_to_h row-parallel."""
+    model = build_falcon(new_decoder_architecture=True, num_kv_heads=2)
+    mesh = Mesh(model, 2, "megatron", tokens(), labels=tokens())
+    worst = check_parity(model, mesh, tokens())
+    m = mesh.ranks[0]
+    for layer in (0, 1):
+        for n in ("self_attention.query_key_value", "mlp.dense_h_to_4h"):
+            assert str(m.placement(f"transformer.h.{layer}.{n}.weight")) == "S(0)", n
+        for n in ("self_attention.dense", "mlp.dense_4h_to_h"):
+            assert str(m.placement(f"transformer.h.{layer}.{n}.weight")) == "S(1)", n
+    assert worst["split"] == 2 * 4 + 1  # the 4 projections of each layer, and word_embeddings = lm_head
+    print("falcon (2 KV heads) d=2 megatron", worst)
+
+
+@pytest.mark.slow
+def test_falcon_multi_query_d2_matches_eager_and_says_its_fused_qkv_stays_whole():
+    """transformers' default Falcon attention: multi-query, 4 query heads and 1 KV head in one
+    query_key_value (rows 64 + 16 + 16). One KV head does not split over 2 devices and the unequal
+    parts are no fused split nvtp has, so the weight stays whole (replicated) and the plan's notes say so."""
+    model = build_falcon()
+    assert model.config.multi_query and not model.config.new_decoder_architecture
+    mesh = Mesh(model, 2, "megatron", tokens(), labels=tokens())
+    worst = check_parity(model, mesh, tokens())
+    m = mesh.ranks[0]
+    notes = m.last.forward.annotations.notes
+    for layer in (0, 1):
+        name = f"transformer.h.{layer}.self_attention.query_key_value.weight"
+        assert str(m.placement(name)) == "R"
+        assert any(n.startswith("replicated (no row-parallel partner)") and name in n for n in notes), notes
+    print("falcon (multi-query) d=2 megatron", worst)
