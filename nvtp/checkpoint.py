@@ -1,17 +1,21 @@
-"""Sharded checkpoints of an ``nvtp.jit`` module and its optimizer.
+"""Checkpoints of an ``nvtp.jit`` module and its optimizer: thin wrappers over
+``torch.distributed.checkpoint`` (DCP).
 
-Each rank writes only its shards (``rank<r>-of-<d>.pt``: parameters, optimizer state, RNG state)
-and rank 0 a ``meta.json`` with every parameter's placement and whole shape. Loading on the same
-mesh size reads one file per rank and resumes exactly; loading on another size reassembles each
-tensor from all files and takes this rank's part under the new placement.
+The parameters of an ``nvtp.jit`` module on a mesh of processes are DTensors (``nvtp/dtensor.py``),
+so DCP saves each rank's parts and loads them onto any mesh size, resharding as it reads; these
+functions add only the step, the RNG state and a marker that says the checkpoint is whole:
 
     model.compile(idx, targets)                 # so the parameters are placed
     step = nvtp.load_checkpoint(path, model, opt)
 
-Nothing is lost to a killed run: every file is written to a temporary name, synced and renamed,
-and rank 0 writes ``meta.json`` only after every rank's file is in place (a barrier), so a
-directory with ``meta.json`` is a whole checkpoint. ``save_checkpoint(root / f"step-{n:06d}")``
-every few steps with ``prune(root, keep=2)``, and ``latest_checkpoint(root)`` after a failure.
+is ``dcp.load`` of ``{"model": get_model_state_dict(model.module), "optim":
+get_optimizer_state_dict(model.module, opt), "step", "rng"}`` followed by ``set_model_state_dict``
+and ``set_optimizer_state_dict``; call DCP yourself the same way if you prefer (docs/usage.md).
+
+Nothing is lost to a killed run: DCP writes every rank's data before its ``.metadata``, and rank 0
+writes ``meta.json`` (atomically) only after ``dcp.save`` has returned, so a directory with
+``meta.json`` is a whole checkpoint. ``save_checkpoint(root / f"step-{n:06d}")`` every few steps
+with ``prune(root, keep=2)``, and ``latest_checkpoint(root)`` after a failure.
 """
 
 from __future__ import annotations
@@ -22,49 +26,47 @@ from pathlib import Path
 
 import torch
 
-from nvtp.execute import spmd
-from nvtp.sharding.placements import axis_split
-
-FORMAT = 1
+FORMAT = 2  # 1 was nvtp's own per-rank .pt files; 2 is torch.distributed.checkpoint
+MARKER = "meta.json"
 
 
-def _placement_text(p) -> str:
-    split = axis_split(p)
-    return "R" if split is None else f"S({split[0]},{split[1]})"
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
-def _placement_of(text: str):
-    from nvtp.sharding.placements import REPLICATE, make_shard
+def _state(model, optimizer: torch.optim.Optimizer | None) -> dict:
+    """The DCP state dict: the wrapped module's own keys (DTensors on a mesh) and the optimizer's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    if text == "R":
-        return REPLICATE
-    dim, sf = text[2:-1].split(",")
-    return make_shard(int(dim), int(sf))
+    if model.mesh.size > 1 and not model.uses_dtensor:
+        raise ValueError("checkpoints need the parameters as DTensors, on torch.distributed's own group; "
+                         "this module runs on a simulated mesh (comm=), whose ranks are threads of one process")
+    state = {"model": get_model_state_dict(model.module), "step": 0, "rng": torch.get_rng_state()}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model.module, optimizer)
+    return state
 
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None, *, step: int = 0) -> Path:
-    """Write this rank's shards; every rank calls it. Returns the checkpoint directory."""
+    """Save ``model`` (and ``optimizer``) with DCP; every rank calls it. Returns the checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n, _ in model.module.named_parameters()]
-    rank, d = model.rank, model.mesh.size
-    state = {
-        "format": FORMAT,
-        "step": step,
-        "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "rng": torch.get_rng_state(),
-    }
-    _write_atomically(out / f"rank{rank}-of-{d}.pt", lambda f: torch.save(state, f))  # never half-written
-    if d > 1:
-        model.comm.all_reduce(torch.zeros(1), "sum")  # a barrier: every rank's file is in place
-    if rank == 0:  # meta.json marks the checkpoint whole
-        meta = {"format": FORMAT, "devices": d, "step": step, "parameters": names,
-                "placements": {n: _placement_text(model.placement(n)) for n in names},
-                "shapes": {n: list(model.global_shape(n)) for n in names}}
-        _write_atomically(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    if d > 1:
-        model.comm.all_reduce(torch.zeros(1), "sum")  # ... and every rank returns once it is
+    state = _state(model, optimizer)
+    state["step"] = step
+    if model.rank == 0:  # overwriting: not whole until written again (no rank writes before dcp.save's first collective)
+        (out / MARKER).unlink(missing_ok=True)
+    dcp.save(state, checkpoint_id=out)  # returns once every rank's data and the .metadata are written
+    if model.rank == 0:
+        meta = {"format": FORMAT, "devices": model.mesh.size, "step": step}
+        _write_atomically(out / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    if _dist_ready():
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank returns once the checkpoint is whole
     return out
 
 
@@ -81,9 +83,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """``root`` itself if it is a whole checkpoint, else its newest whole ``step-*`` checkpoint
     (one whose ``meta.json`` exists: a save that was killed half-way is skipped), or None."""
     root = Path(root)
-    if (root / "meta.json").exists():
+    if (root / MARKER).exists():
         return root
-    whole = sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
+    whole = sorted(p for p in root.glob("step-*") if (p / MARKER).exists())
     return whole[-1] if whole else None
 
 
@@ -94,7 +96,7 @@ def prune(root: str | os.PathLike, keep: int = 2) -> None:
 
     root = Path(root)
     steps = sorted(root.glob("step-*"))
-    whole = [p for p in steps if (p / "meta.json").exists()]
+    whole = [p for p in steps if (p / MARKER).exists()]
     if not whole:
         return
     keep_set = set(whole[-keep:]) if keep > 0 else set()
@@ -104,61 +106,27 @@ def prune(root: str | os.PathLike, keep: int = 2) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load into ``model`` (and ``optimizer``) on this rank; returns the saved step. ``path`` is a
-    checkpoint, or a directory of ``step-*`` checkpoints (the newest whole one is loaded)."""
+    """Load into ``model`` (and ``optimizer``) with DCP, on any mesh size; every rank calls it.
+    Returns the saved step. ``path`` is a checkpoint, or a directory of ``step-*`` checkpoints (the
+    newest whole one is loaded)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     src = Path(path)
     found = latest_checkpoint(src) if src.is_dir() else None
     if found is None:
-        raise FileNotFoundError(f"{src} holds no whole nvtp checkpoint (no meta.json, nor a step-* directory with one)")
+        raise FileNotFoundError(f"{src} holds no whole nvtp checkpoint (no {MARKER}, nor a step-* directory with one)")
     src = found
-    meta = json.loads((src / "meta.json").read_text())
+    meta = json.loads((src / MARKER).read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{src}: checkpoint format {meta.get('format')!r}, this nvtp reads format {FORMAT}")
-    saved_d, rank, d = meta["devices"], model.rank, model.mesh.size
-    missing = [f"rank{r}-of-{saved_d}.pt" for r in range(saved_d) if not (src / f"rank{r}-of-{saved_d}.pt").exists()]
-    if missing:
-        raise FileNotFoundError(f"{src}: checkpoint of {saved_d} ranks lacks {', '.join(missing)}")
-    if saved_d == d:
-        states = {rank: torch.load(src / f"rank{rank}-of-{d}.pt", weights_only=False)}
-    else:
-        states = {r: torch.load(src / f"rank{r}-of-{saved_d}.pt", weights_only=False) for r in range(saved_d)}
-    params = dict(model.module.named_parameters())
-    placements = {n: _placement_of(t) for n, t in meta["placements"].items()}
-
-    def local(name: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
-        if saved_d == d:
-            return pieces[rank]
-        whole = spmd.assemble([pieces[r] for r in range(saved_d)], placements[name], meta["shapes"][name])
-        return spmd.shard_tensor(whole, model.placement(name), model.mesh, rank)
-
-    with torch.no_grad():
-        for n in meta["parameters"]:
-            t = local(n, {r: s["params"][n] for r, s in states.items()})
-            if t.shape != params[n].shape:
-                raise ValueError(f"{n}: checkpoint gives {list(t.shape)} for this rank, the model holds {list(params[n].shape)}; "
-                                 "compile the model (model.compile(*inputs)) before loading")
-            params[n].copy_(t)
+        raise ValueError(f"{src}: checkpoint format {meta.get('format')!r}, this nvtp reads format {FORMAT} "
+                         "(torch.distributed.checkpoint); format 1 was nvtp's own per-rank .pt files")
+    if model.mesh.size > 1 and not model._placements:
+        raise ValueError("compile the model (model.compile(*inputs)) before loading: its parameters are not placed yet")
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=src)
+    set_model_state_dict(model.module, state["model"])
     if optimizer is not None:
-        opt_states = {r: s["optimizer"] for r, s in states.items()}
-        state = opt_states[rank] if saved_d == d else _reassemble_optimizer(opt_states, meta, model, local)
-        optimizer.load_state_dict(state)
-    torch.set_rng_state(states[rank]["rng"] if rank in states else states[0]["rng"])
-    return int(meta["step"])
-
-
-def _reassemble_optimizer(opt_states: dict, meta: dict, model, local) -> dict:
-    """Optimizer state saved on another mesh size: per-parameter tensors shaped like their
-    parameter are reassembled and re-sharded like it; scalars are taken from rank 0."""
-    names = meta["parameters"]
-    first = opt_states[0]
-    out = {"param_groups": first["param_groups"], "state": {}}
-    for index, per_param in first["state"].items():
-        name = names[index]
-        new = {}
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                new[key] = local(name, {r: s["state"][index][key] for r, s in opt_states.items()})
-            else:
-                new[key] = value
-        out["state"][index] = new
-    return out
+        set_optimizer_state_dict(model.module, optimizer, state["optim"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])

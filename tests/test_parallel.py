@@ -82,7 +82,7 @@ def test_checkpoint_resumes_exactly_and_on_another_mesh(tmp_path):
     full = TrainJob("tiny", "megatron", 8, 0.1, str(tmp_path / "full.pt"), verbose=False, save_at=4, save_dir=str(ckpt))
     assert spawn(train_worker, 2, full) == [0, 0]
     reference = torch.load(full.out, weights_only=False)["losses"]
-    assert (ckpt / "meta.json").exists() and (ckpt / "rank1-of-2.pt").exists()
+    assert (ckpt / "meta.json").exists() and (ckpt / ".metadata").exists() and (ckpt / "__1_0.distcp").exists()  # DCP, both ranks
     same = TrainJob("tiny", "megatron", 8, 0.1, str(tmp_path / "same.pt"), verbose=False, load_dir=str(ckpt))
     assert spawn(train_worker, 2, same) == [0, 0]
     resumed = torch.load(same.out, weights_only=False)
@@ -118,7 +118,7 @@ def test_torchrun_training_with_adamw_checkpoints_and_resumes_on_fewer_processes
     full = torch.load(full_out, weights_only=False)
     single = single_process(TrainJob("tiny", "megatron-sp", 6, 0.01, "", optimizer="adamw"))
     assert len(full["losses"]) == 6 and max(abs(a - b) / b for a, b in zip(full["losses"], single["losses"])) <= 1e-4
-    assert json.loads((ckpt / "meta.json").read_text())["devices"] == 2 and (ckpt / "rank1-of-2.pt").exists()
+    assert json.loads((ckpt / "meta.json").read_text())["devices"] == 2 and (ckpt / "__1_0.distcp").exists()
 
     resume = subprocess.run([sys.executable, str(ROOT / "tools/train.py"), *common, "--load-dir", str(ckpt), "--out", str(resumed_out)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -223,7 +223,7 @@ def _explicit_plans_worker(rank, world, init_method, out):
         opt.step()
     bf16 = {"losses": losses, "grads": grads, "params": {n: nvtp.full_tensor(p) for n, p in model.module.named_parameters()},
             "placements": {n: str(model.placement(n)) for n, _ in model.module.named_parameters()},
-            "local": {n: tuple(p.shape) for n, p in model.module.named_parameters()}, "compiled": len(model._compiled)}
+            "local": {n: tuple(p.to_local().shape) for n, p in model.module.named_parameters()}, "compiled": len(model._compiled)}
     torch.manual_seed(1)
     model = nvtp.jit(gpt.Block(cfg), plan=EXPLICIT_PLANS["text"]())
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
