@@ -66,6 +66,8 @@ class OpSpec:
                  carried through either never grows.
     random       draws random numbers (never merged, never recomputed).
     loop_reduce  results whose nvFuser loop domain keeps the reduced axes (as reduction axes).
+    loop_contract  the result's loop domain ends with the first operand's last (contracted) axis,
+                 as a reduction axis (nvFuser's matmul and linear).
     """
 
     name: str
@@ -79,6 +81,7 @@ class OpSpec:
     layout: str = ""
     random: bool = False
     loop_reduce: tuple[int, ...] = ()
+    loop_contract: bool = False
 
     def param(self, name: str) -> Param:
         for p in self.params:
@@ -791,6 +794,7 @@ _facts("uniform normal sdpfa_fwd", random=True)
 _facts(" ".join(sorted(REDUCTION)), loop_reduce=(0,))
 _facts("var_mean", loop_reduce=(1,))  # the mean; the variance's loop domain drops the reduced axes
 _facts("welford", loop_reduce=(0, 1, 2))
+_facts("linear matmul", loop_contract=True)
 
 RANDOM = frozenset(name for name, s in OPS.items() if s.random)
 

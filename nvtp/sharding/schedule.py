@@ -48,7 +48,7 @@ def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
                 out.append(("dim", k))
                 k += 1
         return out
-    if op.kind in ("linear", "matmul"):
+    if spec(op.kind).loop_contract:
         return dims + [("reduce", tensor_operands(op)[0].ndim - 1)]
     return dims
 
@@ -146,7 +146,7 @@ def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple
                 if kind == "dim":
                     sizes.append(v.shape[j])
                 else:
-                    sizes.append(tensor_operands(op)[0].shape[j] if op.kind not in ("linear", "matmul") else tensor_operands(op)[0].shape[-1])
+                    sizes.append(tensor_operands(op)[0].shape[j])  # j: the reduced axis of the first operand (its last, contracted)
             loops[name] = [_LoopAxis(a, 1, n) for a, n in zip(axes, sizes)]
         return loops[name]
 
