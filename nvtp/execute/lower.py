@@ -65,7 +65,7 @@ def lower(
     env: dict[str, fx.Node] = {}
     root = torch.nn.Module()
     for v in fusion.inputs:
-        env[v.name] = g.placeholder(v.name)
+        env[v.name] = g.create_node("placeholder", v.name, name=v.name)
         env[v.name].meta["value"] = v
     for name, c in constants.items():
         attr = f"const_{name}"
