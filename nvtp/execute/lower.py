@@ -56,10 +56,11 @@ def lower(
     *,
     rewrite: Callable[[fx.Graph], Any] | None = None,
     all_values: bool = False,
-) -> fx.GraphModule:
-    """``fusion`` as a GraphModule ``forward(ctx, *inputs)`` returning its outputs (with
-    ``all_values``: a dict of every value by name). Ops whose results are all in ``constants``
-    are left out; ``rewrite(graph)`` runs on the matching form (see the module docstring)."""
+) -> Callable[..., Any]:
+    """``fusion`` as a GraphModule ``forward(ctx, *inputs)`` returning its outputs; with
+    ``all_values``, the same graph run by fx's Interpreter, returning every value by name. Ops
+    whose results are all in ``constants`` are left out; ``rewrite(graph)`` runs on the matching
+    form (see the module docstring)."""
     g = fx.Graph()
     ctx = g.placeholder("ctx")
     env: dict[str, fx.Node] = {}
@@ -109,4 +110,6 @@ def lower(
             node.target = call_for(op)
             node.args = (ctx,) + tuple(a for name, a in zip(names, node.args) if _holds_value(op.arg(name)))
     g.lint()
+    if all_values:  # a debugging run: fx's Interpreter runs the graph without generating code first
+        return fx.Interpreter(root, graph=g).run
     return fx.GraphModule(root, g, class_name=f"{fusion.name or 'Fusion'}")

@@ -16,6 +16,7 @@ never correctness: the ops then run one by one.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -145,6 +146,10 @@ class Pattern:
     built: _Builder
     check: Callable[[Match], tuple[list[str], dict[str, str], Callable[..., dict[str, torch.Tensor]]] | None]
     # check -> (leaf names, {exported node name: kernel result key}, kernel), or None: no fusing
+
+    @functools.cached_property
+    def matcher(self) -> "_Matcher":
+        return _Matcher(self.built.graph, remove_overlapping_matches=True)
 
 
 PATTERNS: list[Pattern] = []
@@ -413,7 +418,7 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
     first = lambda v: (sharding(v) or (None,))[0]  # noqa: E731 - the 1-D mesh's placement
     counts: dict[str, int] = {}
     for pat in patterns if patterns is not None else PATTERNS:
-        matcher = _Matcher(pat.built.graph, remove_overlapping_matches=True)
+        matcher = pat.matcher
         stale = True
         while stale:  # again while a match read a value an earlier one replaced
             stale = False

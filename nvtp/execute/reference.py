@@ -810,7 +810,7 @@ def _resolve(x: Any, env: Mapping[str, Any]) -> Any:
 class Lowered:
     """A fusion lowered for one mesh position: ``module(ctx, *inputs)`` runs it."""
 
-    module: torch.fx.GraphModule
+    module: Callable[..., Any]  # a torch.fx GraphModule (with all_values: the graph run by fx's Interpreter)
     inputs: list[tuple[Value, tuple[int, ...], torch.dtype]]  # declared local shape and dtype of each input
     shapes: dict[str, tuple[int, ...]]  # local shapes, filled as the runs ask (Context.local_shape)
     fused: dict[str, int]  # pattern name -> times fused
