@@ -203,3 +203,18 @@ def test_a_changed_implementation_table_is_honoured(monkeypatch):
     monkeypatch.setitem(reference.IMPLS, "exp", lambda ctx, op, a: calls.append(1) or original(ctx, op, a))
     reference.run(f, _example(s))
     assert calls == [1]
+
+
+def test_the_executor_has_no_import_circle():
+    """reference.py imports lower.py and patterns.py; neither imports reference.py back."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(reference.__file__).parent
+    for name in ("lower.py", "patterns.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "nvtp.execute" for a in n.names}
+        assert "nvtp.execute.reference" not in imported and "reference" not in names, name
+    assert not (root / "compiled.py").exists()
