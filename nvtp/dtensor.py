@@ -140,3 +140,18 @@ class FusedShard(DTensor):
             if offsets == index.offset:
                 return view
         raise ValueError(f"{index.fqn}: this rank holds no box at offset {list(index.offset)}")
+
+
+def _allow_foreach(cls: type) -> None:
+    """Let torch.optim and clip_grad_norm_ take their foreach paths with ``cls`` among the tensors,
+    as torch/distributed/tensor/__init__.py does for DTensor (a type missing from these lists sends
+    every optimizer of the model down the one-tensor-at-a-time loop)."""
+    from torch.optim.optimizer import _foreach_supported_types as optim_types
+    from torch.utils._foreach_utils import _foreach_supported_types as util_types
+
+    for types in (optim_types, util_types):
+        if cls not in types:
+            types.append(cls)
+
+
+_allow_foreach(FusedShard)

@@ -53,6 +53,7 @@ def _torch_mesh_worker(rank, world, init_method, out):
     return 0
 
 
+@pytest.mark.slow  # the default tier's DTensor test below runs on torch's DeviceMesh too
 def test_torch_device_mesh_is_accepted(tmp_path):
     """``nvtp.jit(model, mesh=init_device_mesh("cpu", (2,)))`` shards over it, and computes what
     the unsharded block computes (eager PyTorch)."""
@@ -120,7 +121,9 @@ def _eager(steps: int, optimizer: str) -> dict:
         loss, norm = _step(block, opt, step)
         losses.append(loss)
         norms.append(norm)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in block.named_parameters()}}
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in block.named_parameters()}  # after clipping
+    return {"losses": losses, "norms": norms, "grads": grads, "params": {n: p.detach().clone() for n, p in block.named_parameters()}}
 
 
 def _optimizer(name: str, params):
@@ -136,7 +139,6 @@ def _dtensor_worker(rank, world, init_method, out, ckpt, optimizer, steps, save_
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from nvtp.execute.launch import init_group
 
@@ -144,7 +146,7 @@ def _dtensor_worker(rank, world, init_method, out, ckpt, optimizer, steps, save_
     torch.manual_seed(0)
     block = gpt.Block(CFG)
     model = nvtp.jit(block, plan="megatron", mesh=init_device_mesh("cpu", (world,)) if torch_mesh else None)
-    opt = _optimizer(optimizer, model.parameters())  # before the first call: the parameters keep their identity
+    opt = _optimizer(optimizer, model.parameters())  # made before the first call: nvtp points it at the DTensor parameters
     got = {"losses": [], "norms": []}
     first = 0
     if save_at is None:  # resume
@@ -203,6 +205,8 @@ def _check_training(got: dict, ref: dict, optimizer: str, first: int = 0) -> Non
     for name, p in ref["params"].items():
         err = relative_error(_comparable(name, got["params"][name], optimizer), _comparable(name, p, optimizer))[0]
         assert err <= 1e-5, (name, err)
+    for name, g in ref["grads"].items() if first == 0 else ():  # p.grad.full_tensor(): the whole clipped gradient
+        assert relative_error(got["grads"][name], g)[0] <= 1e-5, name
         assert torch.equal(got["nvtp_full"][name], got["params"][name]), name
     plain = gpt.Block(CFG)
     plain.load_state_dict(got["full_state"])  # the full state dict loads into the plain module
@@ -211,13 +215,13 @@ def _check_training(got: dict, ref: dict, optimizer: str, first: int = 0) -> Non
 
 
 def test_dtensor_parameters_clip_adamw_and_dcp_resume_on_two_processes(tmp_path):
-    """2 gloo ranks, default group: every parameter is a DTensor (the fused QKV a FusedShard);
+    """2 gloo ranks, torch's DeviceMesh: every parameter is a DTensor (the fused QKV a FusedShard);
     clip_grad_norm_ returns the unsharded norm; AdamW with clipping trains as eager PyTorch does
     (losses, norms, weights within 1e-5); DCP saves model and AdamW state at step 3, and loading it
     after step 5 and training on repeats the uninterrupted run's losses exactly; the full state
     dict loads into the plain block."""
     ckpt, full = tmp_path / "ckpt", tmp_path / "full.pt"
-    assert spawn(_dtensor_worker, 2, str(full), str(ckpt), "adamw", 5, 3, False, True) == [0, 0]
+    assert spawn(_dtensor_worker, 2, str(full), str(ckpt), "adamw", 5, 3, True, True) == [0, 0]
     got = torch.load(full, weights_only=False)
     ref = _eager(5, "adamw")
     assert set(got["types"].values()) == {"DTensor", "FusedShard"} and got["types"]["attn.c_attn.weight"] == "FusedShard"
@@ -231,12 +235,12 @@ def test_dtensor_parameters_clip_adamw_and_dcp_resume_on_two_processes(tmp_path)
 
 @pytest.mark.slow
 def test_dcp_checkpoint_of_two_ranks_resumes_on_four_with_sgd(tmp_path):
-    """SGD with momentum, torch's DeviceMesh: saved by 2 ranks at step 3, loaded by 4 (DCP
+    """SGD with momentum, the default group (no mesh given): saved by 2 ranks at step 3, loaded by 4 (DCP
     reshards every parameter and momentum buffer, the fused QKV's 3 boxes per rank included);
     the resumed losses and weights are eager PyTorch's."""
     ckpt, full, resumed = tmp_path / "ckpt", tmp_path / "full.pt", tmp_path / "resumed.pt"
-    assert spawn(_dtensor_worker, 2, str(full), str(ckpt), "sgd", 5, 3, True) == [0, 0]
-    assert spawn(_dtensor_worker, 4, str(resumed), str(ckpt), "sgd", 5, None, True) == [0, 0, 0, 0]
+    assert spawn(_dtensor_worker, 2, str(full), str(ckpt), "sgd", 5, 3, False) == [0, 0]
+    assert spawn(_dtensor_worker, 4, str(resumed), str(ckpt), "sgd", 5, None, False) == [0, 0, 0, 0]
     ref = _eager(5, "sgd")
     _check_training(torch.load(full, weights_only=False), ref, "sgd")
     _check_training(torch.load(resumed, weights_only=False), ref, "sgd", first=3)
