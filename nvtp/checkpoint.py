@@ -121,7 +121,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     if meta.get("format") != FORMAT:
         raise ValueError(f"{src}: checkpoint format {meta.get('format')!r}, this nvtp reads format {FORMAT} "
                          "(torch.distributed.checkpoint); format 1 was nvtp's own per-rank .pt files")
-    if model.mesh.size > 1 and not model._placements:
+    if model.mesh.size > 1 and model.uses_dtensor and not model._placements:
         raise ValueError("compile the model (model.compile(*inputs)) before loading: its parameters are not placed yet")
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=src)

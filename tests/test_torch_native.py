@@ -244,3 +244,19 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_four_with_sgd(tmp_path):
     ref = _eager(5, "sgd")
     _check_training(torch.load(full, weights_only=False), ref, "sgd")
     _check_training(torch.load(resumed, weights_only=False), ref, "sgd", first=3)
+
+
+class _TwoThreads:
+    """A stand-in for a simulated mesh's comm (no process group): two ranks, no collectives used."""
+    size, rank = 2, 0
+
+
+def test_checkpoints_refuse_a_simulated_mesh_and_an_old_format(tmp_path):
+    model = nvtp.jit(gpt.Block(CFG), mesh=DeviceMesh.of_size(2), comm=_TwoThreads())
+    with pytest.raises(ValueError, match="need the parameters as DTensors.*simulated mesh"):
+        nvtp.save_checkpoint(tmp_path / "a", model)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "meta.json").write_text('{"format": 1}')
+    with pytest.raises(ValueError, match="format 1, this nvtp reads format 2 .*nvtp's own per-rank .pt files"):
+        nvtp.load_checkpoint(old, nvtp.jit(gpt.Block(CFG), mesh=DeviceMesh.of_size(1)))
