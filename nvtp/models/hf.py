@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=256, intermediate_size=128)
+SEQ, BATCH, VOCAB = 16, 2, 256
+_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB, intermediate_size=128)
 CONFIGS = {  # family -> (config class, model class, config): hidden 64, 4 heads, 2 layers, vocabulary 256, fp32
     "llama": ("LlamaConfig", "LlamaForCausalLM", _SMALL),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64,
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", _SMALL),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL),
 }
-SEQ, BATCH = 16, 2
 
 
 def _transformers():
@@ -37,8 +37,7 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
 
 def batch(step: int) -> torch.Tensor:
     """Step ``step``'s token batch ([BATCH, SEQ]; the model shifts them for the labels)."""
-    vocab = CONFIGS["gpt2"][2]["vocab_size"]
-    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + step))
 
 
 def split_sizes(family: str) -> dict[str, int]:
