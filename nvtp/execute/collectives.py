@@ -57,6 +57,36 @@ def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     return out
 
 
+class MeshComm:
+    """One rank of a mesh of several axes: ``rank`` is its position on the mesh (row-major),
+    ``axes[a]`` the collectives of its process group along mesh axis ``a``."""
+
+    def __init__(self, rank: int, size: int, axes: Sequence[Comm]):
+        self.rank, self.size, self.axes = rank, size, list(axes)
+
+    def _whole(self, name: str):
+        raise TypeError(f"{name} on a mesh of several axes needs an axis: use on_axis(comm, axis)")
+
+    def all_reduce(self, t, op):
+        self._whole("all_reduce")
+
+    def all_gather(self, t):
+        self._whole("all_gather")
+
+    def reduce_scatter(self, chunks, op):
+        self._whole("reduce_scatter")
+
+
+def on_axis(comm: Comm, axis: int) -> Comm:
+    """The collectives along mesh axis ``axis`` (on a 1-D mesh, ``comm`` itself)."""
+    axes = getattr(comm, "axes", None)
+    if axes is None:
+        if axis != 0:
+            raise ValueError(f"a 1-D comm has no mesh axis {axis}")
+        return comm
+    return axes[axis]
+
+
 class ThreadGroup:
     """Shared state of ranks simulated as threads of one process."""
 

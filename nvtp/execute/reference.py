@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nvtp.execute import patterns
-from nvtp.execute.collectives import Comm, SoloComm, reshard, take
+from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, take
 from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
@@ -51,6 +51,7 @@ class Communication:
     kind: str
     value: str
     nbytes: int
+    axis: int = 0  # the mesh axis it ran on
 
 
 @dataclass
@@ -80,11 +81,17 @@ class Context:
         sharding = self.sharding(v)
         if sharding is None or self.mesh is None:
             return out
-        for p in sharding:
+        for axis, p in enumerate(sharding):
             split = axis_split(p)
             if split is not None:
-                out[split[0]] = local_indices(v.shape[split[0]], p, self.mesh.size, self.comm.rank)
+                out[split[0]] = local_indices(v.shape[split[0]], p, self.mesh.shape[axis], self.coord(axis))
         return out
+
+    def coord(self, axis: int) -> int:
+        """This rank's coordinate on mesh axis ``axis``."""
+        if self.mesh is None or self.mesh.ndim == 1:
+            return self.comm.rank
+        return self.mesh.coords(self.mesh.devices[self.comm.rank])[axis]
 
     def local_shape(self, v: Value) -> tuple[int, ...]:
         shape = self.shapes.get(v.name)
@@ -250,10 +257,10 @@ def _set(ctx: Context, op: Op, a):
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
     out = x
     v = op.outputs[0]
-    for s, d in zip(src, dst):
+    for axis, (s, d) in enumerate(zip(src, dst)):
         if s != d:
-            out = reshard(out, s, d, v.shape, ctx.comm)
-            ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes))
+            out = reshard(out, s, d, v.shape, on_axis(ctx.comm, axis))
+            ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes, axis))
     return out
 
 
@@ -499,7 +506,7 @@ def bias_applies(ctx: Context, op: Op) -> bool:
     """False on every mesh position but 0 when a ``linear``'s result is a partial sum: the bias
     is added once."""
     s = ctx.sharding(op.outputs[0])
-    return not (s is not None and any(is_partial(p) for p in s) and ctx.comm.rank != 0)
+    return not (s is not None and any(is_partial(p) and ctx.coord(a) != 0 for a, p in enumerate(s)))
 
 
 @impl("matmul")

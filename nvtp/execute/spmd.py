@@ -19,40 +19,75 @@ from typing import Any, Sequence
 import torch
 
 from nvtp.execute import reference
-from nvtp.execute.collectives import Comm, ThreadComm, ThreadGroup, take
+from nvtp.execute.collectives import Comm, MeshComm, ThreadComm, ThreadGroup, take
 from nvtp.ir.graph import TensorValue
-from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices
+from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, local_indices
 from nvtp.sharding.sharded import ShardedFusion
 
 
-def shard_tensor(full: torch.Tensor, placement: Placement, mesh: DeviceMesh, position: int) -> torch.Tensor:
-    """The part of ``full`` mesh position ``position`` holds under ``placement`` (a copy)."""
-    split = axis_split(placement)
-    if split is None:
-        if is_partial(placement):
-            return full.clone() if position == 0 else torch.zeros_like(full)
-        return full.clone()
-    dim, _ = split
-    return take(full, dim, local_indices(full.shape[dim], placement, mesh.size, position)).contiguous().clone()
+def _sharding(placement: Placement | Sequence[Placement]) -> tuple[Placement, ...]:
+    return tuple(placement) if isinstance(placement, (tuple, list)) else (placement,)
 
 
-def assemble(parts: Sequence[torch.Tensor], placement: Placement, shape: Sequence[int]) -> torch.Tensor:
-    """The whole tensor from every rank's part (in mesh order)."""
-    if is_partial(placement):
-        out = parts[0].clone()
-        for p in parts[1:]:
-            out = out + p if placement.reduce_op == "sum" else torch.maximum(out, p) if placement.reduce_op == "max" else torch.minimum(out, p)
-        return out
-    split = axis_split(placement)
-    if split is None:
-        return parts[0]
-    dim, _ = split
-    out = torch.empty(tuple(shape), dtype=parts[0].dtype)
-    index = [slice(None)] * len(shape)
-    for pos, p in enumerate(parts):
-        index[dim] = local_indices(shape[dim], placement, len(parts), pos)
-        out[tuple(index)] = p
+def shard_tensor(full: torch.Tensor, placement: Placement | Sequence[Placement], mesh: DeviceMesh, position: int) -> torch.Tensor:
+    """The part of ``full`` mesh position ``position`` holds under ``placement`` (one placement,
+    or a sharding: one per mesh axis); a copy. A partial sum is held whole by the first position
+    of its axis and as zeros by the others."""
+    coords = mesh.coords(mesh.devices[position])
+    out = full
+    for axis, p in enumerate(_sharding(placement)):
+        split = axis_split(p)
+        if split is not None:
+            out = take(out, split[0], local_indices(full.shape[split[0]], p, mesh.shape[axis], coords[axis]))
+        elif is_partial(p) and coords[axis] != 0:
+            out = torch.zeros_like(out)
+    return out.contiguous().clone()
+
+
+def assemble(parts: Sequence[torch.Tensor], placement: Placement | Sequence[Placement], shape: Sequence[int],
+             mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's part (in mesh order): shards put in place, partial sums
+    added up, replicas read once."""
+    sharding = _sharding(placement)
+    mesh = mesh or DeviceMesh.of_size(len(parts))
+    partial = [p for p in sharding if is_partial(p)]
+    op = partial[0].reduce_op if partial else None
+    out: torch.Tensor | None = None
+    for pos, part in enumerate(parts):
+        coords = mesh.coords(mesh.devices[pos])
+        if any(is_replicate(p) and c != 0 for p, c in zip(sharding, coords)):
+            continue  # a replica of a part already read
+        index: list[Any] = [None] * len(shape)
+        for axis, p in enumerate(sharding):
+            split = axis_split(p)
+            if split is not None:
+                index[split[0]] = local_indices(shape[split[0]], p, mesh.shape[axis], coords[axis])
+        if out is None:
+            fill = 0 if op in (None, "sum") else float("-inf") if op == "max" else float("inf")
+            out = torch.full(tuple(shape), fill, dtype=part.dtype)
+        where = _index_tuple(index, shape)
+        if op is None:
+            out[where] = part
+        elif op == "sum":
+            out[where] += part
+        else:
+            out[where] = torch.maximum(out[where], part) if op == "max" else torch.minimum(out[where], part)
     return out
+
+
+def _index_tuple(index: list[Any], shape: Sequence[int]) -> tuple:
+    """``index`` (per axis: None/slice for all, or a tensor of indices) as one advanced index that
+    selects the block it describes (each axis's indices broadcast along its own dimension)."""
+    if sum(isinstance(i, torch.Tensor) for i in index) <= 1:
+        return tuple(slice(None) if i is None else i for i in index)
+    n = len(index)
+    out = []
+    for axis, i in enumerate(index):
+        full = i if isinstance(i, torch.Tensor) else torch.arange(shape[axis])
+        view = [1] * n
+        view[axis] = -1
+        out.append(full.reshape(view))
+    return tuple(out)
 
 
 def local_inputs(sharded: ShardedFusion, inputs: Sequence[Any], position: int) -> list[Any]:
@@ -60,7 +95,7 @@ def local_inputs(sharded: ShardedFusion, inputs: Sequence[Any], position: int) -
     out = []
     for v, x in zip(sharded.fusion.inputs, inputs):
         if isinstance(v, TensorValue) and isinstance(x, torch.Tensor):
-            out.append(shard_tensor(x, sharded.placement(v.name), sharded.mesh, position))
+            out.append(shard_tensor(x, sharded.sharding(v.name), sharded.mesh, position))
         else:
             out.append(x)
     return out
@@ -75,13 +110,37 @@ def run_simulated(sharded: ShardedFusion, inputs: Sequence[Any], *, seed: int = 
     """All ranks as threads of this process, from the whole ``inputs``; returns each rank's
     outputs and the collectives each ran."""
     d = sharded.mesh.size
-    group = ThreadGroup(d, timeout=timeout)
+    threads = ThreadMesh(sharded.mesh, timeout)
     logs: list[list] = [[] for _ in range(d)]
 
     def body(pos: int) -> Any:
-        return run_rank(sharded, local_inputs(sharded, inputs, pos), ThreadComm(group, pos), seed=seed, log=logs[pos])
+        return run_rank(sharded, local_inputs(sharded, inputs, pos), threads.comm(pos), seed=seed, log=logs[pos])
 
-    return on_threads(body, group), logs
+    return on_threads(body, threads), logs
+
+
+class ThreadMesh:
+    """Thread groups for every process group of a mesh: one per axis on a 1-D mesh, one per row
+    and column (and so on) on a mesh of several axes."""
+
+    def __init__(self, mesh: DeviceMesh, timeout: float = 120.0):
+        self.mesh, self.size = mesh, mesh.size
+        self.groups: dict[tuple[int, tuple[int, ...]], ThreadGroup] = {}
+        for axis in range(mesh.ndim):
+            for ranks in mesh.groups(axis):
+                self.groups[(axis, ranks)] = ThreadGroup(len(ranks), timeout=timeout)
+
+    def comm(self, pos: int) -> Comm:
+        rank = self.mesh.devices[pos]
+        per_axis = []
+        for axis in range(self.mesh.ndim):
+            ranks = self.mesh.group(rank, axis)
+            per_axis.append(ThreadComm(self.groups[(axis, ranks)], ranks.index(rank)))
+        return per_axis[0] if self.mesh.ndim == 1 else MeshComm(pos, self.size, per_axis)
+
+    def abort(self) -> None:
+        for g in self.groups.values():
+            g.abort()
 
 
 def on_threads(fn, group: ThreadGroup) -> list[Any]:
@@ -115,7 +174,7 @@ def assemble_outputs(sharded: ShardedFusion, per_rank: Sequence[Sequence[Any]]) 
     for i, v in enumerate(sharded.fusion.outputs):
         parts = [r[i] for r in per_rank]
         if isinstance(v, TensorValue):
-            out.append(assemble(parts, sharded.placement(v.name), v.shape))
+            out.append(assemble(parts, sharded.sharding(v.name), v.shape, sharded.mesh))
         else:
             out.append(parts[0])
     return out

@@ -100,23 +100,30 @@ TARGETS = ("reference", "nvfuser")
 
 def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
           annotations: Mapping[str, Placement] | None = None, output_hints: Mapping[str, Placement] | None = None,
-          check: bool = True, target: str = "nvfuser") -> ShardedFusion:
+          check: bool = True, target: str = "nvfuser", at_rest: Mapping[str, Placement] | None = None,
+          hoist: bool = True, keep_splits: bool = False) -> ShardedFusion:
     """Shard ``fusion`` over ``mesh`` following ``plan``.
 
     ``annotations`` (input name -> placement) override the plan's, e.g. a backward fusion's saved
     inputs placed as their forward values are. Raises ``ShardingError`` before any work when the
     plan does not fit the fusion or mesh. ``target`` "nvfuser" resolves partial sums where they
     are produced (nvFuser's representation); "reference" lets them flow through linear ops.
+    ``at_rest`` (input name -> placement) places inputs differently from where propagation used
+    them, so each gets a ``set`` before its consumers: FSDP's weight all-gather on a dp axis.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
     run = Passes()
     ann = run("annotate", annotate, fusion, plan, mesh, target, annotations)
     prop = run("propagate", propagate_shardings, fusion, mesh, ann.placements, {**ann.hints, **(output_hints or {})},
-               partial_pass=target == "reference")
+               partial_pass=target == "reference", keep_splits=keep_splits)
+    if at_rest:
+        check_annotations(fusion, mesh, dict(at_rest))
+        prop.placements.update(at_rest)
     steps = run("plan_reshards", plan_reshards, fusion, prop, mesh, dict(output_hints or {}))
     sharded, placements, set_steps, _ = run("insert_reshards", insert_reshards, fusion, prop, steps)
-    sharded, placements, set_steps = run("hoist_gathers", hoist_gathers, sharded, placements, set_steps, mesh)
+    if hoist:
+        sharded, placements, set_steps = run("hoist_gathers", hoist_gathers, sharded, placements, set_steps, mesh)
     shardings = {k: (p,) for k, p in placements.items()}
     if check:
         run("verify", verify_sharded, sharded, fusion, shardings, prop)

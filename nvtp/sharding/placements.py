@@ -13,6 +13,7 @@ so rank r holds the r-th slice of each of the k chunks (the fused QKV output's `
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,19 +31,38 @@ REPLICATE = Replicate()
 
 @dataclass(frozen=True)
 class DeviceMesh:
-    """A mesh of ranks. ``devices`` are the ranks in mesh order; 1-D for now."""
+    """A mesh of ranks: ``devices`` in row-major mesh order, ``shape`` one extent per mesh axis,
+    ``names`` one name per axis (torch's ``mesh_dim_names``; ``("dp", "tp")`` for a 2-D mesh).
+
+    A 1-D mesh is ``DeviceMesh.of_size(n)``; a 2-D one ``DeviceMesh.of_shape((2, 2), ("dp", "tp"))``.
+    As in nvFuser (``DeviceMesh::parallelTypeToAxis``) the last axis is ``mesh_x`` (DIDx), the one
+    before it ``mesh_y`` (DIDy); as in torch, a sharding holds one placement per axis, in order."""
 
     devices: tuple[int, ...]
+    shape: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.devices:
             raise ValueError("a device mesh needs at least one device")
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"device mesh {list(self.devices)} repeats a device")
+        if not self.shape:
+            object.__setattr__(self, "shape", (len(self.devices),))
+        if math.prod(self.shape) != len(self.devices):
+            raise ValueError(f"a mesh of shape {list(self.shape)} holds {math.prod(self.shape)} devices, not {len(self.devices)}")
+        if not self.names:
+            object.__setattr__(self, "names", ("tp",) if len(self.shape) == 1 else tuple(f"axis{i}" for i in range(len(self.shape))))
+        if len(self.names) != len(self.shape) or len(set(self.names)) != len(self.names):
+            raise ValueError(f"mesh axis names {list(self.names)} must be distinct, one per axis of shape {list(self.shape)}")
 
     @staticmethod
     def of_size(n: int) -> "DeviceMesh":
         return DeviceMesh(tuple(range(n)))
+
+    @staticmethod
+    def of_shape(shape: Sequence[int], names: Sequence[str] = ()) -> "DeviceMesh":
+        return DeviceMesh(tuple(range(math.prod(shape))), tuple(shape), tuple(names))
 
     @property
     def size(self) -> int:
@@ -50,14 +70,57 @@ class DeviceMesh:
 
     @property
     def ndim(self) -> int:
-        return 1
+        return len(self.shape)
+
+    def axis(self, name: str | int) -> int:
+        """The index of mesh axis ``name`` (a name or an index)."""
+        if isinstance(name, int):
+            return name
+        if name not in self.names:
+            raise ValueError(f"the mesh has axes {list(self.names)}, not {name!r}")
+        return self.names.index(name)
 
     def index(self, rank: int) -> int:
-        """Position of ``rank`` along the mesh."""
+        """Position of ``rank`` along the mesh (row-major)."""
         return self.devices.index(rank)
 
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s coordinate on each mesh axis."""
+        flat, out = self.index(rank), []
+        for n in reversed(self.shape):
+            out.append(flat % n)
+            flat //= n
+        return tuple(reversed(out))
+
+    def group(self, rank: int, axis: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate of ``rank`` but the one on ``axis``, in order:
+        the process group a collective on ``axis`` runs in."""
+        c = list(self.coords(rank))
+        out = []
+        for i in range(self.shape[axis]):
+            c[axis] = i
+            flat = 0
+            for x, n in zip(c, self.shape):
+                flat = flat * n + x
+            out.append(self.devices[flat])
+        return tuple(out)
+
+    def groups(self, axis: int) -> list[tuple[int, ...]]:
+        """Every process group along ``axis``, each once."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in self.devices:
+            seen.setdefault(self.group(r, axis), None)
+        return list(seen)
+
+    def sub(self, axis: int) -> "DeviceMesh":
+        """The 1-D mesh of ``axis`` alone (its extent, its name): what a per-axis pass shards over."""
+        return DeviceMesh(tuple(range(self.shape[axis])), (self.shape[axis],), (self.names[axis],))
+
     def __str__(self) -> str:
-        return f"DeviceMesh({list(self.devices)})"
+        if self.ndim == 1:
+            return f"DeviceMesh({list(self.devices)})"
+        rows = torch.tensor(self.devices).reshape(self.shape).tolist()
+        return f"DeviceMesh({rows}, names={list(self.names)})"
 
 
 def make_shard(dim: int, split_factor: int = 1) -> Placement:
@@ -100,11 +163,12 @@ def local_indices(size: int, p: Placement, num_devices: int, position: int) -> t
 
 
 def local_shape(shape: Sequence[int], sharding: Sequence[Placement], mesh: DeviceMesh) -> tuple[int, ...]:
+    """The shape a rank holds: each split axis divided by the extent of the mesh axis splitting it."""
     out = list(shape)
-    for p in sharding:
+    for n, p in zip(mesh.shape, sharding):
         split = axis_split(p)
         if split is not None:
-            out[split[0]] //= mesh.size
+            out[split[0]] //= n
     return tuple(out)
 
 

@@ -139,11 +139,15 @@ def _valid(f: OpFactors, decision: Decision, d: int) -> bool:
     return f.kinds[g] != "blocked" and f.sizes[g] % (decision.split * d) == 0
 
 
+_GATHER_PENALTY = 1e6
+
+
 class _Propagator:
     def __init__(self, fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement], output_hints: Mapping[str, Placement],
-                 partial_pass: bool = True):
+                 partial_pass: bool = True, keep_splits: bool = False):
         self.fusion, self.d = fusion, mesh.size
         self.partial_pass = partial_pass
+        self.keep_splits = keep_splits
         self.placement: dict[str, Placement] = dict(annotations)
         self.source = {name: "plan" for name in annotations}
         self.hints: dict[str, list[Placement]] = {name: [p] for name, p in output_hints.items()}
@@ -225,7 +229,10 @@ class _Propagator:
                 continue
             want = implied(axes, f, dec, result=False, position=pos)
             if want not in self.hints.get(v.name, []):  # a reshard another consumer needs is shared
-                total += reshard_bytes(p, want, v.nbytes, self.d)
+                moved = reshard_bytes(p, want, v.nbytes, self.d)
+                if self.keep_splits and axis_split(p) is not None and want != p:
+                    moved *= _GATHER_PENALTY  # a data axis never gathers the batch: it reduces the results instead
+                total += moved
             if p == want and self.source.get(v.name) == "plan":
                 support += 1
         for axes, v in zip(f.results, op.outputs):
@@ -388,7 +395,8 @@ class _Propagator:
 
 
 def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement],
-                        output_hints: Mapping[str, Placement] | None = None, *, partial_pass: bool = True) -> Propagation:
+                        output_hints: Mapping[str, Placement] | None = None, *, partial_pass: bool = True,
+                        keep_splits: bool = False) -> Propagation:
     """Placements for every tensor of ``fusion`` on a 1-D ``mesh``.
 
     Requires: a verified fusion; ``annotations`` (input name -> placement) that divide evenly
@@ -398,8 +406,10 @@ def propagate_shardings(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[s
     ``partial_pass`` lets partial sums flow through linear ops (``OpSpec.linear``) when that
     communicates less; nvFuser holds a partial sum only on a split reduction axis, so programs
     for nvFuser resolve each partial sum where it is produced.
+    ``keep_splits`` (a data-parallel axis) makes gathering a split operand the last resort: an op
+    contracting the split batch leaves a partial sum (DDP's gradient all-reduce) instead.
     """
-    return _Propagator(fusion, mesh, annotations, output_hints or {}, partial_pass).run()
+    return _Propagator(fusion, mesh, annotations, output_hints or {}, partial_pass, keep_splits).run()
 
 
 def propagate_locally(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement],

@@ -47,6 +47,7 @@ class ReshardStep:
     consumers: tuple[int, ...]
     tensor_bytes: int
     bytes: int  # sent per rank
+    axis: int = 0  # the mesh axis whose process group runs it
 
     @property
     def kind(self) -> str:

@@ -3,7 +3,7 @@ consumer (the printer, the executors, ``nvtp explain``, ``nvtp.jit``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nvtp.ir.graph import Fusion
 from nvtp.sharding.placements import DeviceMesh, Placement
@@ -28,6 +28,7 @@ class ShardedFusion:
     plan: str
     propagation: Propagation
     seconds: dict[str, float] = field(default_factory=dict)
+    axes: tuple["ShardedFusion", ...] = ()  # on a mesh of several axes: each axis's own pass (nvtp.sharding.multi)
 
     @property
     def communications(self) -> list[ReshardStep]:
@@ -37,7 +38,19 @@ class ShardedFusion:
         return [s for _, s in by_result if s.is_communication]
 
     def placement(self, name: str) -> Placement:
+        """The placement of ``name`` on a 1-D mesh (``sharding`` gives one per axis on any mesh)."""
+        if self.mesh.ndim != 1:
+            raise ValueError(f"placement() is for 1-D meshes; this one is {self.mesh}: use sharding({name!r}) or view(axis)")
         return self.shardings[name][0]
+
+    def sharding(self, name: str) -> tuple[Placement, ...]:
+        return self.shardings[name]
+
+    def view(self, axis: int) -> "ShardedFusion":
+        """This fusion's placements on mesh axis ``axis`` alone, as a 1-D sharded fusion over that axis."""
+        if self.mesh.ndim == 1:
+            return self
+        return replace(self, mesh=self.mesh.sub(axis), shardings={k: (s[axis],) for k, s in self.shardings.items()}, axes=())
 
     def output_placements(self) -> dict[str, Placement]:
         """Placement of each output, keyed by the *source* fusion's output names."""
