@@ -158,19 +158,23 @@ for _name in sorted(opstable.UNARY):
 _INT_BINARY = {"bitwise_and", "bitwise_or", "bitwise_xor", "gcd", "bitwise_left_shift", "bitwise_right_shift"}
 _BINARY_INPUTS: dict[str, Callable[[torch.Generator], list]] = {
     "pow": lambda g: [rand(g, 0.5, 2.0, *SHAPE), randn(g, *SHAPE)],
-    **{k: (lambda g: [randn(g, *SHAPE) * 4, rand(g, 0.5, 2.0, *SHAPE)]) for k in ("fmod", "remainder", "mod", "div", "truediv")},
+    **{k: (lambda g: [randn(g, *SHAPE) * 4, rand(g, 0.5, 2.0, *SHAPE)]) for k in ("fmod", "remainder", "div", "truediv")},
+    # nvFuser's mod is C's % on integers (a float mod fails compiling its kernel); signs mixed on
+    # both sides, where C's truncation and Python's floor differ.
+    "mod": lambda g: [randint(g, -50, 50, *SHAPE), randint(g, 1, 8, *SHAPE) * (randint(g, 0, 2, *SHAPE) * 2 - 1)],
     **{k: (lambda g: [randint(g, -64, 64, *SHAPE), randint(g, -64, 64, *SHAPE)]) for k in ("bitwise_and", "bitwise_or", "bitwise_xor", "gcd")},
     **{k: (lambda g: [randint(g, 0, 1024, *SHAPE), randint(g, 0, 8, *SHAPE)]) for k in ("bitwise_left_shift", "bitwise_right_shift")},
     **{k: (lambda g: [randint(g, 0, 2, *SHAPE).bool(), randint(g, 0, 2, *SHAPE).bool()]) for k in ("logical_and", "logical_or")},
     # Half the entries equal, so eq/le/ge see ties.
     **{k: (lambda g: _with_ties(randn(g, *SHAPE), randn(g, *SHAPE))) for k in ("eq", "ne", "lt", "le", "gt", "ge")},
 }
-_BINARY_DTYPE = {**{k: I64 for k in _INT_BINARY}, "logical_and": BOOL, "logical_or": BOOL}
+_BINARY_DTYPE = {**{k: I64 for k in _INT_BINARY | {"mod"}}, "logical_and": BOOL, "logical_or": BOOL}
 _BINARY_EXPECTED: dict[str, Callable[[Any, Any], Any]] = {
     "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y,
     "truediv": lambda x, y: x / y, "pow": lambda x, y: x**y, "maximum": lambda x, y: torch.where(x > y, x, y),
     "minimum": lambda x, y: torch.where(x < y, x, y), "fmod": lambda x, y: x - y * (x / y).trunc(),
-    "remainder": lambda x, y: x - y * (x / y).floor(), "atan2": lambda x, y: torch.atan2(x, y),
+    "remainder": lambda x, y: x - y * (x / y).floor(), "mod": lambda x, y: x - y * torch.div(x, y, rounding_mode="trunc"),
+    "atan2": lambda x, y: torch.atan2(x, y),
     "bitwise_and": lambda x, y: x & y, "bitwise_or": lambda x, y: x | y, "bitwise_xor": lambda x, y: x ^ y,
     "bitwise_left_shift": lambda x, y: x * 2**y, "bitwise_right_shift": lambda x, y: x // 2**y,
     "gcd": lambda x, y: torch.tensor([math.gcd(a, b) for a, b in zip(x.reshape(-1).tolist(), y.reshape(-1).tolist())]).reshape(x.shape),
@@ -624,8 +628,9 @@ def _(b):
 
 
 @sample("embedding_fwd_padding", lambda g: [torch.arange(16).reshape(2, 8) % 5, randn(g, 32, 16)],
-        lambda i, w: [torch.where((i == 3).unsqueeze(-1), 0.0, w[i])], tol=0)
+        lambda i, w: [F.embedding(i, w, padding_idx=3)], tol=0)
 def _(b):
+    """padding_idx masks only the gradient: row 3 (non-zero here) is looked up like any other."""
     b.add_output(b.op("embedding_fwd", b.define_tensor([2, 8], I64), b.define_tensor([32, 16], F32), padding_idx=3))
 
 

@@ -88,7 +88,8 @@ def _int_div(a, b):
 
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _int_div, "truediv": torch.true_divide, "pow": torch.pow,
-    "fmod": torch.fmod, "remainder": torch.remainder, "mod": torch.remainder, "maximum": torch.maximum, "minimum": torch.minimum,
+    "fmod": torch.fmod, "remainder": torch.remainder, "mod": lambda a, b: a - b * torch.div(a, b, rounding_mode="trunc"),  # C's %
+    "maximum": torch.maximum, "minimum": torch.minimum,
     "nextafter": torch.nextafter, "atan2": torch.atan2, "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
     "bitwise_xor": torch.bitwise_xor, "bitwise_left_shift": torch.bitwise_left_shift,
     "bitwise_right_shift": torch.bitwise_right_shift, "gcd": torch.gcd,
@@ -281,12 +282,24 @@ def _sdpfa_fwd(st, op, a):
 
 
 def _sdpfa_bwd(st, op, a):
-    q, k, v = (a[n].detach().requires_grad_(True) for n in ("query", "key", "value"))
+    """The op as nvFuser defines it (flash / cuDNN): gradients FROM the given logsumexp and output
+    (attention weights exp(s − lse), D = rowsum(dO ∘ out)), not from a re-run forward."""
+    q, k, v, go, out, lse = (a[n] for n in ("query", "key", "value", "grad_output", "output", "logsumexp"))
     p = float(_num(a["dropout_p"]) or 0.0)
-    keep = _keep_mask(a["philox_seed"], a["philox_offset"], (*q.shape[:3], k.shape[-2]), p)
-    with torch.enable_grad():
-        out, _ = _attend(q, k, v, p, bool(_num(a["is_causal"])), _num(a["scale"]), keep)
-        return torch.autograd.grad(out, (q, k, v), a["grad_output"])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = _num(a["scale"])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    weights = torch.exp(torch.einsum("bhqd,bhkd->bhqk", q, k) * scale - lse[..., None])
+    if bool(_num(a["is_causal"])):
+        allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        weights = torch.where(allowed, weights, torch.zeros((), dtype=weights.dtype))
+    keep = _keep_mask(a["philox_seed"], a["philox_offset"], (*q.shape[:3], n_k), p)
+    mask = torch.ones((), dtype=weights.dtype) if keep is None else keep.to(weights.dtype) / (1 - p)
+    grad_v = torch.einsum("bhqk,bhqd->bhkd", weights * mask, go)
+    grad_weights = torch.einsum("bhqd,bhkd->bhqk", go, v) * mask
+    grad_scores = weights * (grad_weights - torch.einsum("bhqd,bhqd->bhq", go, out)[..., None])
+    return (scale * torch.einsum("bhqk,bhkd->bhqd", grad_scores, k),
+            scale * torch.einsum("bhqk,bhqd->bhkd", grad_scores, q), grad_v)
 
 
 EVALS["sdpfa_fwd"] = _sdpfa_fwd
@@ -318,11 +331,9 @@ def _random(kind: str):
 
 
 def _embedding(st, op, a):
-    rows = a["weight"][a["input"]]
-    pad = _num(a["padding_idx"])
-    if pad is not None and pad >= 0:  # as nvtp's op samples specify: lookups of padding_idx give zeros
-        rows = torch.where((a["input"] == pad)[..., None], 0.0, rows)
-    return rows
+    # Rows of padding_idx are looked up like any other: padding_idx only masks the gradient
+    # (torch's F.embedding, and nvFuser on an H100).
+    return a["weight"][a["input"]]
 
 
 def _scatter(st, op, a):

@@ -345,7 +345,23 @@ def execute(fusion: Fusion, inputs: Sequence[Any], *, device: torch.device | str
     device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
     fd = build_definition(fusion)
     prepared = prepare_inputs(fusion, inputs, device)
-    return list(fd.execute(prepared, device=device))
+    return as_declared(fusion, list(fd.execute(prepared, device=device)))
+
+
+def as_declared(fusion: Fusion, outputs: list[Any]) -> list[Any]:
+    """``outputs`` with every integer tensor in the dtype ``fusion`` declares it.
+
+    nvFuser types welford's count with the kernel's index type, which is int32 whenever the
+    indexing fits (seen on an H100: ``T3: Int[2, 16]`` came out torch.int32); nvtp, like
+    Thunder, declares it Int (int64), so the count is widened here, where the value is exact.
+    Any other mismatch is left for the caller's dtype check to report."""
+    out = []
+    for v, x in zip(fusion.outputs, outputs):
+        if (isinstance(v, TensorValue) and isinstance(x, torch.Tensor) and v.dtype is DType.Int
+                and x.dtype == torch.int32):
+            x = x.to(torch.int64)
+        out.append(x)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -186,7 +186,8 @@ def _div(a, b):
 
 _BINARY_TORCH = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div, "truediv": torch.true_divide,
-    "pow": torch.pow, "fmod": torch.fmod, "remainder": torch.remainder, "mod": torch.remainder,
+    "pow": torch.pow, "fmod": torch.fmod, "remainder": torch.remainder,
+    "mod": torch.fmod,  # nvFuser's mod is C's % on integers: truncated, the dividend's sign
     "maximum": torch.maximum, "minimum": torch.minimum, "nextafter": torch.nextafter, "atan2": torch.atan2,
     "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
     "bitwise_left_shift": torch.bitwise_left_shift, "bitwise_right_shift": torch.bitwise_right_shift,
@@ -572,14 +573,37 @@ def _sdpfa_fwd(ctx, op, a):
 
 @impl("sdpfa_bwd")
 def _sdpfa_bwd(ctx, op, a):
+    """Flash attention's backward as nvFuser (flash / cuDNN) computes it: FROM the given
+    logsumexp and output, never by re-running the forward (so an lse or out that q, k, v did
+    not produce gives other gradients, as on the GPU)::
+
+        P  = exp(scale·Q Kᵀ (causal-masked) − lse)      Pd = P · keep / (1 − p)   (dropout)
+        dV = Pdᵀ dO      dPd = dO Vᵀ      dP = dPd · keep / (1 − p)
+        D  = rowsum(dO ∘ out)      dS = P ∘ (dP − D)      dQ = scale · dS K      dK = scale · dSᵀ Q
+
+    With out and lse from the forward of the same q, k, v this is autograd's gradient. Computed
+    in float32 (or wider), as the flash kernels do."""
     q, k, v, go = a["query"], a["key"], a["value"], a["grad_output"]
     p = _float_arg(a["dropout_p"]) or 0.0
     keep = _attention_keep(ctx, a["philox_seed"], a["philox_offset"], op.operands[1], q, k, p)
-    with torch.enable_grad():
-        qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out, _ = _attention(qs, ks, vs, p, bool(_scalar(a["is_causal"])), _float_arg(a["scale"]), keep)
-        gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), go.to(out.dtype))
-    return gq, gk, gv
+    work = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf, gof, outf, lse = (t.to(work) for t in (q, k, v, go, a["output"], a["logsumexp"]))
+    scale = _float_arg(a["scale"])
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    probs = torch.exp(torch.matmul(qf, kf.transpose(-2, -1)) * scale - lse.unsqueeze(-1))  # (B, H, Sq, Sk)
+    if bool(_scalar(a["is_causal"])):
+        s_q, s_k = probs.shape[-2:]
+        probs = probs.masked_fill(~torch.ones(s_q, s_k, dtype=torch.bool).tril(diagonal=s_k - s_q), 0.0)
+    drop = keep.to(work) / (1.0 - p) if keep is not None else None
+    dropped = probs if drop is None else probs * drop
+    gv = torch.matmul(dropped.transpose(-2, -1), gof)
+    gp = torch.matmul(gof, vf.transpose(-2, -1))
+    if drop is not None:
+        gp = gp * drop
+    gs = probs * (gp - (gof * outf).sum(-1, keepdim=True))
+    gq = torch.matmul(gs, kf) * scale
+    gk = torch.matmul(gs.transpose(-2, -1), qf) * scale
+    return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,10 +670,9 @@ def _masked_lookup(ctx: Context, table_value: Value, axis: int, index: torch.Ten
 def _embedding_fwd(ctx, op, a):
     idx, w = a["input"], a["weight"]
     pos, present = _masked_lookup(ctx, op.operands[1], 0, idx)
-    pad = _scalar(a["padding_idx"])
+    # padding_idx changes only the gradient (torch and nvFuser look its row up like any other;
+    # nn.Embedding initialises that row to zeros), so the forward ignores it.
     out = F.embedding(pos, w)
-    if pad is not None and pad >= 0:
-        out = out.masked_fill((idx == pad).unsqueeze(-1), 0)
     if present is not None:
         out = out * present.unsqueeze(-1).to(out.dtype)
     return out

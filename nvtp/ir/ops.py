@@ -760,6 +760,15 @@ DTYPE_RULES: dict[str, tuple[str, Callable[[list[DType], Any], bool]]] = {
     "float_or_complex": ("floating-point or complex", lambda ds, op: all(d.is_float or d.is_complex for d in ds)),
     "integer": ("integer or Bool", lambda ds, op: all(d.is_int or d is DType.Bool for d in ds)),
     "same": ("same-typed", lambda ds, op: len(set(ds)) <= 1),
+    # nvFuser's mod is C's `%` in the generated CUDA: integers only (nvrtc refuses a float `%`;
+    # nvFuser itself does not check, and fails compiling the kernel: seen on an H100, 2026-11-22).
+    "int_only": ("integer (Int, Int32 or UInt64)",
+                 lambda ds, op: all(d.is_int for d in ds) and all(v.dtype.is_int for v in op.outputs)),
+}
+# What to do instead, said after a rule's refusal.
+DTYPE_HINTS: dict[str, str] = {
+    "int_only": "for floating point use fd.ops.fmod (the dividend's sign, as C's fmod and torch.fmod) "
+                "or fd.ops.remainder (the divisor's sign, as Python's % and torch.remainder)",
 }
 # Rules of single operands (``OpSpec.typed``): the dtypes they take (None: any) and what they hold.
 OPERAND_RULES: dict[str, tuple[tuple[DType, ...] | None, str]] = {
@@ -777,6 +786,7 @@ for _rule, _names in {
     "float_or_complex": "var var_mean welford",
     "integer": "bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift bitwise_right_shift gcd",
     "same": "linear matmul scatter",
+    "int_only": "mod",
 }.items():
     _facts(_names, dtypes=_rule)
 _facts("gather index_select scatter", typed=(("index", "index"),))
@@ -816,7 +826,10 @@ def check_operand_dtypes(op: Any) -> None:
     for rule, (what, ok) in DTYPE_RULES.items():
         if rule in s.dtypes and not ok(dtypes, op):
             got = ", ".join(f"{v.name} ({v.dtype})" for v in named)
-            raise IRError(f"fd.ops.{op.kind} takes {what} operands, got {got}")
+            if rule == "int_only":  # a float number operand shows only in the result's dtype
+                got = ", ".join(filter(None, [got, *(f"result {v.name} ({v.dtype})" for v in op.outputs)]))
+            hint = f"; {DTYPE_HINTS[rule]}" if rule in DTYPE_HINTS else ""
+            raise IRError(f"fd.ops.{op.kind} takes {what} operands, got {got}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------
