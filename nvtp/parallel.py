@@ -135,7 +135,7 @@ class ShardedModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
-                 frontend: str = "auto"):
+                 frontend: str = "auto", regional: bool = True):
         super().__init__()
         from nvtp.frontend import fx
 
@@ -149,6 +149,7 @@ class ShardedModule(torch.nn.Module):
         self.mesh = _as_mesh(mesh) if mesh is not None else _default_mesh()
         self._torch_mesh = None if mesh is None or isinstance(mesh, DeviceMesh) else mesh  # torch's, when given
         self.check_replicas = check_replicas
+        self.regional = regional
         self._comm = comm
         _check_mesh(self.mesh, comm)
         check_plan(plan, _names(module), type(module).__name__)  # an unknown plan or unmatched glob, before any tracing
@@ -232,6 +233,10 @@ class ShardedModule(torch.nn.Module):
                            for k, a in (kwargs or {}).items()}
             program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs)
             names = program.arg_names + list(program.constants)  # constants travel as whole arguments
+        elif self.regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
+            from nvtp.frontend.regional import capture_regional
+
+            captured = capture_regional(self._meta, *meta_args)
         else:
             captured = capture(self._meta, *meta_args)
         annotations = {}
@@ -532,7 +537,7 @@ class _Run(torch.autograd.Function):
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
-        frontend: str = "auto") -> ShardedModule:
+        frontend: str = "auto", regional: bool = True) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -540,8 +545,12 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     ``check_replicas``: before each call, check that replicated inputs agree across ranks.
     ``frontend``: how the model is traced: "thunder" (``thunder.jit``), "fx" (TorchDynamo's graph
     of the whole forward, then Thunder: ``nvtp/frontend/fx.py``), or "auto": "fx" for Hugging
-    Face transformers models, "thunder" otherwise."""
-    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend)
+    Face transformers models, "thunder" otherwise. ``regional``: on the "thunder" route, a model
+    with more than 3 repeated blocks (an ``nn.ModuleList`` of blocks alike) is traced at 3 blocks
+    and the rest spliced in (``nvtp/frontend/regional.py``; ``model.last.captured.regional`` says
+    so, or why it traced the whole model); False traces every block."""
+    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
+                         regional=regional)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ class Captured:
     backward_callable: FusionCallable | None
     trace_seconds: float
     unclaimed: list[Unclaimed]
+    regional: str = ""  # how nvtp.frontend.regional built the fusions ("spliced: ..." or "whole trace: <why>"); "" when not asked
 
 
 def fusion_callables(trace) -> list[FusionCallable]:

@@ -1,0 +1,171 @@
+"""Regional compilation (nvtp/frontend/regional.py): a deep model's fusions spliced from a trace
+of 3 blocks equal a trace of the whole model, and nvtp.jit trains with them as eager does."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.execute import reference, spmd
+from nvtp.execute.collectives import ThreadComm, ThreadGroup
+from nvtp.frontend import regional
+from nvtp.frontend.capture import capture, output_value, run_pair
+from nvtp.models import gpt
+from nvtp.parallel import _meta_copy
+from nvtp.sharding.placements import DeviceMesh
+
+LAYERS = 4  # one more than the 3 blocks a splice traces, so one block is spliced in
+
+
+def _kinds(f):
+    return collections.Counter(op.kind for op in f.ops)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = gpt.config("tiny", n_layer=LAYERS)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    idx, tgt = gpt.example_tokens(cfg)
+    meta = _meta_copy(model)
+    whole = capture(meta, idx.to("meta"), tgt.to("meta"))
+    spliced = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"))
+    return model, idx, tgt, whole, spliced
+
+
+def test_spliced_fusions_equal_a_whole_trace(tiny):
+    model, idx, tgt, whole, spliced = tiny
+    assert spliced.regional.startswith(f"spliced: {LAYERS} blocks of h from a trace of 3"), spliced.regional
+    for mine, want in ((spliced.forward, whole.forward), (spliced.backward, whole.backward)):
+        assert _kinds(mine) == _kinds(want)
+        roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values())  # noqa: E731
+        assert roles(mine) == roles(want)  # every parameter, gradient and saved value, by name
+    named = dict(model.named_parameters()) | {"idx": idx, "targets": tgt}
+    run = lambda f, inputs: reference.run(f, inputs)  # noqa: E731
+    values, grads = run_pair(whole.forward, whole.backward, named, torch.ones(()), run)
+    my_values, my_grads = run_pair(spliced.forward, spliced.backward, named, torch.ones(()), run)
+    assert torch.equal(my_values[output_value(spliced.forward)], values[output_value(whole.forward)])
+    assert sorted(my_grads) == sorted(grads) and len(grads) == len(named) - 2
+    for label, g in grads.items():
+        assert torch.equal(my_grads[label], g), label
+    # and the loss is the model's own (the whole trace is not wrong in the same way)
+    assert torch.allclose(values[output_value(whole.forward)], model(idx, tgt), atol=1e-6)
+
+
+def test_jit_trains_a_spliced_model_as_eager_does_on_a_simulated_mesh():
+    cfg = gpt.config("tiny", n_layer=LAYERS)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    idx, tgt = gpt.example_tokens(cfg)
+    group = ThreadGroup(2, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=DeviceMesh.of_size(2), comm=ThreadComm(group, r)) for r in range(2)]
+    ranks[0].compile(idx, tgt)
+    ranks[1].share_compiled(ranks[0])
+    compiled = ranks[0].last or next(iter(ranks[0]._compiled.values()))
+    assert compiled.captured.regional.startswith("spliced"), compiled.captured.regional
+    fwd, bwd = ([s.kind for s in f.communications].count("allreduce") for f in (compiled.forward, compiled.backward))
+    assert (fwd, bwd) == (2 * LAYERS + 1 + 3, 2 * LAYERS + 2)  # 2 + 2 a layer, the embedding's 1, cross-entropy's 3 / 2
+    opts = [torch.optim.SGD(m.module.parameters(), lr=0.1) for m in ranks]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        def step(r):
+            opts[r].zero_grad()
+            loss = ranks[r](idx, tgt)
+            loss.backward()
+            opts[r].step()
+            return loss.detach()
+        losses = spmd.on_threads(step, group)
+        ref_opt.zero_grad()
+        want = ref(idx, tgt)
+        want.backward()
+        ref_opt.step()
+        for loss in losses:
+            assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    for name, p in ref.named_parameters():
+        parts = [dict(m.module.named_parameters())[name].detach() for m in ranks]
+        got = spmd.assemble(parts, ranks[0].placement(name), p.shape)
+        assert torch.allclose(got, p.detach(), rtol=1e-4, atol=1e-6), name
+
+
+class _Different(torch.nn.Module):
+    """Four blocks, one of them unlike the others: no repeated block to splice."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)] + [torch.nn.Linear(8, 8, bias=False)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.sum()
+
+
+class _Skip(torch.nn.Module):
+    """Five blocks alike, but each reads the embedding too, and the last one the first's output:
+    not a chain the splice can repeat."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        first = None
+        for i, b in enumerate(self.blocks):
+            x = torch.tanh(b(x)) + (first if i == len(self.blocks) - 1 else 0)
+            first = x if first is None else first
+        return x.sum()
+
+
+def test_models_without_a_repeated_chain_are_traced_whole_with_the_reason():
+    x = torch.randn(2, 8, device="meta", requires_grad=True)
+    got = regional.capture_regional(_meta_copy(_Different()), x)
+    assert got.regional == "whole trace: the blocks of blocks differ (class or parameter shapes)"
+    assert len(list(got.forward.compute_ops())) > 0
+    got = regional.capture_regional(_meta_copy(_Skip()), x)
+    assert got.regional.startswith("whole trace: the forward's last part reads"), got.regional
+    whole = capture(_meta_copy(_Skip()), x)
+    assert _kinds(got.forward) == _kinds(whole.forward)
+
+
+def test_a_chain_of_blocks_that_only_looks_alike_is_spliced_and_computes_the_whole_trace():
+    """A chain with no model-specific names: a ModuleList called ``layers`` of 6 residual MLP blocks."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up, self.down = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 16)
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(6))
+            self.out = torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 8)
+    got = regional.capture_regional(_meta_copy(net), x.to("meta"))
+    assert got.regional.startswith("spliced: 6 blocks of layers"), got.regional
+    named = dict(net.named_parameters()) | {"x": x}
+    run = lambda f, inputs: reference.run(f, inputs)  # noqa: E731
+    values, grads = run_pair(got.forward, got.backward, named, torch.ones(()), run)
+    want = net(x)
+    want.backward()
+    assert torch.allclose(values[output_value(got.forward)], want, rtol=1e-6)
+    for name, p in net.named_parameters():
+        assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-5, atol=1e-7), name
