@@ -2,9 +2,11 @@
 mesh of 2 ranks (ranks as threads, real weights, fp32, CPU), and its all-reduces per step.
 
     .venv/bin/python tools/jit_depth.py 1        # then 12: issue 14's "within 1.5x of 1 layer"
+    .venv/bin/python tools/jit_depth.py 12 --whole   # every block traced (nvtp.jit(..., regional=False))
 
 Prints one line: compile (trace + sharding, on rank 0; rank 1 takes the programs), the first
-forward+backward step of both ranks, and the all-reduces of the sharded forward and backward.
+forward+backward step of both ranks, the all-reduces of the sharded forward and backward, and
+how the fusions were made (spliced from a trace of 3 blocks, or traced whole and why).
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 
 
-def main(layers: int) -> None:
+def main(layers: int, regional: bool = True) -> None:
     cfg = gpt.config("gpt2", n_layer=layers, dropout=0.0)
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     idx, tgt = gpt.example_tokens(cfg)
     group = ThreadGroup(2, timeout=600)
     ranks = [nvtp.jit(model if r == 0 else copy.deepcopy(model), plan="megatron", mesh=DeviceMesh.of_size(2),
-                      comm=ThreadComm(group, r)) for r in range(2)]
+                      comm=ThreadComm(group, r), regional=regional) for r in range(2)]
     start = time.perf_counter()
     ranks[0].compile(idx, tgt)
     ranks[1].share_compiled(ranks[0])
@@ -39,8 +41,10 @@ def main(layers: int) -> None:
     c = ranks[0].last
     fwd, bwd = ([s.kind for s in f.communications].count("allreduce") for f in (c.forward, c.backward))
     print(f"layers {layers}: compile {compiled - start:.1f} s, first step {stepped - compiled:.1f} s, total {stepped - start:.1f} s; "
-          f"all-reduces forward {fwd}, backward {bwd} (sequence {cfg.seq_len}, batch {cfg.batch})")
+          f"all-reduces forward {fwd}, backward {bwd} (sequence {cfg.seq_len}, batch {cfg.batch}); "
+          f"{c.captured.regional or 'whole trace: regional=False'}")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    numbers = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(int(numbers[0]) if numbers else 1, regional="--whole" not in sys.argv)
