@@ -33,11 +33,12 @@ from torch.utils._pytree import tree_map_only
 __all__ = ["FusedShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
 
 
-def torch_mesh(devices, device_type: str = "cpu"):
-    """torch's 1-D ``DeviceMesh`` over ``devices`` (ranks of the default group)."""
+def torch_mesh(mesh, device_type: str = "cpu"):
+    """torch's ``DeviceMesh`` for nvtp's ``mesh`` (ranks of the default group; its shape and axis names)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh(device_type, list(devices))
+    devices = torch.tensor(list(mesh.devices)).reshape(mesh.shape)
+    return DeviceMesh(device_type, devices, mesh_dim_names=tuple(mesh.names) if mesh.ndim > 1 else None)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -46,7 +47,8 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 def as_dtensor(local_part: torch.Tensor, placement, mesh, shape) -> DTensor:
     """The DTensor whose part on this rank is ``local_part`` (no copy, no communication)."""
-    d = DTensor.from_local(local_part, mesh, [placement], shape=torch.Size(shape), stride=_contiguous_stride(shape),
+    placements = list(placement) if isinstance(placement, (tuple, list)) else [placement]
+    d = DTensor.from_local(local_part, mesh, placements, shape=torch.Size(shape), stride=_contiguous_stride(shape),
                            run_check=False)
     return _rewrap(d)
 
@@ -74,8 +76,9 @@ def _rewrap(t):
 
 
 class FusedShard(DTensor):
-    """A DTensor placed ``_StridedShard(dim, split_factor=k)`` on a 1-D mesh (the fused QKV's
-    inner split) that ``full_tensor`` and DCP handle; see the module docstring."""
+    """A DTensor placed ``_StridedShard(dim, split_factor=k)`` on one mesh axis (the fused QKV's
+    inner split over tp; on a 2-D mesh the other axis is Replicate or a plain Shard of another dim)
+    that ``full_tensor`` and DCP handle; see the module docstring."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -83,40 +86,53 @@ class FusedShard(DTensor):
             out = func(*args, **(kwargs or {}))
         return tree_map_only(DTensor, _rewrap, out)
 
-    def _split(self) -> tuple[int, int, int]:
-        """(dim, k, piece): axis ``dim`` is ``[k, n/k]`` and each rank holds ``piece`` of each chunk."""
-        (p,) = self.placements
+    def _split(self) -> tuple[int, int, int, int]:
+        """(mesh axis, dim, k, piece): on mesh axis ``axis`` tensor axis ``dim`` is ``[k, n/k]`` and each
+        rank holds ``piece`` of each chunk. The other mesh axes split other dims plainly (or not)."""
+        axis, p = next((a, q) for a, q in enumerate(self.placements) if isinstance(q, _StridedShard))
         chunk = self.shape[p.dim] // p.split_factor
-        return p.dim, p.split_factor, chunk // self.device_mesh.size()
+        return axis, p.dim, p.split_factor, chunk // self.device_mesh.size(axis)
 
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
         """This rank's k boxes of the whole tensor: (offsets, sizes, view of the local tensor)."""
-        dim, k, piece = self._split()
-        rank = self.device_mesh.get_local_rank()
+        axis, dim, k, piece = self._split()
         chunk = self.shape[dim] // k
-        sizes = list(self.shape)
+        sizes = list(self._local_tensor.shape)
         sizes[dim] = piece
+        base = [0] * self.ndim
+        for a, q in enumerate(self.placements):  # the plain splits of the other mesh axes
+            if a != axis and isinstance(q, Shard):
+                base[q.dim] = self.device_mesh.get_local_rank(a) * self._local_tensor.shape[q.dim]
+        rank = self.device_mesh.get_local_rank(axis)
         boxes = []
         for c in range(k):
-            offsets = [0] * self.ndim
+            offsets = list(base)
             offsets[dim] = c * chunk + rank * piece
             boxes.append((torch.Size(offsets), torch.Size(sizes), self._local_tensor.narrow(dim, c * piece, piece)))
         return boxes
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
-        dim, k, piece = self._split()
+        axis, dim, k, piece = self._split()
         part = self._local_tensor.unflatten(dim, (k, piece))  # [k, piece, ...]: a plain Shard(dim + 1)
         shape = list(self.shape)
         shape[dim:dim + 1] = [k, self.shape[dim] // k]
-        whole = DTensor.from_local(part, self.device_mesh, [Shard(dim + 1)], shape=torch.Size(shape),
+        placements = []
+        for a, q in enumerate(self.placements):
+            if a == axis:
+                placements.append(Shard(dim + 1))
+            elif isinstance(q, Shard):
+                placements.append(Shard(q.dim + 1 if q.dim > dim else q.dim))
+            else:
+                placements.append(q)
+        whole = DTensor.from_local(part, self.device_mesh, placements, shape=torch.Size(shape),
                                    stride=_contiguous_stride(shape), run_check=False).full_tensor()
         return whole.flatten(dim, dim + 1)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs) -> DTensor:
         if placements is None or not all(isinstance(p, Replicate) for p in placements):
-            raise NotImplementedError(f"FusedShard (placement {self.placements[0]}) redistributes only to Replicate(); "
+            raise NotImplementedError(f"FusedShard (placements {self.placements}) redistributes only to Replicate(); "
                                       "take full_tensor() and distribute_tensor it where you need it")
-        return DTensor.from_local(self.full_tensor(), self.device_mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(self.full_tensor(), self.device_mesh, [Replicate()] * self.device_mesh.ndim, run_check=False)
 
     # -- torch.distributed.checkpoint: k boxes per rank -----------------------------------------
 

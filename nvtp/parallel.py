@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import reference, spmd
-from nvtp.execute.collectives import Comm, DistComm, SoloComm
+from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend.capture import Captured, capture
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
@@ -135,7 +135,7 @@ class ShardedModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
-                 frontend: str = "auto", regional: bool = True):
+                 frontend: str = "auto", fsdp: bool = False, regional: bool = True):
         super().__init__()
         from nvtp.frontend import fx
 
@@ -147,6 +147,14 @@ class ShardedModule(torch.nn.Module):
         self.dynamic = dynamic
         self.plan = plan
         self.mesh = _as_mesh(mesh) if mesh is not None else _default_mesh()
+        self.fsdp = fsdp
+        if self.mesh.ndim == 2:
+            from nvtp.sharding.multi import axis_roles
+
+            axis_roles(self.mesh)  # names it knows, before anything starts
+        elif fsdp:
+            raise ShardingError("fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh, "
+                                "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
         self._torch_mesh = None if mesh is None or isinstance(mesh, DeviceMesh) else mesh  # torch's, when given
         self.check_replicas = check_replicas
         self.regional = regional
@@ -161,6 +169,7 @@ class ShardedModule(torch.nn.Module):
         object.__setattr__(self, "_meta", _meta_copy(module))
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         self._placements: dict[str, Placement] = {}
+        self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, _Compiled] = {}
         self.last: _Compiled | None = None
 
@@ -178,7 +187,13 @@ class ShardedModule(torch.nn.Module):
     @property
     def comm(self) -> Comm:
         if self._comm is None:
-            self._comm = DistComm() if self.mesh.size > 1 else SoloComm()
+            if self.mesh.ndim > 1:  # one process group per mesh axis, from torch's DeviceMesh
+                import torch.distributed as dist
+
+                groups = [DistComm(self._device_mesh().get_group(a)) for a in range(self.mesh.ndim)]
+                self._comm = MeshComm(self.mesh.index(dist.get_rank()), self.mesh.size, groups)
+            else:
+                self._comm = DistComm() if self.mesh.size > 1 else SoloComm()
         return self._comm
 
     @property
@@ -190,18 +205,25 @@ class ShardedModule(torch.nn.Module):
         """Whether parameters become DTensors: on torch.distributed's own group (not a simulated ``comm``)."""
         import torch.distributed as dist
 
-        return (self._comm is None or isinstance(self._comm, DistComm)) and dist.is_available() and dist.is_initialized()
+        comm = self._comm
+        on_groups = comm is None or isinstance(comm, DistComm) or (
+            isinstance(comm, MeshComm) and all(isinstance(c, DistComm) for c in comm.axes))
+        return on_groups and dist.is_available() and dist.is_initialized()
 
     def _device_mesh(self):
         """torch's DeviceMesh the DTensor parameters live on (the one given, or one over the default group)."""
         if self._torch_mesh is None:
             device = next((p.device.type for p in self.module.parameters()), "cpu")
-            self._torch_mesh = _dt.torch_mesh(self.mesh.devices, device)
+            self._torch_mesh = _dt.torch_mesh(self.mesh, device)
         return self._torch_mesh
 
-    def placement(self, name: str) -> Placement:
-        """Where parameter ``name`` lives (Replicate until the first call has sharded it)."""
-        return self._placements.get(name, REPLICATE)
+    def placement(self, name: str) -> Placement | tuple[Placement, ...]:
+        """Where parameter ``name`` lives (Replicate until the first call has sharded it); on a
+        mesh of several axes, one placement per axis."""
+        return self._placements.get(name, REPLICATE if self.mesh.ndim == 1 else (REPLICATE,) * self.mesh.ndim)
+
+    def _dp_axis(self) -> int | None:
+        return self.mesh.names.index("dp") if self.mesh.ndim > 1 else None
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return self._global_shapes[name]
@@ -220,7 +242,7 @@ class ShardedModule(torch.nn.Module):
 
     def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
         names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
-        meta_args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
+        meta_args = [torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
         # Raises InputError when the arguments do not fit the module, CaptureError when Thunder
@@ -229,7 +251,7 @@ class ShardedModule(torch.nn.Module):
         if self._fx:  # one dynamo graph of the whole forward, traced by Thunder (nvtp/frontend/fx.py)
             from nvtp.frontend import fx
 
-            meta_kwargs = {k: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+            meta_kwargs = {k: torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
                            for k, a in (kwargs or {}).items()}
             program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs)
             names = program.arg_names + list(program.constants)  # constants travel as whole arguments
@@ -246,6 +268,11 @@ class ShardedModule(torch.nn.Module):
                 if label in self._placements:
                     annotations[v.name] = self._placements[label]
         hints = {v.name: REPLICATE for v in captured.forward.outputs if captured.forward.role(v.name) == "output"}
+        if self.mesh.ndim > 1:
+            forward, backward = self._shard_mesh(captured, names, annotations, hints)
+            compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
+            self._shard_parameters(forward)
+            return compiled
         forward = shard(captured.forward, self.plan, self.mesh, annotations=annotations, output_hints=hints, target="reference")
         backward = None
         if captured.backward is not None:
@@ -259,12 +286,35 @@ class ShardedModule(torch.nn.Module):
         self._shard_parameters(forward)
         return compiled
 
+    def _global_batch(self, shape) -> tuple[int, ...]:
+        """An argument's shape for the whole step: on a mesh with a dp axis each rank passes its own
+        batch (DDP's convention), so the traced batch dimension is dp times the rank's."""
+        dp = self._dp_axis()
+        if dp is None or not len(shape):
+            return tuple(shape)
+        return (shape[0] * self.mesh.shape[dp], *shape[1:])
+
+    def _shard_mesh(self, captured: Captured, names: list[str], annotations: Mapping[str, Any],
+                    hints: Mapping[str, Placement]) -> tuple[ShardedFusion, ShardedFusion | None]:
+        """Forward and backward over a (dp, tp) mesh: the plan on tp, the data plan on dp."""
+        from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
+
+        forward, data = shard_mesh(captured.forward, self.plan, self.mesh, fsdp=self.fsdp, target="reference",
+                                   batched=set(names), annotations=annotations, output_hints=hints,
+                                   weights={n for n, _ in self.module.named_parameters(remove_duplicate=False)})
+        self.notes = data.notes
+        backward = None
+        if captured.backward is not None:  # arguments' gradients whole over tp, split over dp like the arguments
+            grad_hints = {v.name: REPLICATE for v in captured.backward.outputs if captured.backward.grad_of(v.name) in names}
+            backward = shard_backward_mesh(captured.backward, forward, "reference", output_hints=grad_hints)
+        return forward, backward
+
     def _shard_parameters(self, forward: ShardedFusion) -> None:
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         for v in forward.source.inputs:
             label = forward.source.label(v.name)
-            placement = forward.placement(v.name)
+            placement = forward.placement(v.name) if self.mesh.ndim == 1 else forward.sharding(v.name)
             if label in params:
                 p = params[label]
                 if label in self._placements:
@@ -272,7 +322,7 @@ class ShardedModule(torch.nn.Module):
                         raise ShardingError(f"{label} is placed {self._placements[label]} but a new trace wants {placement}")
                     continue
                 self._placements[label] = placement
-                part = p.data if is_replicate(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
+                part = p.data if _whole(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
                 if self.uses_dtensor:
                     shape = self._global_shapes[label]
                     new = torch.nn.Parameter(_dt.as_dtensor(part, placement, self._device_mesh(), shape), requires_grad=p.requires_grad)
@@ -281,7 +331,7 @@ class ShardedModule(torch.nn.Module):
                     with torch.no_grad():
                         p.data = part
                     _PLACED[p] = (placement, self._global_shapes[label], self.comm)
-            elif label in buffers and not is_replicate(placement):
+            elif label in buffers and not _whole(placement):
                 raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
 
     # -- run ----------------------------------------------------------------------------------
@@ -370,7 +420,7 @@ class ShardedModule(torch.nn.Module):
         between ranks (one all-gather of checksums), naming it and the ranks on each side."""
         mine = {}
         for label, t in named.items():
-            if is_replicate(self.placement(label)):
+            if _whole(self.placement(label)):
                 mine[label] = _checksum(t)
         for name, a in user.items():
             mine[f"argument {name}"] = _checksum(a) if isinstance(a, torch.Tensor) else repr(a)
@@ -432,25 +482,30 @@ def _names(module: torch.nn.Module) -> list[str]:
 
 
 def _as_mesh(mesh: Any) -> DeviceMesh:
-    """nvtp's mesh for ``mesh``: nvtp's own, or torch's ``DeviceMesh`` (1-D, over the default
-    process group's ranks, as ``init_device_mesh("cpu", (n,))`` makes it)."""
+    """nvtp's mesh for ``mesh``: nvtp's own, or torch's ``DeviceMesh`` over the default process
+    group's ranks: 1-D (``init_device_mesh("cpu", (n,))``) or 2-D with axes named "dp" and "tp"
+    (``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``)."""
     if isinstance(mesh, DeviceMesh):
         return mesh
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
     if not isinstance(mesh, TorchMesh):
         raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh or nvtp's DeviceMesh, not {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ShardingError(f"nvtp.jit shards over a 1-D mesh; got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
-                            f"{' ' + str(mesh.mesh_dim_names) if mesh.mesh_dim_names else ''}; pass a 1-D mesh "
-                            "(init_device_mesh(device, (n,))) or one of its dimensions (mesh['tp'])")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim > 2 or (mesh.ndim == 2 and sorted(names) != ["dp", "tp"]):
+        raise ShardingError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
+                            f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
+                            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")
     import torch.distributed as dist
 
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     if dist.is_initialized() and ranks != tuple(range(dist.get_world_size())):
         raise ShardingError(f"the mesh holds ranks {list(ranks)}, the process group {dist.get_world_size()} ranks in order; "
-                            "nvtp.jit shards over every rank of the default group: pass init_device_mesh(device, (world_size,))")
-    return DeviceMesh(ranks)
+                            "nvtp.jit shards over every rank of the default group: pass init_device_mesh(device, (world_size,)) "
+                            "or a (dp, tp) mesh with dp * tp = world_size")
+    if mesh.ndim == 1:
+        return DeviceMesh(ranks)
+    return DeviceMesh(ranks, tuple(mesh.shape), names)
 
 
 def _check_mesh(mesh: DeviceMesh, comm: Comm | None) -> None:
@@ -490,8 +545,8 @@ class _Run(torch.autograd.Function):
         for v in f.inputs:
             label = f.label(v.name)
             t = _dt.local(named[label])
-            if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's whole tensor: take our part
-                t = spmd.shard_tensor(t, fwd.placement(v.name), fwd.mesh, module.rank)
+            if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's tensor: take our part
+                t = spmd.shard_tensor(t, _callers(fwd, v.name, module), fwd.mesh, module.rank)
             inputs.append(t)
         outputs = reference.run(fwd.fusion, inputs, shardings=fwd.shardings, mesh=fwd.mesh, comm=module.comm, seed=seed)
         values = {v.name: t for v, t in zip(f.inputs, inputs)}
@@ -518,7 +573,13 @@ class _Run(torch.autograd.Function):
             grads = [by_output[b.info[v.name].source] for v in grad_inputs]
         for v, g in zip(grad_inputs, grads):
             g = torch.zeros(v.shape, dtype=v.dtype.torch) if g is None else g.detach()
-            local_grads.append(spmd.shard_tensor(g, bwd.placement(v.name), bwd.mesh, ctx.module.rank))
+            local = spmd.shard_tensor(g, _callers(bwd, v.name, ctx.module), bwd.mesh, ctx.module.rank)
+            dp = ctx.module._dp_axis()
+            if dp is not None and axis_split(bwd.sharding(v.name)[dp]) is not None:
+                # Each rank's loss is over its own batch and DDP averages gradients over dp: the
+                # whole-batch program's loss is their mean, so a batch-split output's gradient is 1/dp of the rank's.
+                local = local / bwd.mesh.shape[dp]
+            local_grads.append(local)
         from nvtp.frontend.capture import backward_inputs
 
         params = {label: _dt.local(ctx.named[label]) for label in ctx.param_labels}
@@ -535,9 +596,24 @@ class _Run(torch.autograd.Function):
         return tuple(result)
 
 
+def _whole(placement) -> bool:
+    """Whether a placement (or a sharding, one per mesh axis) leaves the tensor whole on every rank."""
+    return all(is_replicate(p) for p in placement) if isinstance(placement, tuple) else is_replicate(placement)
+
+
+def _callers(sharded: ShardedFusion, name: str, module: "ShardedModule") -> tuple[Placement, ...]:
+    """The sharding of a module argument (or an output's gradient) relative to what the caller
+    holds: whole on one mesh; on a mesh with a dp axis the caller already holds its own batch."""
+    sharding = sharded.sharding(name)
+    dp = module._dp_axis()
+    if dp is None:
+        return sharding
+    return tuple(REPLICATE if a == dp else p for a, p in enumerate(sharding))
+
+
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
-        frontend: str = "auto", regional: bool = True) -> ShardedModule:
+        frontend: str = "auto", fsdp: bool = False, regional: bool = True) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -548,9 +624,13 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     Face transformers models, "thunder" otherwise. ``regional``: on the "thunder" route, a model
     with more than 3 repeated blocks (an ``nn.ModuleList`` of blocks alike) is traced at 3 blocks
     and the rest spliced in (``nvtp/frontend/regional.py``; ``model.last.captured.regional`` says
-    so, or why it traced the whole model); False traces every block."""
+    so, or why it traced the whole model); False traces every block.
+    On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
+    shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
+    averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
+    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``."""
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         regional=regional)
+                         fsdp=fsdp, regional=regional)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,10 @@ value split twice along one dimension is refused with its name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.pipeline import backward_annotations, shard, shard_backward
+from nvtp.sharding.pipeline import backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, is_replicate
 from nvtp.sharding.propagate import ShardingError, reshard_bytes
 from nvtp.sharding.reshard import ReshardStep
@@ -74,10 +74,15 @@ def _fsdp_dim(v: TensorValue, tp_placement: Placement, dp: int) -> tuple[int | N
     return None, why
 
 
-def data_plan(fusion: Fusion, tp: ShardedFusion, dp: int, fsdp: bool) -> DataPlan:
-    """The dp axis's plan for a forward fusion (``tp``: its tp-sharded form)."""
+def data_plan(fusion: Fusion, tp: ShardedFusion, dp: int, fsdp: bool, batched: Collection[str] | None = None,
+              weights: Collection[str] | None = None) -> DataPlan:
+    """The dp axis's plan for a forward fusion (``tp``: its tp-sharded form). ``batched``: the
+    labels of the inputs that carry the batch (the module's arguments); None: every input that is
+    not a parameter. ``weights``: the labels FSDP may split (the module's parameters, not its
+    buffers); None: every parameter input."""
     plan = DataPlan()
-    batch_inputs = [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) != "parameter" and v.ndim >= 1]
+    batch_inputs = [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) != "parameter" and v.ndim >= 1
+                    and (batched is None or fusion.label(v.name) in batched)]
     for v in batch_inputs:
         if v.shape[0] % dp == 0 and v.shape[0] >= dp:
             plan.batched[v.name] = Shard(0)
@@ -90,7 +95,7 @@ def data_plan(fusion: Fusion, tp: ShardedFusion, dp: int, fsdp: bool) -> DataPla
                             f"pass a batch of at least {dp} (a multiple of {dp})")
     if fsdp:
         for v in fusion.inputs:
-            if isinstance(v, TensorValue) and fusion.role(v.name) == "parameter":
+            if isinstance(v, TensorValue) and fusion.role(v.name) == "parameter" and (weights is None or fusion.label(v.name) in weights):
                 dim, why = _fsdp_dim(v, tp.placement(v.name), dp)
                 label = fusion.label(v.name) or v.name
                 if dim is None:
@@ -151,21 +156,37 @@ def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, sourc
 
 
 def shard_mesh(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *, fsdp: bool = False,
-               target: str = "nvfuser") -> tuple[ShardedFusion, DataPlan]:
-    """Shard a forward fusion over a 2-D (dp, tp) mesh: ``plan`` on tp, the data plan on dp."""
+               target: str = "nvfuser", batched: Collection[str] | None = None,
+               annotations: Mapping[str, tuple[Placement, ...]] | None = None,
+               output_hints: Mapping[str, Placement] | None = None,
+               weights: Collection[str] | None = None) -> tuple[ShardedFusion, DataPlan]:
+    """Shard a forward fusion over a 2-D (dp, tp) mesh: ``plan`` on tp, the data plan on dp.
+    ``annotations`` (input -> sharding) keep inputs where they already are (a new trace of a
+    module whose parameters are placed); ``output_hints`` are tp's (e.g. outputs whole over tp)."""
     tp_axis, dp_axis = axis_roles(mesh)
-    tp = shard(fusion, plan, mesh.sub(tp_axis), target=target)
-    data = data_plan(fusion, tp, mesh.shape[dp_axis], fsdp)
-    dp = shard(tp.fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, at_rest=data.at_rest, hoist=False, keep_splits=True)
+    tp_ann = {n: s[tp_axis] for n, s in (annotations or {}).items()}
+    tp = shard(fusion, plan, mesh.sub(tp_axis), annotations=tp_ann, output_hints=output_hints, target=target)
+    data = data_plan(fusion, tp, mesh.shape[dp_axis], fsdp, batched, weights)
+    for n, s in (annotations or {}).items():
+        if not is_replicate(s[dp_axis]):
+            data.at_rest[n] = s[dp_axis]
+        else:
+            data.at_rest.pop(n, None)
+    dp = shard(tp.fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, at_rest=data.at_rest,
+               hoist=False, keep_splits=True)
     sharded = combine([(tp_axis, tp), (dp_axis, dp)], mesh, fusion, plan if isinstance(plan, str) else "explicit")
     return sharded, data
 
 
-def shard_backward_mesh(backward: Fusion, forward: ShardedFusion, target: str = "nvfuser") -> ShardedFusion:
-    """Shard a backward fusion over its forward's 2-D mesh, axis by axis, consistently with it."""
+def shard_backward_mesh(backward: Fusion, forward: ShardedFusion, target: str = "nvfuser",
+                        output_hints: Mapping[str, Placement] | None = None) -> ShardedFusion:
+    """Shard a backward fusion over its forward's 2-D mesh, axis by axis, consistently with it.
+    ``output_hints`` are tp's, over the defaults (gradients where their parameters live)."""
     mesh = forward.mesh
     tp_axis, dp_axis = axis_roles(mesh)
-    tp = shard_backward(backward, forward.view(tp_axis), target)
+    inputs, hints = backward_annotations(backward, forward.view(tp_axis))
+    hints.update(output_hints or {})
+    tp = shard(backward, "replicate", mesh.sub(tp_axis), annotations=inputs, output_hints=hints, target=target)
     inputs, hints = backward_annotations(backward, forward.view(dp_axis))
     hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, tp.fusion.outputs) if src.name in hints}
     at_rest = {n: p for n, p in inputs.items() if backward.role(n) == "parameter" and not is_replicate(p)}
