@@ -82,21 +82,29 @@ def _seconds(text: str) -> float:
 
 
 def _load_sharded(args):
-    """The sharded fusion of ``args.file`` under ``args.plan`` on ``args.devices``."""
-    from nvtp.dump.mesh import MeshJob, prepare
+    """The sharded fusion of ``args.file`` under ``args.plan`` on ``args.devices`` (or ``args.mesh``, DPxTP)."""
+    from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare
 
-    return prepare(MeshJob(args.file, args.plan, args.devices))
+    mesh = check_mesh_options(args.devices, getattr(args, "mesh", None), getattr(args, "fsdp", False))
+    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=getattr(args, "fsdp", False)))
 
 
 def cmd_shard(args) -> int:
-    from nvtp.dump.sharded import write_sharded
+    from nvtp.dump.sharded import mesh_text, write_sharded
 
+    if args.devices is None and args.mesh is None:
+        raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
     sharded = _load_sharded(args)
-    command = f"nvtp shard {args.file} --plan {args.plan} --devices {args.devices} --out {args.out}"
-    path = write_sharded(sharded, args.out, command)
+    where = f"--devices {args.devices}" if args.mesh is None else f"--mesh {args.mesh}{' --fsdp' if args.fsdp else ''}"
+    command = f"nvtp shard {args.file} --plan {args.plan} {where} --out {args.out}"
+    data = None if args.mesh is None else ("fsdp" if args.fsdp else "ddp")
+    path = write_sharded(sharded, args.out, command, data=data)
     comms = sharded.communications
-    print(f"wrote {path}: {len(list(sharded.fusion.compute_ops()))} ops for {sharded.mesh.size} devices, "
-          f"{len(comms)} communication(s): {', '.join(c.kind for c in comms) or 'none'}")
+    mesh = sharded.mesh
+    on = (lambda c: "") if mesh.ndim == 1 else (lambda c: f" on {mesh.names[c.axis]}")
+    devices = f"{mesh.size} devices" if mesh.ndim == 1 else f"a {mesh_text(mesh)} mesh ({', '.join(mesh.names)})"
+    print(f"wrote {path}: {len(list(sharded.fusion.compute_ops()))} ops for {devices}, "
+          f"{len(comms)} communication(s): {', '.join(c.kind + on(c) for c in comms) or 'none'}")
     return EXIT_OK
 
 
@@ -156,10 +164,11 @@ def _explain_model(args) -> int:
 def cmd_replay(args) -> int:
     from nvtp import dump
 
-    if args.plan is not None or (args.devices or 1) > 1 or _has_schedule(args.file):
-        from nvtp.dump.mesh import MeshJob, run
+    if args.plan is not None or (args.devices or 1) > 1 or args.mesh is not None or args.fsdp or _has_schedule(args.file):
+        from nvtp.dump.mesh import MeshJob, check_mesh_options, run
 
-        return run(MeshJob(args.file, args.plan, args.devices, args.seed, args.check, args.timeout))
+        mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
+        return run(MeshJob(args.file, args.plan, args.devices, args.seed, args.check, args.timeout, mesh=mesh, fsdp=args.fsdp))
     from nvtp.dump.mesh import check_memory
 
     d = dump.load(args.file)
@@ -245,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--plan", default=None, help="shard with this plan: megatron, megatron-sp, or 'glob=placement;...'")
     r.add_argument("--devices", type=_positive_int, default=None, help="run on a local mesh of N processes (gloo on CPU)")
+    r.add_argument("--mesh", default=None, metavar="DPxTP",
+                   help="run on a local 2-D mesh (dp, tp) of DP*TP processes, e.g. 2x2: --plan on tp, the batch split over dp")
+    r.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
     r.add_argument("--timeout", type=_seconds, default=60.0,
                    help="seconds a rank waits for a silent peer before the mesh stops (default 60); a rank that dies stops the others at once")
     r.set_defaults(fn=cmd_replay)
@@ -254,8 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=helptext)
         c.add_argument("file", nargs="?" if name == "explain" else None, default=None)
         c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
-        c.add_argument("--devices", type=_positive_int, required=True)
+        c.add_argument("--devices", type=_positive_int, required=name != "shard",
+                       help="a 1-D mesh of N devices" + (" (or --mesh DPxTP)" if name == "shard" else ""))
         if name == "shard":
+            c.add_argument("--mesh", default=None, metavar="DPxTP",
+                           help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y)")
+            c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")

@@ -4,6 +4,11 @@ Every rank parses the file and shards it the same way, builds the same random wh
 from the seed, keeps only its shards, and runs the sharded fusion on the reference backend with
 torch.distributed collectives. With ``check``, rank 0 gathers and reassembles the outputs and
 compares them with a single-device run of the unsharded fusion.
+
+``--mesh DPxTP`` (``mesh_shape``) runs on a 2-D mesh (dp, tp) of dp·tp processes: the plan on tp,
+the data plan on dp (``nvtp.sharding.multi``; ``--fsdp`` splits the weights over dp too). Each
+rank joins one process group per mesh axis (``torch.distributed.new_group``) and runs each
+``set`` on its axis's group (``MeshComm``). A dump sharded over a 2-D mesh replays the same way.
 """
 
 from __future__ import annotations
@@ -28,12 +33,44 @@ class MeshJob:
     seed: int = 0
     check: bool = False
     timeout: float = 60.0
+    mesh: tuple[int, int] | None = None  # (dp, tp): a 2-D mesh instead of ``devices``
+    fsdp: bool = False  # on a 2-D mesh, split the weights over dp too (ZeRO-3)
+
+
+MESH_AXES = ("dp", "tp")
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``--mesh``'s spelling, ``DPxTP`` (``2x2``: 2 data-parallel groups of 2 tensor-parallel ranks)."""
+    from nvtp.sharding.propagate import ShardingError
+
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ShardingError(f"--mesh {text!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
+                            "a 1-D mesh is --devices N")
+    dp, tp = (int(p) for p in parts)
+    if dp < 1 or tp < 1:
+        raise ShardingError(f"--mesh {text!r}: each mesh axis needs at least 1 device (dp={dp}, tp={tp})")
+    return dp, tp
+
+
+def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tuple[int, int] | None:
+    """The (dp, tp) of ``--mesh``, after refusing ``--devices`` with ``--mesh`` and ``--fsdp`` without it."""
+    from nvtp.sharding.propagate import ShardingError
+
+    if mesh is not None and devices is not None:
+        raise ShardingError(f"give either --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh), not both "
+                            f"(got --devices {devices} --mesh {mesh})")
+    if fsdp and mesh is None:
+        raise ShardingError("--fsdp splits the weights over the dp axis of a 2-D mesh; give --mesh DPxTP with it (e.g. --mesh 2x2)")
+    return mesh_shape(mesh) if mesh is not None else None
 
 
 def prepare(job: MeshJob) -> "ShardedFusion":
     """The sharded fusion ``job`` runs (the same on every rank); raises before any communication."""
     from nvtp import dump
-    from nvtp.dump.sharded import from_dump
+    from nvtp.dump.sharded import from_dump, mesh_text
+    from nvtp.sharding.multi import shard_pair_mesh
     from nvtp.sharding.pipeline import shard, shard_pair
     from nvtp.sharding.placements import DeviceMesh
 
@@ -41,20 +78,32 @@ def prepare(job: MeshJob) -> "ShardedFusion":
     if job.plan is None:
         sharded = from_dump(d)
         if sharded is None:
-            raise DumpError("the file has no device schedule; give --plan (megatron, megatron-sp or name=placement;...) and --devices", job.file)
+            raise DumpError("the file has no device schedule; give --plan (megatron, megatron-sp or name=placement;...) and --devices N "
+                            "or --mesh DPxTP", job.file)
         if job.devices is not None and job.devices != sharded.mesh.size:
             raise DumpError(f"the file is sharded for {sharded.mesh.size} devices, not {job.devices}", job.file)
+        if job.mesh is not None and tuple(job.mesh) != sharded.mesh.shape:
+            raise DumpError(f"the file is sharded for a {mesh_text(sharded.mesh)} mesh, not {'x'.join(map(str, job.mesh))}", job.file)
+        if job.fsdp:
+            raise DumpError("--fsdp applies when sharding with --plan; this file's schedule already places every weight", job.file)
         return sharded
-    if job.devices is None:
-        raise DumpError("--plan needs --devices N", job.file)
-    mesh = DeviceMesh.of_size(job.devices)
+    if job.devices is None and job.mesh is None:
+        raise DumpError("--plan needs --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh)", job.file)
     fusion = d.fusion
+    forward = None
     if fusion.attrs.get("role") == "backward":
         fwd_name = fusion.attrs.get("forward")
         if not fwd_name:
             raise DumpError("a backward fusion is sharded with its forward, but the file does not name one (nvtp_info 'forward')", job.file)
         fwd_path = Path(job.file).with_name(fwd_name)
         forward = dump.load(fwd_path).fusion
+    if job.mesh is not None:
+        mesh = DeviceMesh.of_shape(job.mesh, MESH_AXES)
+        if forward is not None:
+            return shard_pair_mesh(forward, fusion, job.plan, mesh, fsdp=job.fsdp)[1]
+        return shard_pair_mesh(fusion, None, job.plan, mesh, fsdp=job.fsdp)[0]
+    mesh = DeviceMesh.of_size(job.devices)
+    if forward is not None:
         return shard_pair(forward, fusion, job.plan, mesh)[1]
     return shard(fusion, job.plan, mesh)
 
@@ -82,10 +131,11 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
         fault = fault_from_env()  # NVTP_INJECT_FAULT=RANK:0:KIND: this rank fails in the replay (tests)
         if fault is not None and fault[:2] == (rank, 0):
             trigger(fault[2], "replay")
+        comm = DistComm() if sharded.mesh.ndim == 1 else mesh_comm(sharded.mesh, rank)
         inputs = dump.random_inputs(sharded.source, seed=job.seed)
         local = spmd.local_inputs(sharded, inputs, rank)
         log: list = []
-        outputs = spmd.run_rank(sharded, local, DistComm(), seed=job.seed, log=log)
+        outputs = spmd.run_rank(sharded, local, comm, seed=job.seed, log=log)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object([_picklable(o) for o in outputs], gathered, dst=0)
         if rank != 0:
@@ -95,6 +145,27 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def mesh_comm(mesh, rank: int):
+    """This rank's collectives on a mesh of several axes: one process group per axis
+    (``torch.distributed.new_group``; every rank creates every group, in the same order, as
+    new_group requires), each wrapped in a ``DistComm``."""
+    import torch.distributed as dist
+
+    from nvtp.execute.collectives import DistComm, MeshComm
+    from nvtp.execute.launch import _quiet_stdout
+
+    per_axis = []
+    for axis in range(mesh.ndim):
+        mine = None
+        for ranks in mesh.groups(axis):
+            with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every group
+                group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+        per_axis.append(DistComm(mine))
+    return MeshComm(mesh.index(rank), mesh.size, per_axis)
 
 
 def _say(*args) -> None:
@@ -117,8 +188,11 @@ def _report_on_rank0(job: MeshJob, world: int, sharded: "ShardedFusion", inputs,
     held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
     whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
     collectives = [c for c in log if c.kind != "local"]
-    _say(f"{job.file}: ran on {world} processes ({dist.get_backend()}); rank 0 holds {held} of {whole_bytes} input bytes; "
-          f"{len(collectives)} collectives: {', '.join(c.kind + ' ' + c.value for c in collectives) or 'none'}")
+    mesh = sharded.mesh
+    shape = "" if mesh.ndim == 1 else f", a {'x'.join(map(str, mesh.shape))} mesh ({', '.join(mesh.names)})"
+    on = (lambda c: "") if mesh.ndim == 1 else (lambda c: f" on {mesh.names[c.axis]}")
+    _say(f"{job.file}: ran on {world} processes ({dist.get_backend()}{shape}); rank 0 holds {held} of {whole_bytes} input bytes; "
+          f"{len(collectives)} collectives: {', '.join(c.kind + ' ' + c.value + on(c) for c in collectives) or 'none'}")
     if not job.check:
         return 0
     whole = spmd.assemble_outputs(sharded, gathered)
@@ -218,8 +292,10 @@ def replay_bytes(fusion, *, sharded=None, check: bool = False) -> tuple[int, str
         for op in sharded.fusion.ops:
             for v in op.outputs:
                 if isinstance(v, TensorValue):
-                    split = axis_split(sharded.placement(v.name)) if v.name in sharded.shardings else None
-                    local += v.nbytes // (sharded.mesh.size if split else 1)
+                    parts = 1  # the rank's share: each split mesh axis divides the tensor by its extent
+                    for n, p in zip(sharded.mesh.shape, sharded.shardings.get(v.name, ())):
+                        parts *= n if axis_split(p) is not None else 1
+                    local += v.nbytes // parts
         total = inputs + local
     if check:  # a second run in float64
         total += sum(v.numel * 8 for v in values if v.dtype.is_float)

@@ -188,7 +188,7 @@ def build_definition(fusion: Fusion, schedule: Sequence["ScheduleStep"] = ()) ->
     Ensures the definition's inputs and outputs are ``fusion``'s, in order, and records on it
     (``fd.nvtp_values``) which nvFuser value stands for each nvtp value, for ``compare_definition``.
     ``schedule`` (``schedule_steps(sharded)``, or a parsed dump's) is applied after the outputs, as nvFuser's
-    multidevice tests do: meshes, splits and ``mesh_x`` parallelization.
+    multidevice tests do: meshes (1-D or 2-D), splits and ``mesh_x`` / ``mesh_y`` parallelization.
     """
     from nvfuser_direct import FusionDefinition
 
@@ -285,8 +285,10 @@ def _apply_step(step: "ScheduleStep", values: dict[str, Any]) -> None:
     if tv is None:
         raise NvFuserError(f"schedule step {step} names {step.tensor}, which the fusion does not define")
     try:
-        if step.kind == "mesh":
-            tv.set_device_mesh(nvfuser_direct.multidevice.DeviceMesh(list(step.args)))
+        if step.kind == "mesh":  # devices nested by the mesh's shape on a mesh of several axes
+            nested = bool(step.args) and isinstance(step.args[0], tuple)
+            devices = torch.tensor(step.args) if nested else list(step.args)
+            tv.set_device_mesh(nvfuser_direct.multidevice.DeviceMesh(devices))
         elif step.kind == "split":
             axis, factor, inner = step.args
             (tv.inner_split if inner else tv.outer_split)(axis, factor)

@@ -58,8 +58,10 @@ class InputExample:
 
 @dataclass
 class ScheduleStep:
-    """A device-schedule call on a tensor: ``("mesh", devices)``, ``("split", axis, factor, inner)``
-    or ``("parallelize", axis, parallel_type)``."""
+    """A device-schedule call on a tensor: ``("mesh", devices)`` (a flat tuple of device ids, or on
+    a mesh of several axes the ids nested by its shape: ``((0, 1), (2, 3))``), ``("split", axis,
+    factor, inner)`` or ``("parallelize", axis, parallel_type)`` (``mesh_x``, or ``mesh_y``: the mesh
+    axis before the last)."""
 
     tensor: str
     kind: str
@@ -285,6 +287,7 @@ class _FunctionReader:
         self.ops: list[Op] = []
         self.outputs: list[Value] = []
         self.schedule: list[ScheduleStep] = []
+        self.meshes: dict[str, tuple] = {}  # tensor -> the devices of the mesh it was put on
         self.env: dict[str, Any] = {}
         self.names: set[str] = set()
         self.enums: set[str] = set()
@@ -386,12 +389,7 @@ class _FunctionReader:
             if func in _MESH_CALLS:
                 if not isinstance(target, ast.Name):
                     raise self.fail(stmt, "a device mesh must be assigned to a name")
-                if len(value.args) != 1 or value.keywords:
-                    raise self.fail(value, "DeviceMesh takes one list of device ids")
-                devices = self.expr(value.args[0])
-                if not (isinstance(devices, (list, tuple)) and all(isinstance(d, int) for d in devices)):
-                    raise self.fail(value, "DeviceMesh needs a list of integer device ids")
-                self.env[target.id] = ("mesh", tuple(devices))
+                self.env[target.id] = ("mesh", self._mesh_devices(value))
                 return
         # Integer bookkeeping such as `b, s, h, e = batch, sequence, head, hidden`.
         result = self.expr(value)
@@ -404,6 +402,35 @@ class _FunctionReader:
                 self._bind_const(t, r)
         else:
             raise self.fail(stmt, f"unexpected assignment `{_snippet(stmt)}`")
+
+    def _mesh_devices(self, call: ast.Call) -> tuple:
+        """A DeviceMesh's devices: ``DeviceMesh([0, 1])`` (1-D) or ``DeviceMesh(torch.tensor([[0, 1], [2, 3]]))``
+        (2-D: the devices nested by the mesh's shape, as nested tuples)."""
+        form = "`DeviceMesh([0, 1, ...])` (1-D) or `DeviceMesh(torch.tensor([[0, 1], [2, 3]]))` (2-D)"
+        if len(call.args) != 1 or call.keywords:
+            raise self.fail(call, f"DeviceMesh takes one argument: {form}")
+        arg = call.args[0]
+        if isinstance(arg, ast.Call) and _dotted(arg.func) == "torch.tensor":
+            if len(arg.args) != 1 or arg.keywords:
+                raise self.fail(arg, f"torch.tensor in a DeviceMesh takes one (nested) list of device ids: {form}")
+            devices = self.expr(arg.args[0])
+            if isinstance(devices, (list, tuple)) and devices and all(isinstance(r, (list, tuple)) for r in devices):
+                rows = [tuple(r) for r in devices]
+                if not all(len(r) == len(rows[0]) and r and all(isinstance(d, int) and not isinstance(d, bool) for d in r) for r in rows):
+                    raise self.fail(arg, f"a 2-D DeviceMesh needs rows of integer device ids, all of one length; got {_snippet(arg.args[0])}")
+                flat = [d for r in rows for d in r]
+                if len(set(flat)) != len(flat):
+                    raise self.fail(arg, f"DeviceMesh {_snippet(arg.args[0])} repeats a device")
+                return tuple(rows)
+        else:
+            devices = self.expr(arg)
+            if isinstance(devices, (list, tuple)) and any(isinstance(d, (list, tuple)) for d in devices):
+                raise self.fail(arg, f"nvFuser's DeviceMesh refuses a nested list; write a 2-D mesh as {form}")
+        if not (isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and not isinstance(d, bool) for d in devices)):
+            raise self.fail(call, f"DeviceMesh needs integer device ids: {form}")
+        if len(set(devices)) != len(devices):
+            raise self.fail(call, f"DeviceMesh {list(devices)} repeats a device")
+        return tuple(devices)
 
     def _bind_const(self, target: ast.Name, value: Any) -> None:
         if is_value(value) or isinstance(value, (int, float, bool)) or (isinstance(value, (list, tuple))):
@@ -496,9 +523,15 @@ class _FunctionReader:
                 tensor = self._tensor_name(func.value.func.value)
                 axis = self.expr(func.value.args[0]) if len(func.value.args) == 1 else None
                 ptype = _dotted(call.args[0]) if len(call.args) == 1 else None
-                if not isinstance(axis, int) or ptype is None or not ptype.endswith("ParallelType.mesh_x"):
-                    raise self.fail(call, "expected `T.axis(i).parallelize(ParallelType.mesh_x)`")
-                self.schedule.append(ScheduleStep(tensor, "parallelize", (axis, "mesh_x")))
+                kind = ptype.rsplit(".", 1)[-1] if ptype is not None and ptype.split(".")[-2:-1] == ["ParallelType"] else None
+                if not isinstance(axis, int) or kind not in ("mesh_x", "mesh_y"):
+                    raise self.fail(call, "expected `T.axis(i).parallelize(ParallelType.mesh_x)` (or `ParallelType.mesh_y` "
+                                          "on a 2-D mesh)")
+                mesh = self.meshes.get(tensor)
+                if kind == "mesh_y" and mesh is not None and not (mesh and isinstance(mesh[0], tuple)):
+                    raise self.fail(call, f"{tensor} is parallelized with ParallelType.mesh_y, but its mesh {list(mesh)} has one axis "
+                                          "(mesh_x); mesh_y needs a 2-D mesh: DeviceMesh(torch.tensor([[0, 1], [2, 3]]))")
+                self.schedule.append(ScheduleStep(tensor, "parallelize", (axis, kind)))
                 return
             if method in ("set_device_mesh", "outer_split", "inner_split", "split"):
                 tensor = self._tensor_name(func.value)
@@ -508,6 +541,7 @@ class _FunctionReader:
                     if len(values) != 1 or not (isinstance(values[0], tuple) and values[0][:1] == ("mesh",)):
                         raise self.fail(call, "set_device_mesh takes a DeviceMesh defined earlier")
                     self.schedule.append(ScheduleStep(tensor, "mesh", values[0][1]))
+                    self.meshes[tensor] = values[0][1]
                     return
                 if method == "split":
                     inner = kw.pop("inner_split", values[2] if len(values) > 2 else True)

@@ -81,16 +81,28 @@ def format_op(op: Op) -> str:
     return f"{lhs} = {format_call(op)}"
 
 
+def format_mesh_devices(args: tuple) -> str:
+    """A mesh step's devices as nvFuser's DeviceMesh takes them: a list on a 1-D mesh, a
+    ``torch.tensor`` of nested lists on a mesh of several axes (DeviceMesh refuses nested lists)."""
+    def as_list(x):
+        return [as_list(i) for i in x] if isinstance(x, tuple) else x
+
+    if args and isinstance(args[0], tuple):
+        return f"torch.tensor({as_list(args)})"
+    return str(list(args))
+
+
 def format_schedule(steps: Sequence["ScheduleStep"]) -> list[str]:
     """A device schedule as the statements that end a definition, in nvFuser's multidevice
-    Python: a ``mesh = ...DeviceMesh([...])`` line before the first tensor put on that mesh, then
-    ``T.set_device_mesh(mesh)``, ``T.outer_split(axis, factor)``, ``T.axis(i).parallelize(...)``."""
+    Python: a ``mesh = ...DeviceMesh([...])`` line before the first tensor put on that mesh (a mesh
+    of several axes, whose step holds nested devices: ``DeviceMesh(torch.tensor([[0, 1], [2, 3]]))``),
+    then ``T.set_device_mesh(mesh)``, ``T.outer_split(axis, factor)``, ``T.axis(i).parallelize(...)``."""
     lines, mesh = [], None
     for step in steps:
         name, args = step.tensor, step.args
         if step.kind == "mesh" and args != mesh:
             mesh = args
-            lines.append(f"mesh = nvfuser_direct.multidevice.DeviceMesh({list(args)})")
+            lines.append(f"mesh = nvfuser_direct.multidevice.DeviceMesh({format_mesh_devices(args)})")
         if step.kind == "mesh":
             lines.append(f"{name}.set_device_mesh(mesh)")
         elif step.kind == "split":

@@ -9,16 +9,24 @@ way (``rdeviceIdx.x``): nvFuser then lowers the reduction across devices to the 
 Loop domains include reduction axes: a ``sum`` keeps its reduced axes in place, ``linear`` and
 ``matmul`` append the contracted axis, ``var_mean``'s mean keeps them and its variance does not
 (``loop_axes``; checked against nvfuser_direct in the tests).
+
+A mesh of several axes is one nvFuser ``DeviceMesh`` of that shape
+(``DeviceMesh(torch.tensor([[0, 1], [2, 3]]))`` for (dp, tp) = (2, 2)); each mesh axis splits its
+own dimension of a tensor and parallelizes the piece with its own parallel type: the last mesh
+axis ``mesh_x`` (DIDx), the one before ``mesh_y`` (DIDy), as nvFuser's
+``DeviceMesh::parallelTypeToAxis`` maps them. In a schedule step the mesh is its devices, nested
+by the mesh's shape (a flat tuple on a 1-D mesh).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
 from nvtp.ir.ops import norm_dim, spec
 from nvtp.ir.parser import ScheduleStep
-from nvtp.sharding.placements import REPLICATE, Partial, Placement, axis_split, is_partial, make_shard
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, make_shard
 from nvtp.sharding.rules import factors_of, tensor_operands
 from nvtp.sharding.sharded import ShardedFusion
 
@@ -62,11 +70,69 @@ def _partial_axis(op: Op, result: int, sharded_operand_axis: int | None) -> int:
     return reduce[0]
 
 
-def _split_steps(name: str, axis: int, split_factor: int, d: int) -> list[ScheduleStep]:
+PARALLEL_TYPES = ("mesh_x", "mesh_y", "mesh_z")  # nvFuser's device parallel types, from the mesh's last axis
+
+
+def parallel_type(mesh_ndim: int, axis: int) -> str:
+    """nvFuser's parallel type for mesh axis ``axis`` of a mesh of ``mesh_ndim`` axes (the last is mesh_x)."""
+    offset = mesh_ndim - 1 - axis
+    if not 0 <= offset < len(PARALLEL_TYPES):
+        raise ScheduleError(f"nvFuser parallelizes meshes of at most {len(PARALLEL_TYPES)} axes; mesh axis {axis} of {mesh_ndim} has no parallel type")
+    return PARALLEL_TYPES[offset]
+
+
+def mesh_args(mesh: DeviceMesh) -> tuple:
+    """A mesh as a schedule step holds it: its devices, nested by its shape (flat on a 1-D mesh)."""
+    def nest(flat: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
+        if len(shape) == 1:
+            return tuple(flat)
+        step = len(flat) // shape[0]
+        return tuple(nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0]))
+
+    return nest(tuple(mesh.devices), tuple(mesh.shape))
+
+
+def mesh_of_args(args: tuple) -> DeviceMesh:
+    """The mesh a schedule step's nested devices describe (axis names are not in nvFuser's schedule)."""
+    shape, level = [], args
+    while isinstance(level, tuple) and level and isinstance(level[0], tuple):
+        shape.append(len(level))
+        level = level[0]
+    shape.append(len(level))
+    flat: list[int] = []
+
+    def walk(x, depth: int) -> None:
+        if depth == len(shape) - 1:
+            if len(x) != shape[-1] or not all(isinstance(d, int) for d in x):
+                raise ScheduleError(f"device mesh {list(args)} is not a rectangular array of device ids")
+            flat.extend(x)
+            return
+        if not isinstance(x, tuple) or len(x) != shape[depth]:
+            raise ScheduleError(f"device mesh {list(args)} is not a rectangular array of device ids")
+        for item in x:
+            walk(item, depth + 1)
+
+    walk(args, 0)
+    return DeviceMesh(tuple(flat), tuple(shape))
+
+
+def _split_steps(name: str, axis: int, split_factor: int, d: int, ptype: str = "mesh_x") -> list[ScheduleStep]:
     if split_factor == 1:
-        return [ScheduleStep(name, "split", (axis, d, False)), ScheduleStep(name, "parallelize", (axis, "mesh_x"))]
+        return [ScheduleStep(name, "split", (axis, d, False)), ScheduleStep(name, "parallelize", (axis, ptype))]
     return [ScheduleStep(name, "split", (axis, split_factor, False)), ScheduleStep(name, "split", (axis + 1, d, False)),
-            ScheduleStep(name, "parallelize", (axis + 1, "mesh_x"))]
+            ScheduleStep(name, "parallelize", (axis + 1, ptype))]
+
+
+def _axis_view(sharded: ShardedFusion, axis: int) -> ShardedFusion:
+    """Mesh axis ``axis`` of ``sharded`` as a 1-D sharded fusion, with that axis's own pass's source
+    and propagation (its partial-sum decisions)."""
+    if sharded.mesh.ndim == 1:
+        return sharded
+    view = sharded.view(axis)
+    if sharded.axes:
+        own = sharded.axes[axis]
+        view = replace(view, source=own.source, propagation=own.propagation)
+    return view
 
 
 def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorValue) -> tuple[int, int] | None:
@@ -98,26 +164,40 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
     A partial sum resolved into a split (a reduce-scatter) also gets the destination's split on
     its own loop domain, next to its split reduction axis: that is how nvFuser says
     reduce-scatter (its ``test_linear_reduce_scatter``); with the reduction axis alone nvFuser
-    would all-reduce and the ``set`` would slice."""
-    d = sharded.mesh.size
-    scattered = {s.value: axis_split(s.dst) for s in sharded.set_steps.values() if is_partial(s.src) and axis_split(s.dst) is not None}
+    would all-reduce and the ``set`` would slice.
+
+    On a mesh of several axes each axis contributes its own split, parallelized with its own
+    parallel type (``parallel_type``); two mesh axes never split the same loop axis (nvtp splits
+    a dimension over one mesh axis only)."""
+    mesh = sharded.mesh
+    views = [_axis_view(sharded, a) for a in range(mesh.ndim)]
+    ptypes = [parallel_type(mesh.ndim, a) for a in range(mesh.ndim)]
+    scattered = [{s.value: axis_split(s.dst) for s in sharded.set_steps.values()
+                  if s.axis == a and is_partial(s.src) and axis_split(s.dst) is not None} for a in range(mesh.ndim)]
+    devices = mesh_args(mesh)
     steps: list[ScheduleStep] = []
     for op in sharded.fusion.ops:
         for r, v in enumerate(op.outputs):
             if not isinstance(v, TensorValue) or v.name not in sharded.shardings:
                 continue
-            steps.append(ScheduleStep(v.name, "mesh", tuple(sharded.mesh.devices)))
-            if d == 1:
-                continue
-            where = device_axis(sharded, None if op.kind == "define_tensor" else op, r, v)
-            if where is None:
-                continue
-            splits = [where]
-            if v.name in scattered:  # a reduce-scatter's destination split, beside its split reduction axis
-                dim, sf = scattered[v.name]
-                splits.append((loop_axes(op, r).index(("dim", dim)), sf))
-            for axis, split in sorted(splits, reverse=True):  # the later loop axis first: the earlier one's index stays put
-                steps.extend(_split_steps(v.name, axis, split, d))
+            steps.append(ScheduleStep(v.name, "mesh", devices))
+            if mesh.ndim == 1 and mesh.size == 1:
+                continue  # a 2-D mesh keeps an axis of extent 1 in the schedule, so the file says which axis splits what
+            splits: list[tuple[int, int, int]] = []  # (loop axis, split factor, mesh axis)
+            for a, view in enumerate(views):
+                where = device_axis(view, None if op.kind == "define_tensor" else op, r, v)
+                if where is None:
+                    continue
+                splits.append((*where, a))
+                if v.name in scattered[a]:  # a reduce-scatter's destination split, beside its split reduction axis
+                    dim, sf = scattered[a][v.name]
+                    splits.append((loop_axes(op, r).index(("dim", dim)), sf, a))
+            taken = [axis for axis, _, _ in splits]
+            if len(taken) != len(set(taken)):
+                raise ScheduleError(f"{v.describe()}: two mesh axes split the same loop axis ({sharded.sharding(v.name)}); "
+                                    "nvtp splits a dimension over one mesh axis only")
+            for axis, split, a in sorted(splits, reverse=True):  # the later loop axis first: the earlier one's index stays put
+                steps.extend(_split_steps(v.name, axis, split, mesh.shape[a], ptypes[a]))
     return steps
 
 
@@ -129,12 +209,23 @@ class _LoopAxis:
 
 
 def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple[dict[str, Placement], tuple[int, ...] | None]:
-    """Placements (and the mesh's devices) a parsed device schedule gives each tensor."""
+    """Placements (and the mesh's devices) a parsed device schedule on a 1-D mesh gives each tensor."""
+    shardings, mesh = shardings_from_schedule(fusion, steps)
+    if mesh is not None and mesh.ndim != 1:
+        raise ScheduleError(f"the schedule's mesh is {mesh}; placements_from_schedule reads 1-D meshes: use shardings_from_schedule")
+    return {k: s[0] for k, s in shardings.items()}, (tuple(mesh.devices) if mesh is not None else None)
+
+
+def shardings_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple[dict[str, tuple[Placement, ...]], DeviceMesh | None]:
+    """The sharding (one placement per mesh axis) a parsed device schedule gives each tensor it
+    names, and its mesh (None if the schedule sets none). A split parallelized with ``mesh_x`` is
+    on the mesh's last axis, ``mesh_y`` the one before; a parallelized reduction axis is a partial sum."""
     producers = fusion.producers()
     values = fusion.values
     loops: dict[str, list[_LoopAxis]] = {}
-    placements: dict[str, Placement] = {}
-    devices: tuple[int, ...] | None = None
+    marks: dict[str, dict[str, Placement]] = {}  # tensor -> parallel type -> placement
+    named: list[str] = []
+    devices: tuple | None = None
 
     def loop_of(name: str) -> list[_LoopAxis]:
         if name not in loops:
@@ -153,11 +244,13 @@ def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple
     for step in steps:
         if step.tensor not in values:
             raise ScheduleError(f"the schedule names {step.tensor}, which the fusion does not define")
+        if step.tensor not in marks:
+            marks[step.tensor] = {}
+            named.append(step.tensor)
         if step.kind == "mesh":
             if devices is not None and tuple(step.args) != devices:
                 raise ScheduleError(f"{step.tensor} uses mesh {list(step.args)}, another tensor {list(devices)}; nvtp handles one mesh")
             devices = tuple(step.args)
-            placements.setdefault(step.tensor, REPLICATE)
             continue
         axes = loop_of(step.tensor)
         if step.kind == "split":
@@ -169,22 +262,42 @@ def placements_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple
             outer_size = a.size // factor if inner else factor
             axes[axis:axis + 1] = [_LoopAxis(a.origin, a.outer, outer_size), _LoopAxis(a.origin, a.outer * outer_size, a.size // outer_size)]
         elif step.kind == "parallelize":
-            axis = step.args[0] % len(axes)
+            axis, ptype = step.args[0] % len(axes), step.args[1]
             a = axes[axis]
             kind, j = a.origin
+            mark = marks[step.tensor]
+            if ptype not in PARALLEL_TYPES:
+                raise ScheduleError(f"{step.tensor}: parallel type {ptype} is not a device axis; nvtp reads {', '.join(PARALLEL_TYPES)}")
             if kind == "reduce":
                 # A split reduction axis makes the value a partial sum in nvtp's terms, even when an
                 # iteration axis is split too (nvFuser's reduce-scatter, resolved by the next set).
-                placements[step.tensor] = Partial("sum") if producers[step.tensor].kind != "max" else Partial("max")
-            elif not isinstance(placements.get(step.tensor), Partial):
-                placements[step.tensor] = make_shard(j, a.outer)
-    if devices is not None:
-        for name, p in placements.items():
+                mark[ptype] = Partial("sum") if producers[step.tensor].kind != "max" else Partial("max")
+            elif not isinstance(mark.get(ptype), Partial):
+                mark[ptype] = make_shard(j, a.outer)
+    if devices is None:
+        return {name: (placement,) for name, placement in _one_axis(marks).items()}, None
+    mesh = mesh_of_args(devices)
+    types = {parallel_type(mesh.ndim, a): a for a in range(mesh.ndim)}
+    shardings: dict[str, tuple[Placement, ...]] = {}
+    for name in named:
+        per_axis: list[Placement] = [REPLICATE] * mesh.ndim
+        for ptype, p in marks[name].items():
+            if ptype not in types:
+                raise ScheduleError(f"{name} is parallelized with {ptype}, but the mesh {list(devices)} has {mesh.ndim} "
+                                    f"axis(es): {', '.join(types)} only")
+            per_axis[types[ptype]] = p
             split = axis_split(p)
             if split is not None:
                 dim, sf = split
-                loop = loops.get(name, [])
-                par = [a for a in loop if a.origin == ("dim", dim) and a.outer == sf]
-                if par and par[0].size != len(devices):
-                    raise ScheduleError(f"{name}: axis {dim} is split into {par[0].size} device pieces but the mesh has {len(devices)} devices")
-    return placements, devices
+                par = [x for x in loops.get(name, []) if x.origin == ("dim", dim) and x.outer == sf]
+                extent = mesh.shape[types[ptype]]
+                if par and par[0].size != extent:
+                    raise ScheduleError(f"{name}: axis {dim} is split into {par[0].size} device pieces but the mesh axis "
+                                        f"parallelized with {ptype} has {extent} devices")
+        shardings[name] = tuple(per_axis)
+    return shardings, mesh
+
+
+def _one_axis(marks: dict[str, dict[str, Placement]]) -> dict[str, Placement]:
+    """Placements of a schedule that parallelizes without setting a mesh (mesh_x only)."""
+    return {name: mark.get("mesh_x", REPLICATE) for name, mark in marks.items()}
