@@ -27,7 +27,7 @@ def _kinds(f):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = gpt.config("tiny", n_layer=LAYERS)
+    cfg = gpt.config("tiny", n_layer=LAYERS, dropout=0.1)  # training mode: every block draws its own dropout masks
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     idx, tgt = gpt.example_tokens(cfg)
@@ -45,15 +45,14 @@ def test_spliced_fusions_equal_a_whole_trace(tiny):
         roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values())  # noqa: E731
         assert roles(mine) == roles(want)  # every parameter, gradient and saved value, by name
     named = dict(model.named_parameters()) | {"idx": idx, "targets": tgt}
-    run = lambda f, inputs: reference.run(f, inputs)  # noqa: E731
+    run = lambda f, inputs: reference.run(f, inputs, seed=7)  # noqa: E731  (draws in the same order: the same masks)
     values, grads = run_pair(whole.forward, whole.backward, named, torch.ones(()), run)
     my_values, my_grads = run_pair(spliced.forward, spliced.backward, named, torch.ones(()), run)
     assert torch.equal(my_values[output_value(spliced.forward)], values[output_value(whole.forward)])
     assert sorted(my_grads) == sorted(grads) and len(grads) == len(named) - 2
     for label, g in grads.items():
         assert torch.equal(my_grads[label], g), label
-    # and the loss is the model's own (the whole trace is not wrong in the same way)
-    assert torch.allclose(values[output_value(whole.forward)], model(idx, tgt), atol=1e-6)
+    assert _kinds(spliced.forward)["uniform"] == 1 + 3 * LAYERS  # the embedding's dropout, and 3 per block
 
 
 def test_jit_trains_a_spliced_model_as_eager_does_on_a_simulated_mesh():

@@ -177,6 +177,31 @@ def _ancestor_tags(f: Fusion, seed: Callable[[Op], int | None]) -> dict[str, int
     return tag
 
 
+def _random_to_consumers(f: Fusion, tag: dict[str, int | None]) -> dict[str, int | None]:
+    """Forward: a random draw (dropout's ``uniform``) reads no parameter, so nothing puts it in a
+    block: give it, and what is computed from draws alone (the keep-mask), the block of its
+    consumers when they are all of one block, so that every block draws its own."""
+    from nvtp.ir.ops import RANDOM
+
+    drawn: set[str] = set()
+    members: list[int] = []
+    for i, op in enumerate(f.ops):
+        if defines_input(op):
+            continue
+        if (op.kind in RANDOM and all(tag.get(v.name) is None for v in op.operands)) or \
+                (op.operands and all(v.name in drawn for v in op.operands)):
+            members.append(i)
+            drawn.update(v.name for v in op.outputs)
+    users = f.consumers()
+    for i in reversed(members):  # consumers first
+        found = {tag.get(u.outputs[0].name) for v in f.ops[i].outputs for u in users.get(v.name, [])}
+        if len(found) == 1 and None not in found:
+            t = found.pop()
+            for v in f.ops[i].outputs:
+                tag[v.name] = t
+    return tag
+
+
 def _descendant_tags(f: Fusion, seed: Callable[[str], int | None]) -> dict[str, int | None]:
     """Backward: for each value, the highest block index among the parameter gradients it feeds
     (the incoming gradient feeds every block's; the embedding's gradient alone, none)."""
@@ -469,7 +494,7 @@ def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, l
             return found[0] if found else None
         return seed
 
-    ftag = _ancestor_tags(forward, param_block(forward))
+    ftag = _random_to_consumers(forward, _ancestor_tags(forward, param_block(forward)))
     fch = _chain(forward, ftag, True, traced, layers)
     fops, fouts, finfo, fwhere, ftid = _splice(fch, prefix, layers, traced, None, None, "forward")
     fwd, frename = _canonical(forward.name, fops, fouts, finfo, forward)
