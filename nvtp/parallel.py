@@ -242,6 +242,8 @@ class ShardedModule(torch.nn.Module):
 
     def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
         names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
+        if self.mesh.ndim > 1:
+            self._check_batches(args, kwargs or {})
         meta_args = [torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
@@ -285,6 +287,18 @@ class ShardedModule(torch.nn.Module):
         compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
         self._shard_parameters(forward)
         return compiled
+
+    def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
+        own): one small all-gather over dp before anything is traced, and one clear error on every rank."""
+        from nvtp.execute.collectives import on_axis
+
+        shapes = [list(a.shape) if isinstance(a, torch.Tensor) else None for a in (*args, *kwargs.values())]
+        per_rank = _all_gather_json(on_axis(self.comm, self._dp_axis()), shapes)
+        if any(p != per_rank[0] for p in per_rank):
+            seen = "; ".join(f"dp rank {r}: {p}" for r, p in enumerate(per_rank))
+            raise InputError(f"the dp ranks pass arguments of different shapes ({seen}); on a (dp, tp) mesh every rank passes "
+                             "its own batch of the same shape, as with DDP: split the global batch evenly over dp")
 
     def _global_batch(self, shape) -> tuple[int, ...]:
         """An argument's shape for the whole step: on a mesh with a dp axis each rank passes its own

@@ -77,17 +77,19 @@ def _two_dim_worker(rank, world, init_method):
     from nvtp.execute.launch import init_group
 
     init_group(rank, world, init_method)
+    odd = init_device_mesh("cpu", (1, 1), mesh_dim_names=("rows", "cols"))
+    with pytest.raises(ShardingError, match=r"axes \('dp', 'tp'\); got a 2-D mesh of shape \(1, 1\) named \('rows', 'cols'\).*mesh_dim_names"):
+        nvtp.jit(gpt.Block(CFG), mesh=odd)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    with pytest.raises(ShardingError, match=r"1-D mesh; got a 2-D mesh of shape \(1, 1\).*mesh\['tp'\]"):
-        nvtp.jit(gpt.Block(CFG), mesh=mesh)
-    nvtp.jit(gpt.Block(CFG), mesh=mesh["tp"])  # one dimension of it is taken
+    nvtp.jit(gpt.Block(CFG), mesh=mesh)  # a (dp, tp) mesh is taken (tests/test_mesh2d.py trains on one)
+    nvtp.jit(gpt.Block(CFG), mesh=mesh["tp"])  # and so is one dimension of it
     import torch.distributed as dist
 
     dist.destroy_process_group()
     return 0
 
 
-def test_a_2d_torch_mesh_is_refused_with_what_to_pass():
+def test_a_2d_torch_mesh_needs_dp_and_tp_axes():
     assert spawn(_two_dim_worker, 1) == [0]
 
 

@@ -29,7 +29,7 @@ from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.ops import RANDOM, pad_pairs, slice_bounds
-from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, local_indices, local_shape
+from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, held, induced, is_partial, local_indices, local_shape
 from nvtp.registry import registrar
 
 
@@ -81,11 +81,7 @@ class Context:
         sharding = self.sharding(v)
         if sharding is None or self.mesh is None:
             return out
-        for axis, p in enumerate(sharding):
-            split = axis_split(p)
-            if split is not None:
-                out[split[0]] = local_indices(v.shape[split[0]], p, self.mesh.shape[axis], self.coord(axis))
-        return out
+        return held(v.shape, sharding, self.mesh, [self.coord(a) for a in range(self.mesh.ndim)])
 
     def coord(self, axis: int) -> int:
         """This rank's coordinate on mesh axis ``axis``."""
@@ -260,7 +256,15 @@ def _set(ctx: Context, op: Op, a):
     v = op.outputs[0]
     for axis, (s, d) in enumerate(zip(src, dst)):
         if s != d:
-            out = reshard(out, s, d, v.shape, on_axis(ctx.comm, axis))
+            size = list(v.shape)
+            if len(src) > 1:  # as this axis's process group sees the value: other axes' splits of a shared axis taken out
+                others = held(v.shape, src, ctx.mesh, [ctx.coord(a) for a in range(ctx.mesh.ndim)], skip=axis)
+                n = ctx.mesh.shape[axis]
+                for dim, o in enumerate(others):
+                    if o is not None and any(axis_split(q) and axis_split(q)[0] == dim for q in (s, d)):
+                        s, size[dim] = induced(s, v.shape[dim], o, n)
+                        d, _ = induced(d, v.shape[dim], o, n)
+            out = reshard(out, s, d, size, on_axis(ctx.comm, axis))
             ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes, axis))
     return out
 

@@ -21,7 +21,7 @@ import torch
 from nvtp.execute import reference
 from nvtp.execute.collectives import Comm, MeshComm, ThreadComm, ThreadGroup, take
 from nvtp.ir.graph import TensorValue
-from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, local_indices
+from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, held, is_partial, is_replicate, local_indices
 from nvtp.sharding.sharded import ShardedFusion
 
 
@@ -34,13 +34,12 @@ def shard_tensor(full: torch.Tensor, placement: Placement | Sequence[Placement],
     or a sharding: one per mesh axis); a copy. A partial sum is held whole by the first position
     of its axis and as zeros by the others."""
     coords = mesh.coords(mesh.devices[position])
+    sharding = _sharding(placement)
     out = full
-    for axis, p in enumerate(_sharding(placement)):
-        split = axis_split(p)
-        if split is not None:
-            out = take(out, split[0], local_indices(full.shape[split[0]], p, mesh.shape[axis], coords[axis]))
-        elif is_partial(p) and coords[axis] != 0:
-            out = torch.zeros_like(out)
+    for dim, index in enumerate(held(full.shape, sharding, mesh, coords)):
+        out = take(out, dim, index)
+    if any(is_partial(p) and c != 0 for p, c in zip(sharding, coords)):
+        out = torch.zeros_like(out)
     return out.contiguous().clone()
 
 
@@ -57,11 +56,7 @@ def assemble(parts: Sequence[torch.Tensor], placement: Placement | Sequence[Plac
         coords = mesh.coords(mesh.devices[pos])
         if any(is_replicate(p) and c != 0 for p, c in zip(sharding, coords)):
             continue  # a replica of a part already read
-        index: list[Any] = [None] * len(shape)
-        for axis, p in enumerate(sharding):
-            split = axis_split(p)
-            if split is not None:
-                index[split[0]] = local_indices(shape[split[0]], p, mesh.shape[axis], coords[axis])
+        index: list[Any] = held(shape, sharding, mesh, coords)
         if out is None:
             fill = 0 if op in (None, "sum") else float("-inf") if op == "max" else float("inf")
             out = torch.full(tuple(shape), fill, dtype=part.dtype)

@@ -32,7 +32,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.pipeline import backward_annotations, shard
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, is_replicate
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, held, is_replicate, local_shape
 from nvtp.sharding.propagate import ShardingError, reshard_bytes
 from nvtp.sharding.reshard import ReshardStep
 from nvtp.sharding.sharded import ShardedFusion
@@ -114,6 +114,17 @@ def _rebytes(step: ReshardStep, axis: int, mesh: DeviceMesh, sharding: tuple[Pla
     return replace(step, tensor_bytes=local, bytes=round(reshard_bytes(step.src, step.dst, local, mesh.shape[axis])), axis=axis)
 
 
+def _check_shared_axis(v: TensorValue, sharding: tuple[Placement, ...], mesh: DeviceMesh) -> None:
+    """Two mesh axes may split one tensor axis only by splitting different factors of it (the
+    batch and the sequence of a flattened ``[B*T, C]``): then every rank holds 1/(n1*n2) of it."""
+    want = local_shape(v.shape, sharding, mesh)
+    for rank in mesh.devices:
+        got = held(v.shape, sharding, mesh, mesh.coords(rank))
+        if any(g is not None and g.numel() != w for g, w in zip(got, want)):
+            raise ShardingError(f"{v.describe()}: mesh axes {list(mesh.names)} split one of its axes over the same entries "
+                                f"({', '.join(map(str, sharding))}); a tensor axis is split by two mesh axes only along different factors")
+
+
 def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, source: Fusion, plan: str) -> ShardedFusion:
     """One ShardedFusion from per-axis passes run one after the other (``passes`` in run order:
     each pass sharded the previous one's fusion)."""
@@ -139,8 +150,7 @@ def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, sourc
             per_axis[axis] = placement_on(k, v.name)
         split_dims = [axis_split(p)[0] for p in per_axis if axis_split(p) is not None]
         if len(split_dims) != len(set(split_dims)):
-            raise ShardingError(f"{v.describe()}: two mesh axes split the same dimension ({', '.join(map(str, per_axis))}); "
-                                "nvtp splits a dimension over one mesh axis only")
+            _check_shared_axis(v, tuple(per_axis), mesh)
         shardings[v.name] = per_axis
     frozen = {k: tuple(p) for k, p in shardings.items()}
     set_steps: dict[str, ReshardStep] = {}
@@ -197,7 +207,8 @@ def shard_backward_mesh(backward: Fusion, forward: ShardedFusion, target: str = 
 
 
 def shard_pair_mesh(forward: Fusion, backward: Fusion | None, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
-                    fsdp: bool = False, target: str = "nvfuser") -> tuple[ShardedFusion, ShardedFusion | None, DataPlan]:
-    fwd, data = shard_mesh(forward, plan, mesh, fsdp=fsdp, target=target)
+                    fsdp: bool = False, target: str = "nvfuser", weights: Collection[str] | None = None
+                    ) -> tuple[ShardedFusion, ShardedFusion | None, DataPlan]:
+    fwd, data = shard_mesh(forward, plan, mesh, fsdp=fsdp, target=target, weights=weights)
     bwd = shard_backward_mesh(backward, fwd, target) if backward is not None else None
     return fwd, bwd, data

@@ -162,6 +162,44 @@ def local_indices(size: int, p: Placement, num_devices: int, position: int) -> t
     return (starts[:, None] + torch.arange(piece)[None, :]).reshape(-1)
 
 
+def held(shape: Sequence[int], sharding: Sequence[Placement], mesh: DeviceMesh, coords: Sequence[int],
+         skip: int | None = None) -> list[torch.Tensor | None]:
+    """Per tensor axis, the global indices (ascending) a rank at mesh ``coords`` holds under
+    ``sharding`` (None: all of them), leaving out mesh axis ``skip``. Two mesh axes may split one
+    tensor axis when they split different factors of it (the batch and the sequence of a
+    flattened ``[B*T, C]``): the rank holds the indices both give it."""
+    out: list[torch.Tensor | None] = [None] * len(shape)
+    for axis, p in enumerate(sharding):
+        split = axis_split(p)
+        if split is None or axis == skip:
+            continue
+        dim = split[0]
+        mine = local_indices(shape[dim], p, mesh.shape[axis], coords[axis])
+        out[dim] = mine if out[dim] is None else out[dim][torch.isin(out[dim], mine)]
+    return out
+
+
+def induced(p: Placement, dim_size: int, others: torch.Tensor | None, n: int) -> tuple[Placement, int]:
+    """A placement on one mesh axis as its process group sees the tensor axis, when other mesh axes
+    already split that tensor axis (``others``: the global indices they leave this rank): the
+    group's whole axis is ``others`` (its size is returned), and ``p``'s part of it is again a
+    ``Shard`` or a ``_StridedShard`` with fewer chunks."""
+    split = axis_split(p)
+    if others is None:
+        return p, dim_size
+    size = others.numel()
+    if split is None:
+        return p, size
+    dim, _ = split
+    mine = local_indices(dim_size, p, n, 0)
+    positions = torch.searchsorted(others, mine[torch.isin(mine, others)])
+    for k in range(1, size + 1):
+        q = make_shard(dim, k)
+        if size % k == 0 and (size // k) % n == 0 and torch.equal(local_indices(size, q, n, 0), positions):
+            return q, size
+    raise ValueError(f"placement {p} on an axis of {dim_size} that other mesh axes cut to {size} entries is no shard of them")
+
+
 def local_shape(shape: Sequence[int], sharding: Sequence[Placement], mesh: DeviceMesh) -> tuple[int, ...]:
     """The shape a rank holds: each split axis divided by the extent of the mesh axis splitting it."""
     out = list(shape)
