@@ -8,25 +8,29 @@ trace by splicing the dataflow graph: still ONE forward and ONE backward fusion,
 and runs as any other.
 
 How the splice finds a block (no model-specific names). Every op gets a *tag*, the block it
-belongs to, from the parameters it reads: in the forward the highest block index among the block
-parameters it depends on (-1: none, the embedding), in the backward the lowest among the block
-parameters and saved forward values it depends on (a saved value carries its forward tag; the
-incoming gradient and the other parameters carry none). Ops of one tag form a *region*. In the
-chain order of the computation (forward: -1, 0, 1, 2; backward: untagged and 2, then 1, 0, -1)
-the fusion is a head, units 1..K-1 (one per block but the last) and a tail (the last block, with
-the loss in the forward, the embedding's gradient in the backward). The units are the same
-computation on different data: the second unit is matched to the first op by op (same kind,
-arguments, relative parameter names) and checked value by value, which also says, for every use
-of a value from the region before (the previous block's carry: the residual stream, saved
-statistics) which value of the previous unit it becomes. The L-layer fusion is the head, L-1
-copies of the first unit (parameters renamed ``h.<i>...``; carries read from the copy before;
-backward inputs saved from the forward copy of the same block), and the tail, renamed.
+belongs to. In the forward: the highest block index among the block parameters it depends on
+(-1: none, the embedding; a random draw takes its consumers' block). In the backward: the highest
+block index among the parameter gradients it feeds (none: the embedding's gradient alone). Ops of
+one tag form a *region*. In the order of the computation (forward: -1, 0, 1, 2; backward: 2,
+1, 0, untagged) the fusion is a head, units 1..K-1 (one per block but one) and a tail (the last
+block and the loss in the forward; block 0's gradient pieces and the embedding's in the
+backward). The units are one computation on different data: the second unit is matched to the
+first op by op (same kind, arguments, parameter names relative to the block, saved inputs of the
+same forward value relative to the block) and checked value by value, which also says what each
+use of a value from outside the unit is: a carry from the unit before (the residual stream, the
+next layer norm's statistics) or a value every block reads (the causal mask). The L-layer fusion
+is the head, L-1 copies of the first unit (labels renamed ``h.<i>...``; carries read from the copy
+before; backward inputs saved from the forward copy of the same block), and the tail, with values
+renamed T0, T1, ... in op order (inputs first).
 
 Anything that does not fit (no repeated ModuleList, blocks that differ, a region that reads a
 block other than its neighbour, a unit whose second copy does not match the first) raises
 ``NotRepeatable`` with the reason; ``capture_regional`` then traces the whole model as before and
-says why in ``Captured.regional``. Assumed, not checked: the model's forward does not depend on the
-number of blocks other than by running them (a trace of 3 blocks computes what 3 of L compute).
+says why in ``Captured.regional``. Among those: a backward in which Thunder recomputes a forward
+value of one block and not of the others (the embedding recomputed for block 0 of a Llama-style
+model with RMSNorm; the residual stream recomputed for a residual block of one linear), so the
+blocks' backwards differ. Assumed, not checked: the model's forward does not depend on the number
+of blocks other than by running them (a trace of 3 blocks computes what 3 of L compute).
 """
 
 from __future__ import annotations
@@ -369,65 +373,40 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
     info: dict[str, ValueInfo] = {}
     where: dict[Any, str] = {}
 
-    def emit(op: Op, name_of: Callable[[Value], str], region: Any, built: int) -> None:
-        new_outs = tuple(_renamed(v, name_of(v)) for v in op.outputs)
-        ops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read(op, v))), new_outs))
-        for v, nv in zip(op.outputs, new_outs):
-            where[(v.name if region in ("head", "tail") else tid(v.name), built)] = nv.name
+    def emit(i: int, region: Any, built: int, read: Callable[[int, int, Value], str], suffix: str) -> None:
+        """Op ``i`` of ``region`` as block ``built``'s: operand ``pos`` renamed ``read(i, pos, value)``."""
+        op = f.ops[i]
+        pos = iter(range(len(op.operands)))
+        outs = tuple(_renamed(v, v.name + suffix) for v in op.outputs)
+        ops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read(i, next(pos), v))), outs))
+        for v, nv in zip(op.outputs, outs):
+            where[(v.name, built)] = nv.name
             old = f.info.get(v.name)
             if old is not None:
                 src = source_name(old.source, built, ch.traced_index[region]) if (source_name and old.source) else old.source
                 info[nv.name] = ValueInfo(old.role, built_label(old.label, region, built), src,
                                           built_label(old.grad_of, region, built) if old.grad_of else "")
 
-    copy_no = 0
-
-    def read(op: Op, v: Value) -> str:
-        r = ch.region[ch.producer[v.name]]
-        if r in ("head", "tail"):
-            return v.name
-        if reading_tail:
-            return f"{tid(v.name)}#{layers - 1}"
-        if r == 1:
-            return f"{v.name}#{copy_no}"
-        raise AssertionError("unreachable")  # a copy reads only the first unit's values and the head (checked above)
-
-    reading_tail = False
     for i in ch.ops_of.get("head", []):
-        emit(f.ops[i], lambda v: v.name, "head", ch.built_index("head"))
-    template = ch.ops_of[1]
-    for copy_no in range(1, layers):
-        built = ch.built_index(("copy", copy_no))
-        for i in template:
-            op = f.ops[i]
-            if copy_no > 1:  # the copy before gives the carries
-                vals = _walk_values(op.args)
-                subst = {}
-                for pos, v in enumerate(vals):
-                    rec = use.get((i, pos))
-                    if rec is not None:
-                        subst[pos] = f"{rec[1]}#{copy_no - 1}" if rec[0] == "carry" else rec[1]
-                counter = iter(range(len(vals)))
+        emit(i, "head", ch.built_index("head"), lambda i, pos, v: v.name, "")
+    for c in range(1, layers):  # copy c of the first unit; from the second on, the copy before gives the carries
+        def read(i: int, pos: int, v: Value, c: int = c) -> str:
+            if ch.region[ch.producer[v.name]] == 1:
+                return f"{v.name}#{c}"
+            rec = use.get((i, pos)) if c > 1 else None
+            if rec is None:
+                return v.name  # the head's value, as traced
+            return f"{rec[1]}#{c - 1}" if rec[0] == "carry" else rec[1]
 
-                def fix(v: Value, subst=subst, counter=counter) -> Value:
-                    pos = next(counter)
-                    if pos in subst:
-                        return _renamed(v, subst[pos])
-                    return _renamed(v, f"{v.name}#{copy_no}")
-                new_outs = tuple(_renamed(v, f"{v.name}#{copy_no}") for v in op.outputs)
-                ops.append(Op(op.kind, _map_args(op.args, fix), new_outs))
-                for v, nv in zip(op.outputs, new_outs):
-                    where[(v.name, built)] = nv.name
-                    old = f.info.get(v.name)
-                    if old is not None:
-                        src = source_name(old.source, built, ch.traced_index[1]) if (source_name and old.source) else old.source
-                        info[nv.name] = ValueInfo(old.role, built_label(old.label, 1, built), src,
-                                                  built_label(old.grad_of, 1, built) if old.grad_of else "")
-            else:
-                emit(op, lambda v: f"{v.name}#1", 1, built)
-    reading_tail = True
+        for i in ch.ops_of[1]:
+            emit(i, 1, ch.built_index(("copy", c)), read, f"#{c}")
+
+    def read_tail(i: int, pos: int, v: Value) -> str:
+        r = ch.region[ch.producer[v.name]]
+        return v.name if r in ("head", "tail") else f"{tid(v.name)}#{layers - 1}"  # the last copy's (checked above)
+
     for i in ch.ops_of.get("tail", []):
-        emit(f.ops[i], lambda v: v.name, "tail", ch.built_index("tail"))
+        emit(i, "tail", ch.built_index("tail"), read_tail, "")
 
     outs: list[Value] = []
     for v in f.outputs:
