@@ -423,6 +423,8 @@ class _FunctionReader:
                     raise self.fail(arg, f"DeviceMesh {_snippet(arg.args[0])} repeats a device")
                 return tuple(rows)
         else:
+            if isinstance(arg, ast.Call):
+                raise self.fail(arg, f"DeviceMesh({_snippet(arg)}): nvtp reads a mesh written {form}")
             devices = self.expr(arg)
             if isinstance(devices, (list, tuple)) and any(isinstance(d, (list, tuple)) for d in devices):
                 raise self.fail(arg, f"nvFuser's DeviceMesh refuses a nested list; write a 2-D mesh as {form}")

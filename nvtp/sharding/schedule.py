@@ -192,12 +192,54 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
                 if v.name in scattered[a]:  # a reduce-scatter's destination split, beside its split reduction axis
                     dim, sf = scattered[a][v.name]
                     splits.append((loop_axes(op, r).index(("dim", dim)), sf, a))
-            taken = [axis for axis, _, _ in splits]
-            if len(taken) != len(set(taken)):
-                raise ScheduleError(f"{v.describe()}: two mesh axes split the same loop axis ({sharded.sharding(v.name)}); "
-                                    "nvtp splits a dimension over one mesh axis only")
-            for axis, split, a in sorted(splits, reverse=True):  # the later loop axis first: the earlier one's index stays put
-                steps.extend(_split_steps(v.name, axis, split, mesh.shape[a], ptypes[a]))
+            extents = loop_extents(None if op.kind == "define_tensor" else op, r, v)
+            for axis in sorted({axis for axis, _, _ in splits}, reverse=True):  # the later loop axis first: the earlier ones' indices stay put
+                on_axis = [(sf, mesh.shape[a], ptypes[a]) for x, sf, a in splits if x == axis]
+                steps.extend(_nested_split_steps(v, axis, extents[axis], on_axis, sharded.sharding(v.name)))
+    return steps
+
+
+def loop_extents(op: Op | None, result: int, v: TensorValue) -> list[int]:
+    """The extent of each axis of ``loop_axes`` (``op`` None: an input, its logical axes)."""
+    if op is None:
+        return list(v.shape)
+    sizes = []
+    for kind, j in loop_axes(op, result):
+        # a reduction axis: axis j of the first operand (for a matmul its last, contracted axis)
+        sizes.append(v.shape[j] if kind == "dim" else tensor_operands(op)[0].shape[j])
+    return sizes
+
+
+def _nested_split_steps(v: TensorValue, axis: int, extent: int, splits: list[tuple[int, int, str]], sharding) -> list[ScheduleStep]:
+    """Outer splits of loop axis ``axis`` (of ``extent``) for each mesh axis that splits it,
+    ``splits`` holding (split factor, mesh extent, parallel type) each.
+
+    A mesh axis with split factor k over d devices cuts the loop axis as ``[k, d, rest]`` and owns
+    the middle digit. When several mesh axes split one loop axis (the batch and the sequence of a
+    flattened ``[B*T, C]``: dp ``Shard(0)``, tp ``_StridedShard(0, B)``) each must own a different
+    digit of one mixed-radix chain, outermost first; nvFuser then holds ``[dp, tp, rest]`` with
+    each digit parallelized by its axis. On one mesh axis this is ``_split_steps``."""
+    name = v.name
+    if len(splits) == 1:
+        sf, d, ptype = splits[0]
+        return _split_steps(name, axis, sf, d, ptype)
+    spans = []
+    for sf, d, ptype in splits:
+        if sf <= 0 or extent % sf or (extent // sf) % d:
+            raise ScheduleError(f"{v.describe()}: loop axis {axis} of extent {extent} cannot be split by {sf} and then over {d} devices ({sharding})")
+        hi = extent // sf  # the stride above this mesh axis's digit; hi // d below it
+        spans.append((hi, hi // d, d, ptype))
+    steps: list[ScheduleStep] = []
+    current, pos = extent, axis
+    for hi, lo, d, ptype in sorted(spans, key=lambda s: (-s[0], -s[1])):
+        if hi > current or current % hi:
+            raise ScheduleError(f"{v.describe()}: mesh axes split loop axis {axis} over the same entries ({sharding}); "
+                                "two mesh axes may split one axis only along different factors of it")
+        if hi < current:  # the digits between the previous mesh axis's and this one's stay on each device
+            steps.append(ScheduleStep(name, "split", (pos, current // hi, False)))
+            pos += 1
+        steps += [ScheduleStep(name, "split", (pos, d, False)), ScheduleStep(name, "parallelize", (pos, ptype))]
+        pos, current = pos + 1, lo
     return steps
 
 
@@ -231,14 +273,9 @@ def shardings_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple[
         if name not in loops:
             op = producers[name]
             v = values[name]
-            axes = loop_axes(op, op.outputs.index(v)) if op.kind != "define_tensor" else [("dim", i) for i in range(v.ndim)]
-            sizes = []
-            for kind, j in axes:
-                if kind == "dim":
-                    sizes.append(v.shape[j])
-                else:
-                    sizes.append(tensor_operands(op)[0].shape[j])  # j: the reduced axis of the first operand (its last, contracted)
-            loops[name] = [_LoopAxis(a, 1, n) for a, n in zip(axes, sizes)]
+            source = op if op.kind != "define_tensor" else None
+            axes = loop_axes(op, op.outputs.index(v)) if source is not None else [("dim", i) for i in range(v.ndim)]
+            loops[name] = [_LoopAxis(a, 1, n) for a, n in zip(axes, loop_extents(source, op.outputs.index(v), v))]
         return loops[name]
 
     for step in steps:
