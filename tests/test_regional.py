@@ -168,3 +168,36 @@ def test_a_chain_of_blocks_that_only_looks_alike_is_spliced_and_computes_the_who
     assert torch.allclose(values[output_value(got.forward)], want, rtol=1e-6)
     for name, p in net.named_parameters():
         assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.slow  # two traces (3 blocks, then 4): about 25 s
+def test_a_llama_whose_block_0_backward_differs_is_spliced_from_4_blocks_and_matches_eager():
+    """Thunder recomputes the embedding for block 0's backward (RMSNorm's input) and saves the
+    other blocks' inputs: block 0's backward is kept whole, blocks 1..L-2 spliced."""
+    from tests.blocks import LlamaBlock, RMSNorm
+
+    class Llama(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.emb = torch.nn.Embedding(256, 64)
+            self.layers = torch.nn.ModuleList(LlamaBlock() for _ in range(n))
+            self.norm, self.head = RMSNorm(64), torch.nn.Linear(64, 256, bias=False)
+
+        def forward(self, idx, tgt):
+            x = self.emb(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return torch.nn.functional.cross_entropy(self.head(self.norm(x)).view(-1, 256), tgt.view(-1))
+
+    torch.manual_seed(0)
+    net = Llama(6)
+    idx, tgt = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    got = regional.capture_regional(_meta_copy(net), idx.to("meta"), tgt.to("meta"))
+    assert got.regional.startswith("spliced: 6 blocks of layers from a trace of 4; block 0's backward kept whole"), got.regional
+    named = dict(net.named_parameters()) | dict(net.named_buffers()) | {"idx": idx, "tgt": tgt}
+    values, grads = run_pair(got.forward, got.backward, named, torch.ones(()), lambda f, inputs: reference.run(f, inputs))
+    want = net(idx, tgt)
+    want.backward()
+    assert torch.allclose(values[output_value(got.forward)], want, rtol=1e-6)
+    for name, p in net.named_parameters():
+        assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-4, atol=1e-7), name

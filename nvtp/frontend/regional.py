@@ -26,10 +26,11 @@ renamed T0, T1, ... in op order (inputs first).
 Anything that does not fit (no repeated ModuleList, blocks that differ, a region that reads a
 block other than its neighbour, a unit whose second copy does not match the first) raises
 ``NotRepeatable`` with the reason; ``capture_regional`` then traces the whole model as before and
-says why in ``Captured.regional``. Among those: a backward in which Thunder recomputes a forward
-value of one block and not of the others (the embedding recomputed for block 0 of a Llama-style
-model with RMSNorm; the residual stream recomputed for a residual block of one linear), so the
-blocks' backwards differ. Assumed, not checked: the model's forward does not depend on the number
+says why in ``Captured.regional``. When only block 0's backward differs (Thunder recomputes the
+embedding for a Llama-style block 0 whose RMSNorm needs its input, and saves the other blocks'
+inputs), the model is traced again at 4 blocks and block 0's backward kept whole in the tail.
+Still traced whole: a backward that recomputes the residual stream through every block (a
+residual block of one linear and a GELU), whose recomputation is a chain of its own. Assumed, not checked: the model's forward does not depend on the number
 of blocks other than by running them (a trace of 3 blocks computes what 3 of L compute).
 """
 
@@ -165,6 +166,8 @@ class _Chain:
     producer: dict[str, int]
     traced_index: dict[Any, int]  # region -> the block index its labels are relative to, as traced
     built_index: Callable[[Any], int]  # region (or ("copy", k)) -> that block index in the L-layer fusion
+    units: int  # units traced (chain order 1..units)
+    copies: int  # copies of the first unit built
 
 
 def _ancestor_tags(f: Fusion, seed: Callable[[Op], int | None]) -> dict[str, int | None]:
@@ -222,8 +225,11 @@ def _descendant_tags(f: Fusion, seed: Callable[[str], int | None]) -> dict[str, 
     return tag
 
 
-def _chain(f: Fusion, tag: dict[str, int | None], forward: bool, traced: int, layers: int) -> _Chain:
+def _chain(f: Fusion, tag: dict[str, int | None], forward: bool, traced: int, layers: int, first_in_tail: bool = False) -> _Chain:
+    """Cut ``f`` into head, units and tail by ``tag``. ``first_in_tail`` (backward only): block 0
+    joins the tail, for a backward whose block 0 is unlike the others (Thunder recomputes its input)."""
     k = traced
+    low = 1 if first_in_tail else 0  # the lowest block that is a unit
     region: dict[int, Any] = {}
     for i, op in enumerate(f.ops):
         t = tag[op.outputs[0].name] if op.outputs else None
@@ -231,7 +237,7 @@ def _chain(f: Fusion, tag: dict[str, int | None], forward: bool, traced: int, la
             t = -1 if t is None else t
             region[i] = "head" if t == -1 else "tail" if t == k - 1 else t + 1
         else:
-            region[i] = "tail" if t is None else "head" if t == k - 1 else k - 1 - t
+            region[i] = "tail" if t is None or t < low else "head" if t == k - 1 else k - 1 - t
     ops_of: dict[Any, list[int]] = {}
     for i, r in region.items():
         ops_of.setdefault(r, []).append(i)
@@ -242,11 +248,12 @@ def _chain(f: Fusion, tag: dict[str, int | None], forward: bool, traced: int, la
         def built(r):
             return -1 if r == "head" else layers - 1 if r == "tail" else r[1] - 1
     else:
-        traced_index = {"head": k - 1, "tail": -1} | {j: k - 1 - j for j in range(1, k)}
+        traced_index = {"head": k - 1, "tail": low - 1} | {j: k - 1 - j for j in range(1, k - low)}
 
         def built(r):
-            return layers - 1 if r == "head" else -1 if r == "tail" else layers - 1 - r[1]
-    return _Chain(f, region, ops_of, producer, traced_index, built)
+            return layers - 1 if r == "head" else low - 1 if r == "tail" else layers - 1 - r[1]
+    units = k - 1 - (0 if forward else low)
+    return _Chain(f, region, ops_of, producer, traced_index, built, units, layers - 1 - (0 if forward else low))
 
 
 def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Callable[[str, int], Any] | None,
@@ -273,7 +280,9 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
         return (info.role, rel_label(info.label, region), rel_label(info.grad_of, region) if info.grad_of else "", src)
 
     # 1. match every later unit to the first, op by op
-    units = list(range(1, k))
+    units = list(range(1, ch.units + 1))
+    if len(units) < 2:
+        raise NotRepeatable(f"the {what} has {len(units)} block(s) to match, not 2")
     if any(u not in ch.ops_of for u in units):
         raise NotRepeatable(f"the {what} has no ops of some block: the blocks do not each compute something")
 
@@ -351,7 +360,7 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
                 if rec is not None:
                     if use.setdefault((p, pos), rec) != rec:
                         raise NotRepeatable(f"the {what}'s blocks read different values at `{f.ops[p]}`")
-    last = k - 1
+    last = ch.units
     for i in ch.ops_of.get("tail", []):
         for a in f.ops[i].operands:
             r = ch.region[ch.producer[a.name]]
@@ -389,7 +398,7 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
 
     for i in ch.ops_of.get("head", []):
         emit(i, "head", ch.built_index("head"), lambda i, pos, v: v.name, "")
-    for c in range(1, layers):  # copy c of the first unit; from the second on, the copy before gives the carries
+    for c in range(1, ch.copies + 1):  # copy c of the first unit; from the second on, the copy before gives the carries
         def read(i: int, pos: int, v: Value, c: int = c) -> str:
             if ch.region[ch.producer[v.name]] == 1:
                 return f"{v.name}#{c}"
@@ -403,7 +412,7 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
 
     def read_tail(i: int, pos: int, v: Value) -> str:
         r = ch.region[ch.producer[v.name]]
-        return v.name if r in ("head", "tail") else f"{tid(v.name)}#{layers - 1}"  # the last copy's (checked above)
+        return v.name if r in ("head", "tail") else f"{tid(v.name)}#{ch.copies}"  # the last copy's (checked above)
 
     for i in ch.ops_of.get("tail", []):
         emit(i, "tail", ch.built_index("tail"), read_tail, "")
@@ -414,7 +423,7 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
         if r in ("head", "tail"):
             outs.append(v)
         elif r == 1:
-            outs.extend(_renamed(v, f"{v.name}#{c}") for c in range(1, layers))
+            outs.extend(_renamed(v, f"{v.name}#{c}") for c in range(1, ch.copies + 1))
     # The head's values that are "block -1's" copies of first-unit values: those the first block reads
     # as carries, and up from them the ops alike on both sides (the layer norm statistics of the
     # embedding that the backward of block 0 reads as the backward of block 1 reads those of block 0's output).
@@ -453,11 +462,15 @@ def _canonical(name: str, ops: list[Op], outputs: list[Value], info: dict[str, V
     return replace(base, ops=new_ops, outputs=tuple(fix(v) for v in outputs), info=new_info), rename
 
 
-def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, layers: int) -> tuple[Fusion, Fusion | None]:
+def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, layers: int,
+           first_in_tail: bool = False) -> tuple[Fusion, Fusion | None]:
     """The fusions of the model with ``layers`` blocks, from those traced with ``traced`` blocks
-    (see the module docstring). Raises ``NotRepeatable`` when the trace is not a repeated block."""
-    if traced < 3 or layers < 2:
-        raise NotRepeatable(f"splicing needs a trace of 3 or more blocks and 2 or more layers (got {traced}, {layers})")
+    (see the module docstring). ``first_in_tail``: the backward of block 0 is not spliced but kept
+    whole in the tail (it needs a trace of 4 blocks: two others to match). Raises ``NotRepeatable``
+    when the trace is not a repeated block."""
+    need = 4 if first_in_tail else 3
+    if traced < need or layers < need - 1:
+        raise NotRepeatable(f"splicing needs a trace of {need} or more blocks and {need - 1} or more layers (got {traced}, {layers})")
 
     def param_block(f: Fusion) -> Callable[[Op], int | None]:
         def seed(op: Op) -> int | None:
@@ -505,7 +518,7 @@ def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, l
 
     bseed = param_grad_block(backward)
     btag = _descendant_tags(backward, bseed)
-    bch = _chain(backward, btag, False, traced, layers)
+    bch = _chain(backward, btag, False, traced, layers, first_in_tail)
     bops, bouts, binfo, _, _ = _splice(bch, prefix, layers, traced, source_key, source_name, "backward")
     bwd, _ = _canonical(backward.name, bops, bouts, binfo, backward)
     return fwd, bwd
@@ -526,18 +539,30 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
     if rep.count <= traced:
         return replace(capture(module, *args, **kwargs), regional=f"whole trace: {rep.count} blocks in {rep.prefix}, no more than the {traced} a splice traces")
     start = time.perf_counter()
-    try:
-        part = capture(truncated(module, rep.prefix, traced), *args, **kwargs)
-        fwd, bwd = splice(part.forward, part.backward, rep.prefix, traced, rep.count)
-        verify(fwd)  # a splice that broke the graph is nvtp's bug: say so here, not in a pass later
-        if bwd is not None:
-            verify(bwd)
-    except NotRepeatable as e:
-        reason = f"whole trace: {e}"
-    except Exception as e:  # noqa: BLE001 - the cut model may not trace (e.g. a forward indexing block n-1): trace it whole
-        reason = f"whole trace: the model cut to {traced} blocks of {rep.prefix} did not trace ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    else:
-        seconds = time.perf_counter() - start
-        return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds,
-                       regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {traced} ({seconds:.1f} s)")
+    reasons = []
+    # Block 0's backward may differ from the others' (Thunder recomputes the embedding for it): then
+    # trace a 4th block and keep block 0's backward whole.
+    for blocks, first_in_tail in ((traced, False), (traced + 1, True)):
+        if blocks >= rep.count:
+            break
+        try:
+            part = capture(truncated(module, rep.prefix, blocks), *args, **kwargs)
+            fwd, bwd = splice(part.forward, part.backward, rep.prefix, blocks, rep.count, first_in_tail)
+        except NotRepeatable as e:
+            reasons.append(str(e))
+            if not str(e).startswith("the backward"):
+                break
+        except Exception as e:  # noqa: BLE001 - the cut model may not trace (e.g. a forward indexing block n-1): trace it whole
+            reasons.append(f"the model cut to {blocks} blocks of {rep.prefix} did not trace ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})")
+            break
+        else:
+            verify(fwd)  # a splice that broke the graph is nvtp's bug: say so here, not in a pass later
+            if bwd is not None:
+                verify(bwd)
+            seconds = time.perf_counter() - start
+            kept = "; block 0's backward kept whole" if first_in_tail else ""
+            return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds,
+                           regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {blocks}{kept} ({seconds:.1f} s)")
+    reason = "whole trace: " + "; with a 4th block: ".join(reasons)
     return replace(capture(module, *args, **kwargs), regional=reason)
