@@ -256,7 +256,7 @@ def _chain(f: Fusion, tag: dict[str, int | None], forward: bool, traced: int, la
     return _Chain(f, region, ops_of, producer, traced_index, built, units, layers - 1 - (0 if forward else low))
 
 
-def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Callable[[str, int], Any] | None,
+def _splice(ch: _Chain, prefix: str, source_key: Callable[[str, int], Any] | None,
             source_name: Callable[[str, int, int], str] | None, what: str) -> tuple[list[Op], list[Value], dict[str, ValueInfo], dict[Any, str]]:
     """Build the L-layer op list of one fusion (built names, not yet canonical). Returns the ops,
     the outputs, the info, ``where``: (traced value name, built block index) -> built name, for
@@ -264,7 +264,6 @@ def _splice(ch: _Chain, prefix: str, layers: int, traced: int, source_key: Calla
     first unit's value it is a copy of (itself outside the units)."""
     f = ch.fusion
     outputs = {v.name for v in f.outputs}
-    k = traced
 
     def rel_label(label: str, region: Any) -> tuple:
         found = _block_index(label, prefix)
@@ -488,7 +487,7 @@ def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, l
 
     ftag = _random_to_consumers(forward, _ancestor_tags(forward, param_block(forward)))
     fch = _chain(forward, ftag, True, traced, layers)
-    fops, fouts, finfo, fwhere, ftid = _splice(fch, prefix, layers, traced, None, None, "forward")
+    fops, fouts, finfo, fwhere, ftid = _splice(fch, prefix, None, None, "forward")
     fwd, frename = _canonical(forward.name, fops, fouts, finfo, forward)
     if backward is None:
         return fwd, None
@@ -519,7 +518,7 @@ def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, l
     bseed = param_grad_block(backward)
     btag = _descendant_tags(backward, bseed)
     bch = _chain(backward, btag, False, traced, layers, first_in_tail)
-    bops, bouts, binfo, _, _ = _splice(bch, prefix, layers, traced, source_key, source_name, "backward")
+    bops, bouts, binfo, _, _ = _splice(bch, prefix, source_key, source_name, "backward")
     bwd, _ = _canonical(backward.name, bops, bouts, binfo, backward)
     return fwd, bwd
 
