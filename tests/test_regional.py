@@ -25,6 +25,26 @@ def _kinds(f):
     return collections.Counter(op.kind for op in f.ops)
 
 
+def _structure(f, forward_hashes=None) -> tuple[collections.Counter, dict]:
+    """Every value of ``f`` as a hash of how it is computed from the labelled inputs (its kind,
+    literal arguments and operands' hashes, recursively; a saved input as its forward value's
+    hash): equal multisets mean the same dataflow graph, whatever the names and op order."""
+    from nvtp.ir.graph import defines_input, is_value
+
+    h: dict[str, int] = {}
+    for op in f.ops:
+        if defines_input(op):
+            info = f.info[op.outputs[0].name]
+            key = ("saved", forward_hashes[info.source]) if info.role == "saved" else (info.role, info.label, op.outputs[0].shape)
+        else:
+            key = (op.kind, repr(tuple((n, h[a.name] if is_value(a) else tuple(h[x.name] if is_value(x) else x for x in a)
+                                        if isinstance(a, tuple) else a) for n, a in op.args)))
+        for j, v in enumerate(op.outputs):
+            h[v.name] = hash((key, j))
+    outs = collections.Counter((h[v.name], f.role(v.name), f.label(v.name) if f.role(v.name) != "saved" else "") for v in f.outputs)
+    return collections.Counter(h.values()) + outs, h
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = gpt.config("tiny", n_layer=LAYERS, dropout=0.1)  # training mode: every block draws its own dropout masks
@@ -40,6 +60,9 @@ def tiny():
 def test_spliced_fusions_equal_a_whole_trace(tiny):
     model, idx, tgt, whole, spliced = tiny
     assert spliced.regional.startswith(f"spliced: {LAYERS} blocks of h from a trace of 3"), spliced.regional
+    (mine_f, my_hashes), (want_f, hashes) = _structure(spliced.forward), _structure(whole.forward)
+    assert mine_f == want_f  # the same graph, value for value, outputs included
+    assert _structure(spliced.backward, my_hashes)[0] == _structure(whole.backward, hashes)[0]
     for mine, want in ((spliced.forward, whole.forward), (spliced.backward, whole.backward)):
         assert _kinds(mine) == _kinds(want)
         roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values())  # noqa: E731
