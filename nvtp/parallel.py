@@ -242,8 +242,6 @@ class ShardedModule(torch.nn.Module):
 
     def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
         names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
-        if self.mesh.ndim > 1:
-            self._check_batches(args, kwargs or {})
         meta_args = [torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
                      if isinstance(a, torch.Tensor) else a for a in args]
         self._meta.train(self.module.training)
@@ -406,6 +404,8 @@ class ShardedModule(torch.nn.Module):
         if kwargs and not self._fx:  # model(idx, targets=t): the thunder.jit route takes positions
             args = _positional(self.module, args, kwargs)
             kwargs = {}
+        if self.mesh.ndim > 1 and self._signature(args, kwargs) not in self._compiled:
+            self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
         self.last = compiled
         params = dict(self.module.named_parameters())

@@ -135,7 +135,7 @@ def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, sourc
 
     def placement_on(k: int, name: str) -> Placement:
         _, s = passes[k]
-        if name in s.shardings:
+        if name in s.shardings and name in s.fusion.values:  # (a pass's shardings may keep names its fusion dropped)
             return s.shardings[name][0]
         op = producers.get(name)  # a set a later pass inserted: an identity on this axis
         if op is None or op.kind != "set":
