@@ -94,8 +94,11 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("kind,plan,fsdp", [
-    ("gpt", "megatron", False), ("gpt", "megatron-sp", True), ("llama", "megatron", True), ("llama", "megatron-sp", False)])
+@pytest.mark.parametrize("kind,plan,fsdp", [  # four processes each: one in the default tier (the simulated tests below cover every plan)
+    ("gpt", "megatron-sp", True),
+    pytest.param("gpt", "megatron", False, marks=pytest.mark.slow),
+    pytest.param("llama", "megatron", True, marks=pytest.mark.slow),
+    pytest.param("llama", "megatron-sp", False, marks=pytest.mark.slow)])
 def test_2d_mesh_trains_like_one_process_on_the_whole_batch(tmp_path, kind, plan, fsdp):
     out = tmp_path / "got.pt"
     assert spawn(_worker, DP * TP, str(out), kind, plan, fsdp) == [0] * (DP * TP)
