@@ -46,16 +46,22 @@ def _loss(model, kind: str, step: int, dp_rank: int | None) -> torch.Tensor:
     return model(_activations(step, dp_rank)).square().mean()
 
 
-def _eager(kind: str) -> dict:
-    model = _model(kind)
+def _train(model, kind: str, dp_rank: int | None) -> list[torch.Tensor]:
+    """STEPS steps of SGD with momentum on ``dp_rank``'s batches (None: the whole batch); the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9)
     losses = []
     for step in range(STEPS):
-        loss = _loss(model, kind, step, None)
+        loss = _loss(model, kind, step, dp_rank)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _eager(kind: str) -> dict:
+    model = _model(kind)
+    losses = [loss.item() for loss in _train(model, kind, None)]
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -69,16 +75,10 @@ def _worker(rank, world, init_method, out, kind, plan, fsdp):
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model = nvtp.jit(_model(kind), plan=plan, mesh=mesh, fsdp=fsdp)
-    opt = torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9)
     losses = []
-    for step in range(STEPS):
-        loss = _loss(model, kind, step, dp_rank)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()  # each dp rank's loss is over its own batch: log their mean, as DDP users do
-        dist.all_reduce(mean, group=mesh.get_group("dp"))
-        losses.append(mean.item() / DP)
+    for loss in _train(model, kind, dp_rank):  # each dp rank's loss is over its own batch: log their mean, as DDP users do
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        losses.append(loss.item() / DP)
     plain = [n for n, p in model.module.named_parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
     assert not plain, f"parameters left plain tensors: {plain}"
     held = {n: (p.to_local().numel(), p.numel(), [type(q).__name__ for q in p.placements]) for n, p in model.module.named_parameters()}
@@ -134,20 +134,7 @@ def _simulated(kind: str, plan: str, fsdp: bool) -> dict:
     for m in ranks[1:]:
         m.share_compiled(ranks[0])
 
-    def train(r: int) -> list[float]:
-        m = ranks[r]
-        dp_rank = mesh.coords(r)[0]
-        opt = torch.optim.SGD(m.parameters(), lr=LR * 10, momentum=0.9)
-        out = []
-        for step in range(STEPS):
-            loss = _loss(m, kind, step, dp_rank)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
-
-    losses = on_threads(train, threads)
+    losses = on_threads(lambda r: [loss.item() for loss in _train(ranks[r], kind, mesh.coords(r)[0])], threads)
     per_step = [sum(losses[r][s] for r in range(0, DP * TP, TP)) / DP for s in range(STEPS)]  # the dp ranks' mean
     params = {}
     for name, _ in base.named_parameters():
