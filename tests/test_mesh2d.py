@@ -202,6 +202,8 @@ def test_mesh_names_fsdp_without_dp_and_undividable_batches_are_refused():
 
     with pytest.raises(ShardingError, match=r"axes named \('dp', 'tp'\).*got \['data', 'model'\]"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((1, 1), ("data", "model")))
+    with pytest.raises(ShardingError, match=r"the mesh has 4 device\(s\) but torch.distributed is not initialized"):
+        nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((DP, TP), ("dp", "tp")))  # a mesh unlike the world: one process
     with pytest.raises(ShardingError, match="fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_size(1), fsdp=True)
     captured = capture(_model("llama"), torch.randn(3, CFG.seq_len, 64))  # a dump's batch of 3 on dp = 2
