@@ -225,6 +225,12 @@ def cmd_demo(args) -> int:
             print(f"nvtp demo: --model {args.model} needs transformers, which is not installed; run `uv sync` (the dev group "
                   "installs it) or `pip install nvtp[hf]`", file=sys.stderr)
             return EXIT_BAD_INPUT
+    from nvtp.dump.mesh import check_mesh_options
+
+    # --mesh with --devices, a bad spelling, --fsdp without --mesh: refused here (exit 3).
+    args.mesh_shape = check_mesh_options(args.devices, args.mesh, args.fsdp)
+    if args.devices is None and args.mesh_shape is None:
+        args.devices = 4
     from nvtp import demo
 
     return demo.main(args)
@@ -282,7 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(fn=fn)
 
     m = sub.add_parser("demo", help="the main job: train a small GPT (or --model llama: a transformers model) sharded over a local CPU mesh, checked against one process")
-    m.add_argument("--devices", type=_positive_int, default=4, help="processes in the local mesh (default 4)")
+    m.add_argument("--devices", type=_positive_int, default=None, help="processes in the local 1-D mesh (default 4)")
+    m.add_argument("--mesh", default=None, metavar="DPxTP",
+                   help="a local 2-D mesh (dp, tp) of DP*TP processes instead, e.g. 2x2: the plan on tp, each dp rank "
+                        "training on its part of the batch (DDP), checked against one process on the whole batch")
+    m.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)
     m.add_argument("--config", default="tiny", choices=["tiny"], help="nvtp's GPT's config (with --model nanogpt)")

@@ -37,6 +37,8 @@ class TrainJob:
     log_every: int = 1  # ... every this many steps
     inject_fault: tuple[int, int, str] | None = None  # (rank, step, "kill" | "raise" | "hang"): for tests of failure handling
     model: str = "nanogpt"  # nvtp's GPT (with ``config``), or a small Hugging Face causal LM: llama, gpt2, mistral, qwen2
+    mesh: tuple[int, int] | None = None  # (dp, tp): a 2-D mesh, each dp rank training on its own part of every batch
+    fsdp: bool = False  # with ``mesh``: the weights split over dp too (ZeRO-3)
 
 
 def build_model(job: TrainJob) -> torch.nn.Module:
@@ -62,6 +64,22 @@ def batch(job: TrainJob, step: int) -> tuple[tuple, dict]:
 
     idx = hf.batch(step)
     return (idx,), {"labels": idx}
+
+
+def dp_part(args: tuple, kwargs: dict, dp_rank: int, dp: int) -> tuple[tuple, dict]:
+    """dp rank ``dp_rank``'s rows of a step's batch (DDP's convention: each rank passes its own)."""
+    def part(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        rows = a.shape[0] // dp
+        return a[dp_rank * rows:(dp_rank + 1) * rows].contiguous()
+
+    return tuple(part(a) for a in args), {k: part(a) for k, a in kwargs.items()}
+
+
+def batch_size(job: TrainJob) -> int:
+    args, _ = batch(job, 0)
+    return args[0].shape[0]
 
 
 def loss_of(out) -> torch.Tensor:
@@ -142,9 +160,23 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
     if world > 1:
         init_group(rank, world, init_method, job.timeout)
     try:
-        model = nvtp.jit(build_model(job), plan=job.plan, timeout=job.timeout)
+        mesh, dp_rank = None, 0
+        if job.mesh is not None:  # torch's 2-D DeviceMesh: one process group per axis
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from nvtp.execute.launch import _quiet_stdout
+
+            with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every group
+                mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=("dp", "tp"))
+            dp_rank = mesh.get_local_rank("dp")
+        model = nvtp.jit(build_model(job), plan=job.plan, mesh=mesh, fsdp=job.fsdp, timeout=job.timeout)
         whole_bytes = sum(p.nbytes for p in model.parameters())
-        args, kwargs = batch(job, 0)
+
+        def step_batch(step: int) -> tuple[tuple, dict]:
+            args, kwargs = batch(job, step)
+            return (args, kwargs) if job.mesh is None else dp_part(args, kwargs, dp_rank, job.mesh[0])
+
+        args, kwargs = step_batch(0)
         start = time.perf_counter()
         model.compile(*args, **kwargs)
         compile_s = time.perf_counter() - start
@@ -160,12 +192,19 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
                   f"in {compile_s:.1f} s", flush=True)
             for note in fwd.annotations.notes:
                 print(f"     {note}")
-            print(f"   each rank holds {_mib(held)} of the {_mib(whole_bytes)} of parameters")
+            for note in model.notes:  # what the data plan left whole (fsdp: a bias tp splits)
+                print(f"     {note}")
+            share = "" if job.mesh is None else f" (1/{job.mesh[1] * (job.mesh[0] if job.fsdp else 1)} of each weight split " + (
+                "over tp and dp)" if job.fsdp else "over tp)")
+            print(f"   each rank holds {_mib(held)} of the {_mib(whole_bytes)} of parameters{share}")
+            axes = [None] if job.mesh is None else ["tp", "dp"]
             for name, s in (("forward", fwd), ("backward", bwd)):
-                comms = s.communications
-                kinds = sorted({c.kind for c in comms})
-                summary = ", ".join(f"{sum(c.kind == k for c in comms)} {k}" for k in kinds) or "none"
-                print(f"   {name}: {summary}; {_mib(sum(c.bytes for c in comms))} sent per rank per step")
+                for axis in axes:
+                    comms = [c for c in s.communications if axis is None or s.mesh.names[c.axis] == axis]
+                    kinds = sorted({c.kind for c in comms})
+                    summary = ", ".join(f"{sum(c.kind == k for c in comms)} {k}" for k in kinds) or "none"
+                    where = "" if axis is None else f" on {axis}"
+                    print(f"   {name}{where}: {summary}; {_mib(sum(c.bytes for c in comms))} sent per rank per step")
             print(f"2. training {job.steps} steps ({type(opt).__name__}, lr {job.lr}) on {world} processes (gloo):", flush=True)
         first = 0
         if job.load_dir:
@@ -179,7 +218,7 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
         losses, times = [], []
         for step in range(first, job.steps):
             _inject(job, rank, step)
-            args, kwargs = batch(job, step)
+            args, kwargs = step_batch(step)
             t0 = time.perf_counter()
             loss = loss_of(model(*args, **kwargs))
             opt.zero_grad(set_to_none=True)
@@ -280,14 +319,23 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
 
     what = f"the demo's {type(model).__name__}"
     check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
+    over, choose = f"{devices} processes", "--devices"
+    if job.mesh is not None:  # (dp, tp): dp splits the batch, the plan splits over tp
+        dp, tp = job.mesh
+        rows = batch_size(job)
+        if rows % dp:
+            fits = [k for k in range(1, rows + 1) if rows % k == 0]
+            raise ShardingError(f"--mesh {dp}x{tp}: dp={dp} does not divide the demo's batch of {rows} sequences (each dp rank trains "
+                                f"on its own part of every batch); choose dp {', '.join(map(str, fits[:-1]))} or {fits[-1]} (e.g. --mesh {fits[-1]}x{tp})")
+        devices, over, choose = tp, f"tp={tp} (--mesh {dp}x{tp})", "tp"
     if job.plan not in ("megatron", "megatron-sp"):
         return
     sizes = split_sizes(job)
     bad = [f"{n} {kind}" if kind != "vocabulary" else f"a vocabulary of {n}" for kind, n in sizes.items() if n % devices]
     if bad:
         fits = [k for k in range(1, max(sizes.values()) + 1) if all(n % k == 0 for n in sizes.values())]
-        raise ShardingError(f"plan {job.plan} cannot split {what} over {devices} processes: {devices} does not divide its "
-                            f"{' and '.join(bad)}; choose --devices {', '.join(map(str, fits[:-1]))} or {fits[-1]}")
+        raise ShardingError(f"plan {job.plan} cannot split {what} over {over}: {devices} does not divide its "
+                            f"{' and '.join(bad)}; choose {choose} {', '.join(map(str, fits[:-1]))} or {fits[-1]}")
 
 
 def describe(model: torch.nn.Module, job: TrainJob) -> str:
@@ -304,14 +352,19 @@ def describe(model: torch.nn.Module, job: TrainJob) -> str:
 
 
 def main(args) -> int:
-    d = args.devices
+    mesh = getattr(args, "mesh_shape", None)  # (dp, tp), from --mesh DPxTP
+    d = args.devices if mesh is None else mesh[0] * mesh[1]
     with tempfile.TemporaryDirectory() as tmp:
         job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout,
-                       model=args.model)
+                       model=args.model, mesh=mesh, fsdp=getattr(args, "fsdp", False))
         model = build_model(job)
         check_job(job, d, model)
-        print(f"nvtp demo: train {describe(model, job)} sharded with plan {args.plan} over a local CPU mesh of {d} processes, "
-              "and check it against one process\n", flush=True)
+        where = f"{d} processes" if mesh is None else (
+            f"{mesh[0]}x{mesh[1]} = {d} processes (dp={mesh[0]} data parallel{' with FSDP' if job.fsdp else ''}, tp={mesh[1]} "
+            f"tensor parallel; each dp rank trains on its {batch_size(job) // mesh[0]} of the batch's {batch_size(job)} sequences)")
+        against = "one process" if mesh is None else "one process on the whole batch"
+        print(f"nvtp demo: train {describe(model, job)} sharded with plan {args.plan} over a local CPU mesh of {where}, "
+              f"and check it against {against}\n", flush=True)
         start = time.perf_counter()
         sharded, single = run(job, d)
         elapsed = time.perf_counter() - start
