@@ -115,6 +115,10 @@ def cmd_explain(args) -> int:
 
     if (args.model or args.module) and args.file is not None:
         raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
+    if args.devices is None and args.mesh is None:
+        raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
+    if args.batch is not None and not args.model:
+        raise Usage(f"--batch {args.batch} applies to --model nanogpt; with --module the factory's example arguments are one rank's batch")
     if args.model or args.module:
         return _explain_model(args)
     if args.file is None:
@@ -129,12 +133,16 @@ def cmd_explain(args) -> int:
 
 def _explain_model(args) -> int:
     """``explain --model nanogpt --config C [--layers L]`` (regional: one block traced, counted L
-    times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)``; traced whole)."""
+    times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)``; traced as
+    nvtp.jit traces it). ``--devices N`` or ``--mesh DPxTP [--fsdp]``."""
     import importlib
     import json
 
     from nvtp import explain
+    from nvtp.dump.mesh import check_mesh_options
 
+    mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)  # (dp, tp) or None; bad spellings refused here
+    where = {"devices": args.devices} if mesh is None else {"mesh": mesh, "fsdp": args.fsdp}
     if args.module:
         mod_name, _, attr = args.module.partition(":")
         if not attr:
@@ -147,7 +155,7 @@ def _explain_model(args) -> int:
         if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], __import__("torch").nn.Module)):
             raise Usage(f"--module {args.module}: the factory must return (model, example_args), got {type(made).__name__}")
         model, example = made
-        result = explain.plan(model, *example, plan=args.plan, devices=args.devices)
+        result = explain.plan(model, *example, plan=args.plan, **where)
     else:
         from nvtp.models import gpt
 
@@ -156,7 +164,7 @@ def _explain_model(args) -> int:
         except ValueError as e:
             raise Usage(str(e)) from None
         layers = args.layers or cfg.n_layer
-        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, devices=args.devices)
+        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, **where)
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
     return EXIT_OK
 
@@ -272,19 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=helptext)
         c.add_argument("file", nargs="?" if name == "explain" else None, default=None)
         c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
-        c.add_argument("--devices", type=_positive_int, required=name != "shard",
-                       help="a 1-D mesh of N devices" + (" (or --mesh DPxTP)" if name == "shard" else ""))
+        c.add_argument("--devices", type=_positive_int, default=None, help="a 1-D mesh of N devices (or --mesh DPxTP)")
+        c.add_argument("--mesh", default=None, metavar="DPxTP",
+                       help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y)")
+        c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
         if name == "shard":
-            c.add_argument("--mesh", default=None, metavar="DPxTP",
-                           help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y)")
-            c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
             c.add_argument("--model", choices=["nanogpt"], help="explain a whole model instead of a dump (with --config, --layers)")
             c.add_argument("--config", default="gpt3", help="the model's config: tiny, gpt2 or gpt3 (default gpt3)")
             c.add_argument("--layers", type=_positive_int, default=None, help="layers (default: the config's)")
-            c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args)), traced whole")
+            c.add_argument("--batch", type=_positive_int, default=None,
+                           help="with --model: each rank's batch (default the config's); on --mesh DPxTP the traced batch is DP times it")
+            c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args): one rank's batch on --mesh); "
+                                                 "more than 3 repeated blocks are traced as 3 and spliced, as nvtp.jit does")
         c.set_defaults(fn=fn)
 
     m = sub.add_parser("demo", help="the main job: train a small GPT (or --model llama: a transformers model) sharded over a local CPU mesh, checked against one process")

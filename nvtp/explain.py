@@ -5,8 +5,8 @@
     print(report.as_text()); report.as_json()
 
 A model is a list of *regions*, each a forward and a backward fusion sharded on the mesh and
-run ``count`` times per step. ``plan`` traces the whole module once (one region; Thunder takes
-seconds a layer). ``explain_gpt`` compiles a deep GPT *regionally*, as torch.compile's regional
+run ``count`` times per step. ``plan`` traces the module once as ``nvtp.jit`` does (one region:
+more than 3 repeated blocks are traced as 3 and spliced, nvtp.frontend.regional; else whole). ``explain_gpt`` compiles a deep GPT *regionally*, as torch.compile's regional
 compilation does for repeated layers: it traces one transformer block and the model without its
 blocks (embeddings, final norm, LM head, loss), shards both, and counts the block ``layers``
 times. That is exact for what is reported, because a block's sharding does not depend on its
@@ -14,7 +14,12 @@ neighbours: its input arrives as the plan places activations (whole, or split al
 with SP), and it hands its output back the same way; tests/test_explain.py checks the regional
 report against a whole traced model, figure for figure.
 
-Memory per rank (bytes):
+On a 2-D (dp, tp) mesh (``mesh=(dp, tp)``, ``fsdp``) the plan runs on tp and the data plan on dp
+(nvtp.sharding.multi); every communication names its mesh axis; the traced batch is dp times one
+rank's (``batch``, or the config's, or the example arguments'); ``dp_traffic`` sets the dp bytes
+against DDP's 2W(dp-1)/dp and FSDP's 3Psi(dp-1)/dp + 2R(dp-1)/dp.
+
+Memory per rank (bytes; each tensor's local part under all its mesh axes' placements):
 
 * ``parameters``: each parameter's local shard, in its dtype.
 * ``gradients``: one gradient per parameter, local, in the parameter's dtype.
@@ -60,6 +65,12 @@ class ModelReport:
     regions: list[Region]
     seconds: dict[str, float] = field(default_factory=dict)
     shape: dict[str, int] = field(default_factory=dict)  # b, s, h, a, L for the formula (GPT only)
+    mesh: DeviceMesh | None = None  # None: a 1-D mesh of ``devices``; else the (dp, tp) mesh
+    data: str = ""  # on a 2-D mesh: "ddp" or "fsdp"
+    weights: frozenset[str] | None = None  # labels of the parameters FSDP may split (None: every parameter)
+    batch: str = ""  # how the traced batch relates to a rank's (2-D meshes)
+    notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
+    how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
 
     # -- communications -------------------------------------------------------------------
 
@@ -74,13 +85,14 @@ class ModelReport:
                 if sharded is None:
                     continue
                 records = communication_records(sharded)
+                axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
                 layers = range(r.count) if phase == "forward" else reversed(range(r.count))
                 for layer in (layers if r.count > 1 else [None]):
-                    for c in records:
+                    for c, axis in zip(records, axes):
                         tensor = c["label"] or c["tensor"]
                         out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
                                     "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
-                                    "region": r.name, "layer": layer})
+                                    "axis": axis, "region": r.name, "layer": layer})
         return out
 
     # -- memory ---------------------------------------------------------------------------
@@ -110,6 +122,90 @@ class ModelReport:
         return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
                 "peak_activations": peak, "total": params + grads + optimizer + peak}
 
+    def _parameters(self):
+        """(region, forward input, label) of each parameter once (a tied weight is one parameter)."""
+        seen: set[str] = set()
+        for r in self.regions:
+            f = r.forward.source
+            for v in f.inputs:
+                if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
+                    continue
+                label = f.label(v.name)
+                if r.count == 1 and label in seen:
+                    continue
+                seen.add(label)
+                yield r, v, label
+
+    def dp_traffic(self) -> dict[str, Any] | None:
+        """On a (dp, tp) mesh, the bytes each rank sends per step on dp against DDP's and FSDP's
+        formulas: DDP 2W(dp-1)/dp; FSDP 3Psi(dp-1)/dp for the weights it splits (gathered in
+        forward and again in backward, gradients reduce-scattered) plus 2R(dp-1)/dp for those it
+        leaves whole; W, Psi, R this rank's tp shards of the weights, in their dtype. A split
+        weight the backward does not read (an embedding table, the bias of a residual projection)
+        is not gathered again: it counts 2Psi'(dp-1)/dp (Psi' within ``split_weight_bytes``,
+        outside ``split_read_by_backward_bytes``). ``weights``
+        is the measured dp collectives of the weights and their gradients, each counted in its
+        weight's dtype, so it equals ``formula``; ``gradients_in_fp32`` the extra bytes of 16-bit
+        weights' gradients reduced in fp32 before their cast; ``other`` the rest (the loss's
+        scalars); ``measured`` = weights + gradients_in_fp32 + other; ``deviations`` the weights
+        whose measured bytes differ from their share of the formula (nvtp's GPT on megatron-sp:
+        wpe's gradient is reduced over dp while still split along the sequence by tp, so 1/tp of
+        it; with FSDP it is all-reduced whole before the slice to the rank's shard, not
+        reduce-scattered). None on a 1-D mesh."""
+        if self.mesh is None:
+            return None
+        tp_axis, dp_axis = self.mesh.names.index("tp"), self.mesh.names.index("dp")
+        dp = self.mesh.shape[dp_axis]
+        itemsize, split, once, whole = {}, 0, 0, 0
+        expected: dict[str, float] = {}
+        for r, v, label in self._parameters():
+            if self.weights is not None and label not in self.weights:
+                continue
+            itemsize[label] = v.dtype.itemsize
+            sharding = r.forward.shardings[v.name]
+            tp_part = _numel(local_shape(v.shape, (sharding[tp_axis],), self.mesh.sub(tp_axis))) * v.dtype.itemsize
+            b = r.backward.source if r.backward is not None else None
+            read = b is not None and any(b.role(u.name) == "parameter" and b.label(u.name) == label for u in b.inputs)
+            if axis_split(sharding[dp_axis]) is None:
+                whole += r.count * tp_part
+                times = 2
+            elif read:
+                split += r.count * tp_part
+                times = 3
+            else:  # the backward does not read it (an embedding table, a bias): gathered once a step
+                once += r.count * tp_part
+                times = 2
+            expected[label] = expected.get(label, 0) + times * r.count * tp_part * (dp - 1) / dp
+        measured: dict[str, int] = {}
+        widened = other = 0
+        others: list[str] = []
+        for r in self.regions:
+            for sharded in (r.forward, r.backward):
+                if sharded is None:
+                    continue
+                for result, step in sharded.set_steps.items():
+                    if step.axis != dp_axis or not step.is_communication:
+                        continue
+                    label = _weight_of(sharded, result, step)
+                    v = sharded.fusion.value(result)
+                    if label not in itemsize:
+                        other += r.count * step.bytes
+                        others.append(f"{step.kind} {sharded.source.label(step.value) if step.value in sharded.source.info else step.value} "
+                                      f"{list(v.shape)} {v.dtype.value}")
+                        continue
+                    at_weight = step.bytes * itemsize[label] // v.dtype.itemsize
+                    measured[label] = measured.get(label, 0) + r.count * at_weight
+                    widened += r.count * (step.bytes - at_weight)
+        frac = (dp - 1) / dp
+        formula = round((3 * split + 2 * once + 2 * whole) * frac)
+        weights = sum(measured.values())
+        return {"data": self.data, "dp": dp, "split_weight_bytes": split + once, "split_read_by_backward_bytes": split,
+                "whole_weight_bytes": whole,
+                "formula": formula, "weights": weights, "gradients_in_fp32": widened, "other": other,
+                "other_collectives": others, "measured": weights + widened + other,
+                "deviations": {k: {"measured": measured.get(k, 0), "formula": round(expected[k])}
+                               for k in expected if measured.get(k, 0) != round(expected[k])}}
+
     def korthikanti_per_layer(self) -> float | None:
         """Korthikanti et al. (2022): activation bytes per layer per rank, s·b·h·(34 + 5·a·s/h)
         for 16-bit activations, divided by t with tensor and sequence parallelism (with tensor
@@ -137,10 +233,26 @@ class ModelReport:
             "memory_per_rank": self.memory_per_rank(),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
-        }
+        } | ({} if self.mesh is None else {
+            "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
+            "data": self.data,
+            "batch": self.batch,
+            "notes": list(self.notes),
+            "communication_bytes_per_axis": {a: {p: sum(c["bytes"] for c in comms if c["phase"] == p and c["axis"] == a)
+                                                 for p in ("forward", "backward")} for a in self.mesh.names},
+            "dp_traffic": self.dp_traffic(),
+        })
 
     def as_text(self) -> str:
-        lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s)"]
+        if self.mesh is None:
+            lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s)"]
+        else:
+            shape = "x".join(map(str, self.mesh.shape))
+            lines = [f"{self.model}: plan {self.plan} on tp, {self.data.upper()} on dp, on a {shape} mesh "
+                     f"({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; {self.devices} devices)"]
+            if self.batch:
+                lines.append(f"  {self.batch}")
+            lines += [f"  {n}" for n in self.notes]
         for r in self.regions:
             times = f" x {r.count}" if r.count > 1 else ""
             n_bwd = len(r.backward.fusion.ops) if r.backward else 0
@@ -150,14 +262,20 @@ class ModelReport:
         comms = self.communications()
         lines.append("communications per step (bytes each rank sends with ring algorithms):")
         groups: dict[tuple, list[dict]] = {}
+        on = self.mesh is not None
         for c in comms:
-            groups.setdefault((c["phase"], c["region"], c["kind"], str(c["shape"]), c["dtype"]), []).append(c)
-        for (phase, region, kind, shape, dtype), cs in groups.items():
+            groups.setdefault((c["phase"], c["region"], c["axis"] if on else "", c["kind"], str(c["shape"]), c["dtype"]), []).append(c)
+        for (phase, region, axis, kind, shape, dtype), cs in groups.items():
             per = f" ({len(cs) // max(1, self._count(region))} per layer)" if self._count(region) > 1 else ""
-            lines.append(f"  {phase:8} {region:10} {len(cs):5} x {kind:15} {dtype:>8}{shape:20}{per} {_size(sum(c['bytes'] for c in cs)):>12}")
+            where = f" on {axis}" if on else ""
+            lines.append(f"  {phase:8} {region:10}{where} {len(cs):5} x {kind:15} {dtype:>8}{shape:20}{per} {_size(sum(c['bytes'] for c in cs)):>12}")
         for phase in ("forward", "backward"):
-            lines.append(f"  {phase}: {sum(c['phase'] == phase for c in comms)} collectives, "
-                         f"{_size(sum(c['bytes'] for c in comms if c['phase'] == phase))} per rank")
+            for axis in (self.mesh.names if on else ("",)):
+                cs = [c for c in comms if c["phase"] == phase and (not on or c["axis"] == axis)]
+                lines.append(f"  {phase}{' on ' + axis if on else ''}: {len(cs)} collectives, {_size(sum(c['bytes'] for c in cs))} per rank")
+        traffic = self.dp_traffic()
+        if traffic is not None:
+            lines += _traffic_text(traffic)
         mem = self.memory_per_rank()
         lines.append("memory per rank:")
         for k in ("parameters", "gradients", "optimizer", "activations", "peak_activations", "total"):
@@ -175,6 +293,25 @@ class ModelReport:
 
     def _count(self, name: str) -> int:
         return next((r.count for r in self.regions if r.name == name), 1)
+
+
+def _traffic_text(t: dict[str, Any]) -> list[str]:
+    """dp's bytes against DDP's or FSDP's formula, as ``dp_traffic`` counts them."""
+    k = f"(dp-1)/dp = {t['dp'] - 1}/{t['dp']}"
+    if t["data"] == "ddp":
+        formula = f"DDP's 2W{k[:9]} with W = {_size(t['whole_weight_bytes'])} (this rank's tp shards of the weights)"
+    else:
+        once = t["split_weight_bytes"] - t["split_read_by_backward_bytes"]
+        formula = (f"FSDP's 3Psi{k[:9]} + 2Psi'{k[:9]} + 2R{k[:9]} with Psi = {_size(t['split_read_by_backward_bytes'])} "
+                   f"(split weights the backward gathers again), Psi' = {_size(once)} (split weights it does not read), "
+                   f"R = {_size(t['whole_weight_bytes'])} (weights left whole); this rank's tp shards")
+    lines = [f"dp bytes per rank per step: {_size(t['measured'])} measured = {_size(t['weights'])} weights and gradients "
+             f"(in the weights' dtype) + {_size(t['gradients_in_fp32'])} gradients reduced in fp32 before their cast "
+             f"+ {_size(t['other'])} other ({', '.join(t['other_collectives']) or 'none'})",
+             f"  formula: {formula}, {k}: {_size(t['formula'])} ({t['formula']} B; weights measured {t['weights']} B)"]
+    for label, d in t["deviations"].items():
+        lines.append(f"  {label}: {d['measured']} B measured, {d['formula']} B by the formula")
+    return lines
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -238,63 +375,162 @@ def _peak_bytes(sharded: ShardedFusion) -> int:
 
 
 def _parameter_shardings(r: Region) -> dict[str, str]:
+    """Each parameter's placement: on a 1-D mesh ``S(0)`` or ``replicated``; on a 2-D mesh one per
+    axis, ``dp S(1), tp S(0)``."""
     f = r.forward.source
+    mesh = r.forward.mesh
     out = {}
     for v in f.inputs:
         if isinstance(v, TensorValue) and f.role(v.name) == "parameter":
-            p = r.forward.shardings[v.name][0]
-            out[f.label(v.name)] = str(p) if axis_split(p) else "replicated"
+            shown = [str(p) if axis_split(p) else "replicated" for p in r.forward.shardings[v.name]]
+            out[f.label(v.name)] = shown[0] if mesh.ndim == 1 else ", ".join(f"{n} {p}" for n, p in zip(mesh.names, shown))
     return out
+
+
+def _weight_of(sharded: ShardedFusion, result: str, step) -> str:
+    """The label of the parameter a collective moves: the parameter itself (FSDP's gathers), or the
+    parameter whose gradient output the reduced value becomes through single-use ops (a cast, a
+    slice to the at-rest shard); "" for anything else."""
+    src = sharded.source
+    if step.value in src.info and src.role(step.value) == "parameter":
+        return src.label(step.value)
+    outputs = {out.name: s.name for s, out in zip(src.outputs, sharded.fusion.outputs)}
+    users = sharded.fusion.consumers()
+    name = result
+    for _ in range(8):
+        if name in outputs:
+            return src.grad_of(outputs[name])
+        ops = users.get(name, [])
+        if len(ops) != 1 or len(ops[0].outputs) != 1:
+            return ""
+        name = ops[0].outputs[0].name
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
 # entry points
 
 
-def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int = 2, target: str = "nvfuser") -> ModelReport:
+def make_mesh(devices: int | None = None, mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False) -> DeviceMesh:
+    """The mesh ``plan``/``explain_gpt`` shard over: ``devices`` (1-D, default 2) or ``mesh``, a
+    (dp, tp) pair or a 2-D DeviceMesh with axes named dp and tp. Bad input raises ValueError."""
+    from nvtp.sharding.multi import axis_roles
+    from nvtp.sharding.propagate import ShardingError
+
+    if mesh is None:
+        if fsdp:
+            raise ValueError("fsdp=True splits the weights over the dp axis of a 2-D mesh; give mesh=(dp, tp) with it")
+        return DeviceMesh.of_size(devices or 2)
+    if devices is not None:
+        raise ValueError(f"give either devices={devices} (a 1-D mesh) or mesh={mesh} (a 2-D (dp, tp) mesh), not both")
+    if not isinstance(mesh, DeviceMesh):
+        shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else ()
+        if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+            raise ValueError(f"mesh={mesh!r}: expected (dp, tp), two positive integers, or a 2-D DeviceMesh with axes ('dp', 'tp')")
+        mesh = DeviceMesh.of_shape(shape, ("dp", "tp"))
+    try:
+        axis_roles(mesh)
+    except ShardingError as e:
+        raise ValueError(str(e)) from None
+    return mesh
+
+
+def _axis_size(mesh: DeviceMesh, name: str) -> int:
+    return mesh.shape[mesh.names.index(name)] if name in mesh.names else 1
+
+
+def _shard(forward: Fusion, backward: Fusion | None, plan: str, mesh: DeviceMesh, *, fsdp: bool, target: str,
+           batched=None, weights=None) -> tuple[ShardedFusion, ShardedFusion | None, list[str]]:
+    """Forward and backward sharded on ``mesh``: 1-D as ever; 2-D the plan on tp and the data plan on dp."""
+    if mesh.ndim == 1:
+        return (*shard_pair(forward, backward, plan, mesh, target=target), [])
+    from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
+
+    fwd, data = shard_mesh(forward, plan, mesh, fsdp=fsdp, target=target, batched=batched, weights=weights)
+    bwd = shard_backward_mesh(backward, fwd, target) if backward is not None else None
+    return fwd, bwd, list(data.notes)
+
+
+def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, target: str = "nvfuser",
+         mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True) -> ModelReport:
     """Trace ``model`` on ``example_args`` once, on meta tensors (nothing is computed and the
-    parameters are not touched), shard forward and backward for ``devices`` devices, and report
-    (``ModelReport``). One region: the whole model, traced as it is."""
+    parameters are not touched), shard forward and backward for ``devices`` devices (default 2),
+    or on ``mesh`` = (dp, tp) (the plan on tp, the batch split over dp; ``fsdp`` splits the weights
+    over dp too), and report (``ModelReport``). One region: the whole model. On a dp mesh
+    ``example_args`` are one rank's batch, as ``nvtp.jit`` takes them: the traced batch is dp times
+    it. ``regional`` (the default) traces a deep model's repeated blocks once and splices them
+    (nvtp.frontend.regional), as ``nvtp.jit`` does."""
+    import inspect
     import time
 
     from nvtp.frontend.capture import capture
     from nvtp.parallel import _meta_copy
 
+    mesh = make_mesh(devices, mesh, fsdp)
+    dp = _axis_size(mesh, "dp") if mesh.ndim > 1 else 1
     start = time.perf_counter()
     meta = _meta_copy(model)
-    args = [torch.empty(a.shape, dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
-            if isinstance(a, torch.Tensor) else a for a in example_args]
-    captured = capture(meta, *args)
+    args = [torch.empty((a.shape[0] * dp, *a.shape[1:]) if a.ndim else a.shape, dtype=a.dtype, device="meta",
+                        requires_grad=a.requires_grad) if isinstance(a, torch.Tensor) else a for a in example_args]
+    if regional:
+        from nvtp.frontend.regional import capture_regional
+
+        captured = capture_regional(meta, *args)
+    else:
+        captured = capture(meta, *args)
     traced = time.perf_counter() - start
     start = time.perf_counter()
-    fwd, bwd = shard_pair(captured.forward, captured.backward, plan, DeviceMesh.of_size(devices), target=target)
-    return ModelReport(type(model).__name__, plan, devices, [Region("model", 1, fwd, bwd)],
-                       {"trace": traced, "shard": time.perf_counter() - start})
+    names = set(list(inspect.signature(model.forward).parameters)[: len(example_args)])
+    weights = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))
+    fwd, bwd, notes = _shard(captured.forward, captured.backward, plan, mesh, fsdp=fsdp, target=target,
+                             batched=names, weights=weights)
+    batch = ""
+    if mesh.ndim > 1:
+        batch = f"traced batch = dp x each rank's batch (the example arguments') = {dp} x {example_args[0].shape[0]}" \
+            if example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim else ""
+    return ModelReport(type(model).__name__, plan, mesh.size, [Region("model", 1, fwd, bwd)],
+                       {"trace": traced, "shard": time.perf_counter() - start}, mesh=mesh if mesh.ndim > 1 else None,
+                       data=("fsdp" if fsdp else "ddp") if mesh.ndim > 1 else "", weights=weights, batch=batch,
+                       notes=notes, how=captured.regional)
 
 
-def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int = 8, dtype: torch.dtype = torch.bfloat16,
-                target: str = "nvfuser", regional: bool = True) -> ModelReport:
-    """nvtp's GPT with ``cfg`` at ``layers`` layers, traced on meta tensors. ``regional`` (the
-    default) traces one block and the model without blocks, and counts the block ``layers``
-    times; ``regional=False`` traces the whole model (seconds a layer)."""
+def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                target: str = "nvfuser", regional: bool = True, mesh: "tuple[int, int] | DeviceMesh | None" = None,
+                fsdp: bool = False, batch: int | None = None) -> ModelReport:
+    """nvtp's GPT with ``cfg`` at ``layers`` layers, traced on meta tensors, on ``devices``
+    devices (default 8) or ``mesh`` = (dp, tp) (``fsdp``: weights split over dp too). ``batch`` is
+    each rank's batch (default the config's); on a dp mesh the traced batch is dp times it.
+    ``regional`` (the default) traces one block and the model without blocks, and counts the
+    block ``layers`` times; ``regional=False`` traces the whole model (seconds a layer)."""
     import time
+    from dataclasses import replace
 
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch={batch!r}: each rank's batch must be a positive integer")
+    mesh = make_mesh(devices if devices is not None or mesh is not None else 8, mesh, fsdp)
+    dp, tp = (_axis_size(mesh, "dp"), _axis_size(mesh, "tp")) if mesh.ndim > 1 else (1, mesh.size)
+    per_rank = batch or cfg.batch
+    cfg = replace(cfg, batch=per_rank * dp)
     start = time.perf_counter()
-    mesh = DeviceMesh.of_size(devices)
-    shape = {"s": cfg.seq_len, "b": cfg.batch, "h": cfg.n_embd, "a": cfg.n_head, "t": devices, "L": layers}
+    shape = {"s": cfg.seq_len, "b": per_rank, "h": cfg.n_embd, "a": cfg.n_head, "t": tp, "L": layers}
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
+    extra = {}
+    if mesh.ndim > 1:
+        extra = {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
+                 "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
         captured = _trace_gpt(cfg, layers, dtype)
         traced = time.perf_counter() - start
-        fwd, bwd = shard_pair(captured.forward, captured.backward, plan, mesh, target=target)
-        return ModelReport(name, plan, devices, [Region("model", 1, fwd, bwd)],
-                           {"trace": traced, "shard": time.perf_counter() - start - traced}, shape)
+        fwd, bwd, notes = _shard(captured.forward, captured.backward, plan, mesh, fsdp=fsdp, target=target)
+        return ModelReport(name, plan, mesh.size, [Region("model", 1, fwd, bwd)],
+                           {"trace": traced, "shard": time.perf_counter() - start - traced}, shape, notes=notes, **extra)
     c_outer, c_block = _trace_gpt(cfg, 0, dtype), _trace_gpt(cfg, None, dtype)
     traced = time.perf_counter() - start
-    o_fwd, o_bwd = shard_pair(c_outer.forward, c_outer.backward, plan, mesh, target=target)
-    b_fwd, b_bwd = shard_pair(c_block.forward, c_block.backward, plan, mesh, target=target)
+    o_fwd, o_bwd, o_notes = _shard(c_outer.forward, c_outer.backward, plan, mesh, fsdp=fsdp, target=target)
+    b_fwd, b_bwd, b_notes = _shard(c_block.forward, c_block.backward, plan, mesh, fsdp=fsdp, target=target)
     regions = [Region("outer", 1, o_fwd, o_bwd), Region("block", layers, b_fwd, b_bwd)]
-    return ModelReport(name, plan, devices, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape)
+    return ModelReport(name, plan, mesh.size, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape,
+                       notes=o_notes + [f"block: {n}" for n in b_notes], **extra)
 
 
 @functools.lru_cache(maxsize=8)
