@@ -233,7 +233,7 @@ class ModelReport:
             "memory_per_rank": self.memory_per_rank(),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
-        } | ({} if self.mesh is None else {
+        } | ({"traced": self.how} if self.how else {}) | ({} if self.mesh is None else {
             "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
             "data": self.data,
             "batch": self.batch,
@@ -288,7 +288,7 @@ class ModelReport:
                          f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {_size(int(formula))} "
                          f"(ratio {mine / formula:.2f}: with flash attention nvtp keeps no s*s attention scores or probabilities)")
         if self.seconds:
-            lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+            lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + (f" ({self.how})" if self.how else ""))
         return "\n".join(lines)
 
     def _count(self, name: str) -> int:
