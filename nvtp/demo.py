@@ -136,7 +136,7 @@ def make_optimizer(job: TrainJob, params) -> torch.optim.Optimizer:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:.0f} B"
 
 
 def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) -> int:

@@ -79,7 +79,7 @@ def test_demo_on_a_2x2_mesh_trains_like_one_process_on_the_whole_batch(fsdp):
     # The split weights are 1/share on each rank; only small tensors (biases, LayerNorms, positions: under 1/60 of the bytes) more.
     assert 1 / share <= float(held.group(1)) / float(held.group(2)) <= 1 / share + 1 / 60, held.groups()
     assert ("stays whole on dp: its only dimension is split by tp" in out) == fsdp, out
-    lines = {m.group(1): m.group(2) for m in re.finditer(r"^   ((?:forward|backward) on (?:tp|dp)): (.*); [\d.]+ KiB sent", out, re.M)}
+    lines = {m.group(1): m.group(2) for m in re.finditer(r"^   ((?:forward|backward) on (?:tp|dp)): (.*); [\d.]+ (?:B|KiB|MiB) sent", out, re.M)}
     assert set(lines) == {"forward on tp", "forward on dp", "backward on tp", "backward on dp"}, out
     assert "allreduce" in lines["forward on tp"] and "allreduce" in lines["backward on tp"], lines
     if fsdp:
