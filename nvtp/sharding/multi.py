@@ -1,7 +1,7 @@
 """Sharding over a mesh of several axes: one placement per axis, one pass per axis.
 
     mesh = DeviceMesh.of_shape((2, 2), ("dp", "tp"))
-    fwd, bwd = shard_pair_mesh(forward, backward, "megatron", mesh, fsdp=True)
+    fwd, bwd, data = shard_pair_mesh(forward, backward, "megatron", mesh, fsdp=True)
     fwd.sharding("T3")            # (Shard(dim=0), Shard(dim=1)): dp's placement, then tp's
     fwd.communications            # each ReshardStep names its mesh axis (step.axis)
 
@@ -19,10 +19,14 @@ partial sum over dp and is all-reduced; each weight gradient contracts the batch
 partial sum over dp, all-reduced (DDP) or reduce-scattered to the weight's at-rest shard (FSDP).
 FSDP's all-gathers are ``set`` ops from a weight's at-rest placement to the whole weight, in the
 forward and again in the backward (the backward fusion reads the weights it needs): per rank
-and step 3·Ψ·(dp−1)/dp bytes for Ψ the bytes of the rank's tp shard of the sharded weights.
+and step 3·Ψ·(dp−1)/dp bytes for Ψ the bytes of the rank's tp shard of the sharded weights (a
+weight the backward does not read, such as an embedding table, is gathered once: 2·Ψ'·(dp−1)/dp).
 
-Two axes never split the same tensor dimension: FSDP picks a dimension tp leaves whole, and a
-value split twice along one dimension is refused with its name.
+FSDP splits a weight along a dimension tp leaves whole. Activations may be split twice along one
+dimension, by different factors of it: the batch (dp) and the sequence (tp, with SP) of a
+flattened ``[B*T, C]``. A rank holds the entries both axes give it, and a collective on one axis
+sees the other's cut (``placements.held``, ``placements.induced``); two axes splitting the same
+factor are refused with the value's name.
 """
 
 from __future__ import annotations
