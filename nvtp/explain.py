@@ -99,20 +99,11 @@ class ModelReport:
 
     def memory_per_rank(self) -> dict[str, int]:
         params = grads = optimizer = 0
-        seen: set[str] = set()
-        for r in self.regions:
-            f = r.forward.source
-            for v in f.inputs:
-                if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
-                    continue
-                label = f.label(v.name)
-                if r.count == 1 and label in seen:
-                    continue  # a tied weight is one parameter
-                seen.add(label)
-                n = _numel(local_shape(v.shape, r.forward.shardings[v.name], r.forward.mesh))
-                params += r.count * n * v.dtype.itemsize
-                grads += r.count * n * v.dtype.itemsize
-                optimizer += r.count * n * (12 if v.dtype.itemsize < 4 else 8)
+        for r, v, _ in self._parameters():
+            n = _numel(local_shape(v.shape, r.forward.shardings[v.name], r.forward.mesh))
+            params += r.count * n * v.dtype.itemsize
+            grads += r.count * n * v.dtype.itemsize
+            optimizer += r.count * n * (12 if v.dtype.itemsize < 4 else 8)
         saved = [sum(_saved_bytes(r.forward, r.backward)) for r in self.regions]
         activations = sum(r.count * s for r, s in zip(self.regions, saved))
         peak = 0
@@ -132,7 +123,7 @@ class ModelReport:
                     continue
                 label = f.label(v.name)
                 if r.count == 1 and label in seen:
-                    continue
+                    continue  # a tied weight is one parameter
                 seen.add(label)
                 yield r, v, label
 
