@@ -21,6 +21,14 @@ split_factor=k)``, but torch 2.10's ``full_tensor``/``redistribute`` fail on it 
   ``FusedShard``, so ``torch.zeros_like(p)`` (AdamW's moments, SGD's momentum) and other tensors
   made from the parameter are ``FusedShard`` too. Elementwise ops and norms run as torch's
   ``_StridedShard`` rules give them (they are layout-blind, so correct).
+
+A fused projection whose parts differ in size (Phi-3's ``qkv_proj``, Falcon multi-query's
+``query_key_value``: ``nvtp.frontend.fused``) is placed ``FusedParts`` by nvtp: a rank holds its
+rows of each part, one part after the other, a part split or whole. Its DTensor placement is
+``PartsShard``, a ``Shard`` of the rows (so torch's rules treat it as row-split) that carries the
+parts; ``FusedShard`` gathers it part by part, gives DCP one box per part (a whole part's box is
+the same on every rank, which DCP's planner writes once), and for norms counts a whole part's rows
+once over the ranks, not once per rank (``clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -30,7 +38,49 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["FusedShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
+__all__ = ["FusedShard", "PartsShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
+
+
+class PartsShard(Shard):
+    """torch's placement for nvtp's ``FusedParts`` on a 1-D mesh: rows split (``Shard(dim)`` to
+    torch's rules), ``parts`` ((start, stop, split?) per part) saying which rows a rank holds."""
+
+    def __init__(self, dim: int, parts: tuple[tuple[int, int, bool], ...]):
+        super().__init__(dim)
+        self.parts = tuple(parts)
+
+    def __eq__(self, other) -> bool:
+        # Equal to its own kind with the same parts, and to plain Shard(dim) (torch's DTensorSpec checks
+        # each Shard against Shard(dim)); nvtp never mixes it with a plain Shard of the same tensor.
+        if isinstance(other, PartsShard):
+            return other.dim == self.dim and other.parts == self.parts
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash((PartsShard, self.dim, self.parts))
+
+    def __repr__(self) -> str:
+        return f"PartsShard({self.dim}, {self.parts})"
+
+    def __str__(self) -> str:
+        return "parts(" + ", ".join(f"[{a}:{b}] {'S' if split else 'R'}" for a, b, split in self.parts) + ")"
+
+    def local_rows(self, n: int, rank: int) -> list[tuple[int, int]]:
+        """Per part, the global rows ``[a, b)`` rank ``rank`` of ``n`` holds."""
+        out = []
+        for a, b, split in self.parts:
+            w = (b - a) // n if split else b - a
+            out.append((a + rank * w, a + (rank + 1) * w) if split else (a, b))
+        return out
+
+
+def _torch_placement(p):
+    """nvtp's placement as torch's (``FusedParts`` -> ``PartsShard``)."""
+    from nvtp.sharding.placements import FusedParts, axis_split
+
+    if isinstance(p, FusedParts):
+        return PartsShard(p.dim, tuple((a, b, axis_split(q) is not None) for a, b, q in p.parts))
+    return p
 
 
 def torch_mesh(mesh, device_type: str = "cpu"):
@@ -47,7 +97,7 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 def as_dtensor(local_part: torch.Tensor, placement, mesh, shape) -> DTensor:
     """The DTensor whose part on this rank is ``local_part`` (no copy, no communication)."""
-    placements = list(placement) if isinstance(placement, (tuple, list)) else [placement]
+    placements = [_torch_placement(p) for p in (placement if isinstance(placement, (tuple, list)) else [placement])]
     d = DTensor.from_local(local_part, mesh, placements, shape=torch.Size(shape), stride=_contiguous_stride(shape),
                            run_check=False)
     return _rewrap(d)
@@ -66,7 +116,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _strided(t: DTensor) -> bool:
-    return any(isinstance(p, _StridedShard) for p in t.placements)
+    return any(isinstance(p, (_StridedShard, PartsShard)) for p in t.placements)
+
+
+def _parts(t: DTensor) -> PartsShard | None:
+    return next((p for p in t.placements if isinstance(p, PartsShard)), None)
 
 
 def _rewrap(t):
@@ -82,9 +136,29 @@ class FusedShard(DTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:  # a whole part is on every rank: count its rows once, not once per rank
+            args = tree_map_only(FusedShard, lambda t: t._for_norm(_norm_order(func, args, kwargs)), args)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
         return tree_map_only(DTensor, _rewrap, out)
+
+    def _for_norm(self, order) -> DTensor:
+        """This tensor with its whole parts' rows scaled by n^(-1/order) (n ranks), so a p-norm
+        summed over the ranks counts them once; itself when it has no whole part."""
+        parts = _parts(self)
+        if parts is None or all(split for _, _, split in parts.parts) or order in (float("inf"), float("-inf")):
+            return self
+        n = self.device_mesh.size()
+        scale = torch.ones(self._local_tensor.shape[parts.dim], dtype=self._local_tensor.dtype)
+        at = 0
+        for (a, b), (_, _, split) in zip(parts.local_rows(n, 0), parts.parts):
+            if not split:
+                scale[at:at + b - a] = n ** (-1.0 / float(order))
+            at += b - a
+        shape = [1] * self._local_tensor.ndim
+        shape[parts.dim] = -1
+        local = self._local_tensor * scale.to(self._local_tensor.device).reshape(shape)
+        return DTensor(local, self._spec, requires_grad=False)
 
     def _split(self) -> tuple[int, int, int, int]:
         """(mesh axis, dim, k, piece): on mesh axis ``axis`` tensor axis ``dim`` is ``[k, n/k]`` and each
@@ -95,6 +169,15 @@ class FusedShard(DTensor):
 
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
         """This rank's k boxes of the whole tensor: (offsets, sizes, view of the local tensor)."""
+        parts = _parts(self)
+        if parts is not None:  # one box per part (1-D mesh)
+            boxes, at = [], 0
+            for a, b in parts.local_rows(self.device_mesh.size(), self.device_mesh.get_local_rank()):
+                offsets, sizes = [0] * self.ndim, list(self._local_tensor.shape)
+                offsets[parts.dim], sizes[parts.dim] = a, b - a
+                boxes.append((torch.Size(offsets), torch.Size(sizes), self._local_tensor.narrow(parts.dim, at, b - a)))
+                at += b - a
+            return boxes
         axis, dim, k, piece = self._split()
         chunk = self.shape[dim] // k
         sizes = list(self._local_tensor.shape)
@@ -112,6 +195,21 @@ class FusedShard(DTensor):
         return boxes
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        parts = _parts(self)
+        if parts is not None:  # every rank's rows (all ranks hold as many), put back where they belong
+            n, dim = self.device_mesh.size(), parts.dim
+            local = self._local_tensor
+            shape = list(local.shape)
+            shape[dim] *= n
+            gathered = DTensor.from_local(local, self.device_mesh, [Shard(dim)], shape=torch.Size(shape),
+                                          stride=_contiguous_stride(shape), run_check=False).full_tensor()
+            whole = local.new_empty(tuple(self.shape))
+            for r, chunk in enumerate(gathered.chunk(n, dim)):
+                at = 0
+                for a, b in parts.local_rows(n, r):
+                    whole.narrow(dim, a, b - a).copy_(chunk.narrow(dim, at, b - a))
+                    at += b - a
+            return whole
         axis, dim, k, piece = self._split()
         part = self._local_tensor.unflatten(dim, (k, piece))  # [k, piece, ...]: a plain Shard(dim + 1)
         shape = list(self.shape)
@@ -156,6 +254,15 @@ class FusedShard(DTensor):
             if offsets == index.offset:
                 return view
         raise ValueError(f"{index.fqn}: this rank holds no box at offset {list(index.offset)}")
+
+
+_NORMS = {torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm}
+
+
+def _norm_order(func, args, kwargs) -> float:
+    kwargs = kwargs or {}
+    order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 2))
+    return float(order)
 
 
 def _allow_foreach(cls: type) -> None:

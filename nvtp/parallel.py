@@ -47,7 +47,7 @@ from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend.capture import Captured, capture
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
 
@@ -62,6 +62,11 @@ class _Compiled:
     arg_names: list[str]
     signature: tuple
     program: Any = None  # the FX route's Program (nvtp.frontend.fx): how calls and outputs map onto the fusions
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
+        return self.program.parts if self.program is not None else {}
 
     @cached_property
     def traced_args(self) -> list[str]:
@@ -169,6 +174,7 @@ class ShardedModule(torch.nn.Module):
         object.__setattr__(self, "_meta", _meta_copy(module))
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         self._placements: dict[str, Placement] = {}
+        self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, _Compiled] = {}
         self.last: _Compiled | None = None
@@ -253,7 +259,11 @@ class ShardedModule(torch.nn.Module):
 
             meta_kwargs = {k: torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
                            for k, a in (kwargs or {}).items()}
-            program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs)
+            # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
+            # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
+            # (dp, tp) mesh keep them whole.
+            split = self.mesh.ndim == 1 and self.plan in ("megatron", "megatron-sp")
+            program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs, split_parts=split)
             names = program.arg_names + list(program.constants)  # constants travel as whole arguments
         elif self.regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
             from nvtp.frontend.regional import capture_regional
@@ -271,7 +281,7 @@ class ShardedModule(torch.nn.Module):
         if self.mesh.ndim > 1:
             forward, backward = self._shard_mesh(captured, names, annotations, hints)
             compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
-            self._shard_parameters(forward)
+            self._shard_parameters(forward, compiled.parts)
             return compiled
         forward = shard(captured.forward, self.plan, self.mesh, annotations=annotations, output_hints=hints, target="reference")
         backward = None
@@ -283,7 +293,7 @@ class ShardedModule(torch.nn.Module):
                     grad_hints[v.name] = REPLICATE
             backward = shard(captured.backward, "replicate", self.mesh, annotations=inputs, output_hints=grad_hints, target="reference")
         compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
-        self._shard_parameters(forward)
+        self._shard_parameters(forward, compiled.parts)
         return compiled
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
@@ -321,12 +331,13 @@ class ShardedModule(torch.nn.Module):
             backward = shard_backward_mesh(captured.backward, forward, "reference", output_hints=grad_hints)
         return forward, backward
 
-    def _shard_parameters(self, forward: ShardedFusion) -> None:
+    def _shard_parameters(self, forward: ShardedFusion, parts: Mapping[str, Any] | None = None) -> None:
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
-        for v in forward.source.inputs:
-            label = forward.source.label(v.name)
-            placement = forward.placement(v.name) if self.mesh.ndim == 1 else forward.sharding(v.name)
+        placed = [(forward.source.label(v.name), forward.placement(v.name) if self.mesh.ndim == 1 else forward.sharding(v.name))
+                  for v in forward.source.inputs]
+        placed = _join_parts(placed, parts or {})
+        for label, placement in placed:
             if label in params:
                 p = params[label]
                 if label in self._placements:
@@ -334,6 +345,8 @@ class ShardedModule(torch.nn.Module):
                         raise ShardingError(f"{label} is placed {self._placements[label]} but a new trace wants {placement}")
                     continue
                 self._placements[label] = placement
+                if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
+                    self._part_rows.update(_part_rows(label, placement, self.mesh.size))
                 part = p.data if _whole(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
                 if self.uses_dtensor:
                     shape = self._global_shapes[label]
@@ -362,7 +375,7 @@ class ShardedModule(torch.nn.Module):
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():
             self._compiled[key] = compiled
-            self._shard_parameters(compiled.forward)
+            self._shard_parameters(compiled.forward, compiled.parts)
         return self
 
     def _compiled_for(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
@@ -413,6 +426,7 @@ class ShardedModule(torch.nn.Module):
         named = {}
         for v in compiled.forward.source.inputs:
             label = compiled.forward.source.label(v.name)
+            label = self._part_rows[label][0] if label in self._part_rows else label  # a part: its parameter goes in
             if label in params:
                 named[label] = params[label]
             elif label in buffers:
@@ -558,7 +572,11 @@ class _Run(torch.autograd.Function):
         inputs = []
         for v in f.inputs:
             label = f.label(v.name)
-            t = _dt.local(named[label])
+            if label in module._part_rows:  # rows of a fused projection's weight: a view of this rank's part
+                weight, lo, hi = module._part_rows[label]
+                t = _dt.local(named[weight])[lo:hi]
+            else:
+                t = _dt.local(named[label])
             if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's tensor: take our part
                 t = spmd.shard_tensor(t, _callers(fwd, v.name, module), fwd.mesh, module.rank)
             inputs.append(t)
@@ -603,11 +621,60 @@ class _Run(torch.autograd.Function):
         outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
         by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         result = [None, None, None, None]
+        by_grad |= _joined_grads(ctx.module._part_rows, by_grad, params)
         for label in ctx.param_labels:  # a DTensor parameter's gradient is a DTensor placed like it
             g = by_grad.get(label)
             result.append(_dt.grad_like(ctx.named[label], g) if isinstance(ctx.named[label], _dt.DTensor) else g)
         result += [by_grad.get(name) for name in compiled.traced_args]
         return tuple(result)
+
+
+def _join_parts(placed: list[tuple[str, Any]], parts: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(label, placement) of the fusion's inputs with the parts of one parameter (``parts``: label
+    -> ``nvtp.frontend.fused.Part``) replaced by the parameter, placed ``FusedParts``."""
+    out, joined = [], {}
+    for label, placement in placed:
+        part = parts.get(label)
+        if part is None:
+            out.append((label, placement))
+            continue
+        split = axis_split(placement)
+        if isinstance(placement, tuple) or (split is not None and split[0] != 0):
+            raise ShardingError(f"{label}: a part of a fused projection's weight placed {placement}; nvtp holds such parts split "
+                                "along their rows (output features) or whole: plan it colwise or replicated")
+        if part.weight not in joined:
+            joined[part.weight] = []
+            out.append((part.weight, None))
+        joined[part.weight].append((part.start, part.stop, placement))
+    return [(label, FusedParts(0, tuple(sorted(joined[label]))) if placement is None and label in joined else placement)
+            for label, placement in out]
+
+
+def _part_rows(weight: str, placement: FusedParts, num_devices: int) -> dict[str, tuple[str, int, int]]:
+    """Each part's label -> (weight, first row, end row) in a rank's tensor of ``weight``."""
+    from nvtp.frontend.fused import part_label
+
+    rows, at = {}, 0
+    for (start, stop, _), n in zip(placement.parts, placement.local_sizes(num_devices)):
+        rows[part_label(weight, start, stop)] = (weight, at, at + n)
+        at += n
+    return rows
+
+
+def _joined_grads(part_rows: Mapping[str, tuple[str, int, int]], by_grad: Mapping[str, Any],
+                  params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A fused projection's weight gradient on this rank: its parts' gradients one after the other
+    (zeros for a part that got none)."""
+    grads: dict[str, list] = {}
+    for label, (weight, lo, hi) in part_rows.items():
+        grads.setdefault(weight, []).append((lo, by_grad.get(label), hi - lo))
+    out = {}
+    for weight, pieces in grads.items():
+        if weight not in params or all(g is None for _, g, _ in pieces):
+            continue
+        like = params[weight]
+        out[weight] = torch.cat([g if g is not None else like.new_zeros((n, *like.shape[1:])) for _, g, n in sorted(pieces, key=lambda t: t[0])])
+    return out
 
 
 def _whole(placement) -> bool:

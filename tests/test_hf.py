@@ -28,7 +28,7 @@ from nvtp.errors import InputError  # noqa: E402
 from nvtp.execute import spmd  # noqa: E402
 from nvtp.execute.collectives import ThreadComm, ThreadGroup  # noqa: E402
 from nvtp.frontend.fx import GraphBreakError  # noqa: E402
-from nvtp.sharding.placements import DeviceMesh, axis_split  # noqa: E402
+from nvtp.sharding.placements import DeviceMesh, FusedParts, axis_split  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
              intermediate_size=128, use_cache=False, max_position_embeddings=64)
@@ -43,7 +43,8 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return t.GPT2LMHeadModel(cfg)
     cls = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
-           "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "gemma": (t.GemmaConfig, t.GemmaForCausalLM)}[family]
+           "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "gemma": (t.GemmaConfig, t.GemmaForCausalLM),
+           "phi3": (t.Phi3Config, t.Phi3ForCausalLM)}[family]
     extra = {"head_dim": 16} if family == "gemma" else {}
     return cls[1](cls[0](**SMALL, **extra, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
@@ -99,8 +100,11 @@ def check_parity(model: torch.nn.Module, mesh: Mesh, idx: torch.Tensor) -> dict:
         placement = mesh.ranks[0].placement(name)
         if axis_split(placement) is not None:
             split += 1
+            # 1/d of a split weight; a fused weight of parts (FusedParts): 1/d of each split part, replicated parts whole
+            rows = sum(b - a if axis_split(q) is None else (b - a) // mesh.d for a, b, q in placement.parts) \
+                if isinstance(placement, FusedParts) else p.shape[0] / mesh.d
             for m in mesh.ranks:
-                assert dict(m.module.named_parameters())[name].numel() * mesh.d == p.numel(), name
+                assert dict(m.module.named_parameters())[name].numel() == rows * p.numel() / p.shape[0], name
     worst["split"] = split
     return worst
 
@@ -234,7 +238,7 @@ def test_family_megatron_d2_matches_eager(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_megatron_sp_d2_matches_eager(family):
     model = build(family)
     worst = check_parity(model, Mesh(model, 2, "megatron-sp", tokens(), labels=tokens()), tokens())
@@ -261,6 +265,7 @@ class _NoCollectives:
 @pytest.mark.slow
 @pytest.mark.parametrize("family,d,match", [
     ("llama", 4, r"self_attn.k_proj.weight .*cannot be column-parallel .*over 4 devices.*divide the outer 2"),
+    ("phi3", 4, r"self_attn.qkv_proj.weight\[64:96\] .*cannot be column-parallel .*over 4 devices.*divide the outer 2"),
     ("gpt2", 3, r"transformer.wte.weight .*vocabulary, size 256\) over 3 devices.*pad the vocabulary to a multiple of 3"),
 ])
 def test_heads_or_vocabulary_that_do_not_divide_the_mesh_are_named_before_any_collective(family, d, match):
@@ -273,7 +278,7 @@ def test_heads_or_vocabulary_that_do_not_divide_the_mesh_are_named_before_any_co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_torchrun_training_matches_one_process_for_20_steps(family):
     """tools/train_hf.py as a user runs it: 2 gloo processes under torchrun, 20 SGD steps, every
     loss and the final parameters checked against one-process PyTorch by the tool (exit 1 if not)."""
@@ -468,19 +473,69 @@ def test_falcon_with_2_kv_heads_megatron_d2_matches_eager():
     print("falcon (2 KV heads) d=2 megatron", worst)
 
 
-@pytest.mark.slow
-def test_falcon_multi_query_d2_matches_eager_and_says_its_fused_qkv_stays_whole():
+def _rank_bytes(mesh: Mesh, name: str) -> list[int]:
+    return [dict(m.module.named_parameters())[name].nbytes for m in mesh.ranks]
+
+
+def test_falcon_multi_query_d2_splits_q_and_keeps_its_one_kv_head_whole():
     """transformers' default Falcon attention: multi-query, 4 query heads and 1 KV head in one
-    query_key_value (rows 64 + 16 + 16). One KV head does not split over 2 devices and the unequal
-    parts are no fused split nvtp has, so the weight stays whole (replicated) and the plan's notes say so."""
+    query_key_value (rows q 64 + k 16 + v 16). The fused projection is split into its parts
+    (nvtp/frontend/fused.py): q column-parallel by heads, the one KV head whole on every rank (its
+    gradient summed over the ranks, as Llama's k_proj with one KV head), dense and dense_4h_to_h
+    row-parallel; the plan's notes name k and v as replicated KV heads."""
     model = build_falcon()
     assert model.config.multi_query and not model.config.new_decoder_architecture
     mesh = Mesh(model, 2, "megatron", tokens(), labels=tokens())
     worst = check_parity(model, mesh, tokens())
     m = mesh.ranks[0]
     notes = m.last.forward.annotations.notes
+    kv = next(n for n in notes if n.startswith("replicated KV heads (1 head, fewer than the 2 devices"))
     for layer in (0, 1):
         name = f"transformer.h.{layer}.self_attention.query_key_value.weight"
-        assert str(m.placement(name)) == "R"
-        assert any(n.startswith("replicated (no row-parallel partner)") and name in n for n in notes), notes
+        assert str(m.placement(name)) == "parts([0:64] S(0), [64:80] R, [80:96] R)"
+        assert f"{name}[64:80]" in kv and f"{name}[80:96]" in kv and f"{name}[0:64]" not in kv, notes
+        assert _rank_bytes(mesh, name) == [(32 + 16 + 16) * 64 * 4] * 2  # of 96 * 64 * 4 whole
+        for n in ("self_attention.dense", "mlp.dense_4h_to_h"):
+            assert str(m.placement(f"transformer.h.{layer}.{n}.weight")) == "S(1)", n
+    assert not any(n.startswith("replicated (no row-parallel partner)") for n in notes), notes
+    assert worst["split"] == 2 * 4 + 1
     print("falcon (multi-query) d=2 megatron", worst)
+
+
+def test_phi3_megatron_d2_splits_its_fused_qkv_of_unequal_parts():
+    """Phi-3's qkv_proj is q 64 | k 32 | v 32 rows (2 KV heads): each part column-parallel by itself,
+    so a rank holds half of each (parts([0:64] S(0), ...)), half of the weight's bytes."""
+    model = build("phi3")
+    mesh = Mesh(model, 2, "megatron", tokens(), labels=tokens())
+    worst = check_parity(model, mesh, tokens())
+    m = mesh.ranks[0]
+    notes = m.last.forward.annotations.notes
+    for layer in (0, 1):
+        name = f"model.layers.{layer}.self_attn.qkv_proj.weight"
+        assert str(m.placement(name)) == "parts([0:64] S(0), [64:96] S(0), [96:128] S(0))"
+        assert _rank_bytes(mesh, name) == [128 * 64 * 4 // 2] * 2
+        assert str(m.placement(f"model.layers.{layer}.mlp.gate_up_proj.weight")) == "_S(0, 2)"  # equal parts: as before
+        assert not any("replicated" in n and name in n for n in notes), notes
+    assert worst["split"] == 2 * 4 + 2  # qkv, o, gate_up, down in each layer; embed and lm_head
+    # rank 1 holds rows 32:64 of q, 80:96 of k, 112:128 of v, in that order
+    w = model.model.layers[0].self_attn.qkv_proj.weight.detach()
+    want = torch.cat([w[32:64], w[80:96], w[112:128]])
+    assert torch.equal(dict(mesh.ranks[1].module.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"], want)
+    print("phi3 d=2 megatron", worst)
+
+
+@pytest.mark.slow
+def test_llama_with_one_kv_head_keeps_it_whole_as_falcon_multi_query_does():
+    """num_key_value_heads=1 at d=2: q column-parallel, k and v whole on every rank, named in the notes
+    exactly as Falcon's multi-query parts are."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    mesh = Mesh(model, 2, "megatron", tokens(), labels=tokens())
+    check_parity(model, mesh, tokens())
+    m = mesh.ranks[0]
+    kv = next(n for n in m.last.forward.annotations.notes if n.startswith("replicated KV heads (1 head, fewer than the 2 devices"))
+    for layer in (0, 1):
+        assert str(m.placement(f"model.layers.{layer}.self_attn.q_proj.weight")) == "S(0)"
+        for n in ("k_proj", "v_proj"):
+            assert str(m.placement(f"model.layers.{layer}.self_attn.{n}.weight")) == "R" and f"layers.{layer}.self_attn.{n}" in kv

@@ -21,7 +21,9 @@ like any small function. ``export_program`` does the capture and makes the graph
 5. In-place updates of tensors the graph makes (``x += y``, ``relu(x, inplace=True)``) are written
    out of place (``_functionalize``; Thunder would leave ``copy_``/``update_aliases`` outside any
    fusion), and ``x @ W.T`` of a 2-D parameter is ``F.linear(x, W)`` (``_linears``), the form the
-   plans read as a projection.
+   plans read as a projection. A fused projection read as parts of different widths (Phi-3's
+   ``qkv_proj`` with grouped-query attention) becomes one projection per part, each reading its
+   own input ``<weight>[start:stop]`` (``nvtp.frontend.fused``).
 
 ``trace`` then runs ``nvtp.frontend.capture.capture`` on the graph module (on meta tensors), which
 gives one forward and one backward ``Fusion`` or raises ``CaptureError`` naming each op nvtp
@@ -49,6 +51,7 @@ import torch.utils._pytree as pytree
 
 from nvtp.errors import InputError
 from nvtp.frontend.capture import CaptureError, Captured, capture
+from nvtp.frontend.fused import split_fused_projections
 
 
 class GraphBreakError(CaptureError):
@@ -71,6 +74,7 @@ class Program:
     constants: dict[str, torch.Tensor]   # label -> value (whole, on the CPU)
     export_seconds: float = 0.0
     output_map: list[Any] = field(default_factory=list)  # per output leaf: ("out", i) or ("const", v)
+    parts: dict[str, Any] = field(default_factory=dict)  # label -> nvtp.frontend.fused.Part: inputs that are rows of a parameter
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's arguments by placeholder name (the labels of the fusion's argument inputs)."""
@@ -483,9 +487,11 @@ def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> dict
     return constants
 
 
-def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> Program:
+def export_program(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bool = True) -> Program:
     """Capture ``module(*args, **kwargs)`` (a meta-device module and arguments) as one graph; see
-    the module docstring. Raises ``GraphBreakError`` when dynamo cannot capture it whole."""
+    the module docstring. Raises ``GraphBreakError`` when dynamo cannot capture it whole.
+    ``split_parts``: fused projections read as parts of different widths become one projection
+    per part (``nvtp.frontend.fused``)."""
     start = time.perf_counter()
     exported = _export(module, args, kwargs)
     gm = exported.graph_module
@@ -536,12 +542,18 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> Progra
     new = fx.GraphModule(attrs, g) if attrs else fx.GraphModule(torch.nn.Module(), g)
     # The model's buffers are state (the model is on meta here): only what depends on nothing folds.
     constants = _fold_constants(new, {})
-    return Program(new, in_spec, out_spec, leaf_names, constants, time.perf_counter() - start)
+    parts = {}
+    if split_parts:  # after folding: the shapes a model reads off the fused output (fused_qkv.shape) are numbers now
+        tensors = {n.target: operator.attrgetter(n.target)(new) for n in new.graph.nodes if n.op == "get_attr"}
+        parts = split_fused_projections(new.graph, tensors)
+        if parts:
+            new = fx.GraphModule(tensors, new.graph)
+    return Program(new, in_spec, out_spec, leaf_names, constants, time.perf_counter() - start, parts=parts)
 
 
-def trace(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Program, Captured]:
+def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bool = True) -> tuple[Program, Captured]:
     """Export ``module`` (meta) for this call and capture its forward and backward fusions."""
-    program = export_program(module, args, kwargs)
+    program = export_program(module, args, kwargs, split_parts=split_parts)
     leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
     try:
         captured = capture(program.graph_module, *leaves)

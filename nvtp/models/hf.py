@@ -14,6 +14,7 @@ CONFIGS = {  # family -> (config class, model class, config): hidden 64, 4 heads
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", _SMALL),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SMALL, "pad_token_id": 0}),  # fused qkv_proj of unequal parts (q 64 | k 32 | v 32)
 }
 
 

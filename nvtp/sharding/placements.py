@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = [
-    "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "Sharding", "_StridedShard", "axis_split",
+    "DeviceMesh", "FusedParts", "Partial", "Placement", "Replicate", "Shard", "Sharding", "_StridedShard", "axis_split",
     "describe", "is_partial", "is_replicate", "local_indices", "local_shape", "make_shard", "REPLICATE",
 ]
 
@@ -123,12 +123,41 @@ class DeviceMesh:
         return f"DeviceMesh({rows}, names={list(self.names)})"
 
 
+@dataclass(frozen=True)
+class FusedParts:
+    """A parameter whose axis ``dim`` is made of parts ``(start, stop, placement)`` placed each by
+    itself: a fused projection whose parts differ in size (``nvtp.frontend.fused``), e.g. Phi-3's
+    ``qkv_proj`` rows ``[0:64] S(0), [64:96] S(0), [96:128] S(0)`` or Falcon multi-query's
+    ``[0:64] S(0), [64:80] R, [80:96] R``. A rank holds its rows of each part, one part after the
+    other. Only parameters take it (the fusions see each part as an input of its own)."""
+
+    dim: int
+    parts: tuple[tuple[int, int, Placement], ...]
+
+    def local_rows(self, num_devices: int, position: int) -> list[torch.Tensor]:
+        """Per part, the global indices of axis ``dim`` mesh position ``position`` holds."""
+        out = []
+        for start, stop, p in self.parts:
+            mine = local_indices(stop - start, p, num_devices, position)
+            out.append(start + (torch.arange(stop - start) if mine is None else mine))
+        return out
+
+    def local_sizes(self, num_devices: int) -> list[int]:
+        return [len(r) for r in self.local_rows(num_devices, 0)]
+
+    def __str__(self) -> str:
+        return "parts(" + ", ".join(f"[{a}:{b}] {p}" for a, b, p in self.parts) + ")"
+
+
 def make_shard(dim: int, split_factor: int = 1) -> Placement:
     return Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
 
 
 def axis_split(p: Placement) -> tuple[int, int] | None:
-    """(dim, split_factor) of a shard placement; None for Replicate and Partial."""
+    """(dim, split_factor) of a shard placement; None for Replicate and Partial. ``FusedParts``
+    gives (dim, number of parts) (``local_indices`` and ``local_shape`` read its parts)."""
+    if isinstance(p, FusedParts):
+        return p.dim, len(p.parts)
     if isinstance(p, _StridedShard):
         return p.dim, p.split_factor
     if isinstance(p, Shard):
@@ -152,6 +181,8 @@ def describe(sharding: Sequence[Placement]) -> str:
 def local_indices(size: int, p: Placement, num_devices: int, position: int) -> torch.Tensor | None:
     """Global indices (ascending local order) that mesh position ``position`` holds of an axis of
     ``size`` under placement ``p``; None when it holds the whole axis."""
+    if isinstance(p, FusedParts):
+        return torch.cat(p.local_rows(num_devices, position))
     split = axis_split(p)
     if split is None:
         return None
@@ -205,7 +236,9 @@ def local_shape(shape: Sequence[int], sharding: Sequence[Placement], mesh: Devic
     out = list(shape)
     for n, p in zip(mesh.shape, sharding):
         split = axis_split(p)
-        if split is not None:
+        if isinstance(p, FusedParts):
+            out[p.dim] = sum(p.local_sizes(n))
+        elif split is not None:
             out[split[0]] //= n
     return tuple(out)
 

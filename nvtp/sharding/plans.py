@@ -166,7 +166,13 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     notes = [f"column-parallel {fusion.label(w)} ({'fused, ' + str(p.split_factor) + ' parts' if p.split_factor > 1 else 'split output features'})" for w, p in column.items()]
     notes += [f"row-parallel {fusion.label(w)}" for w in row]
     notes += [f"vocab-parallel {fusion.label(w)} (embedding rows split; lookups give partial sums)" for w in vocab]
-    unpaired = [fusion.label(p.weight) for p in projs if p.weight not in column and p.weight not in row]
+    whole = [p for p in projs if p.weight not in column and p.weight not in row]
+    few = {p.weight: h for p in whole if (h := _heads_fewer_than_devices(fusion, mesh, p))}
+    for h in sorted(set(few.values())):
+        names = ", ".join(fusion.label(w) for w, k in few.items() if k == h)
+        notes.append(f"replicated KV heads ({h} head{'s' if h > 1 else ''}, fewer than the {mesh.size} devices: every rank computes "
+                     f"them whole and their weights' gradients are summed over the ranks): {names}")
+    unpaired = [fusion.label(p.weight) for p in whole if p.weight not in few]
     if unpaired:
         notes.append("replicated (no row-parallel partner): " + ", ".join(unpaired))
     hints: dict[str, Placement] = {}
@@ -289,6 +295,24 @@ def _row_partner(fusion: Fusion, mesh: DeviceMesh, p: Projection, projs: list[Pr
             if q is not None:
                 raise ShardingError(_blocked_pair(fusion, mesh, p, q, k))
     return partner
+
+
+def _heads_fewer_than_devices(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> int | None:
+    """h when P's output is reshaped into ``[..., h, head_dim]`` with h heads fewer than the devices
+    and dividing their number (multi-query attention's one KV head on 2 devices): why P stays
+    whole, as vLLM keeps KV heads whole when there are fewer than devices. None otherwise."""
+    d = mesh.size
+    out = p.op.outputs[0]
+    users = fusion.consumers().get(out.name, [])
+    while len(users) == 1 and users[0].kind == "cast":
+        out = users[0].outputs[0]
+        users = fusion.consumers().get(out.name, [])
+    for u in users:
+        if u.kind == "reshape":
+            group = _reshape_group(out.shape, u.outputs[0].shape, out.ndim - 1)
+            if group and len(group) > 1 and 1 <= group[0] < d and d % group[0] == 0:
+                return group[0]
+    return None
 
 
 def _blocking_factors(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> list[int]:
