@@ -7,7 +7,10 @@ output features reaches the contracted input of another projection Q without com
 gets through is asked of the propagation itself, so any block Thunder traces pairs up: fused or
 separate q/k/v, GQA, SwiGLU, with or without biases. A fused projection (its output sliced into
 k equal parts, like QKV's 3e into q, k, v) is split as ``_StridedShard(0, k)``: each rank holds
-its slice of each part, so no weight is permuted by hand.
+its slice of each part, so no weight is permuted by hand. A fused projection of parts of
+*different* sizes (Phi-3's q 64 | k 32 | v 32) reaches the plans already split into one
+projection per part by the FX front end (``nvtp.frontend.fused``). KV heads fewer than the
+devices (multi-query attention) stay whole on every rank, named in the notes.
 
 ``megatron-sp`` adds sequence parallelism (Korthikanti et al., arXiv 2205.05198): activation
 inputs are split along the sequence, so LayerNorm, dropout and residual regions run on 1/d of
