@@ -521,7 +521,29 @@ def test_phi3_megatron_d2_splits_its_fused_qkv_of_unequal_parts():
     w = model.model.layers[0].self_attn.qkv_proj.weight.detach()
     want = torch.cat([w[32:64], w[80:96], w[112:128]])
     assert torch.equal(dict(mesh.ranks[1].module.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"], want)
+    from nvtp.ir.parser import parse
+    from nvtp.ir.printer import format_file
+
+    for sharded in (m.last.forward, m.last.backward):  # the dumps: each part an input of its own, labelled, split on its rows
+        assert parse(format_file(sharded.fusion)).fusion == sharded.fusion
+    labels = {sharded.source.label(v.name): sharded.placement(v.name) for sharded in [m.last.forward] for v in sharded.source.inputs}
+    assert {str(labels[f"model.layers.0.self_attn.qkv_proj.weight[{r}]"]) for r in ("0:64", "64:96", "96:128")} == {"S(0)"}
     print("phi3 d=2 megatron", worst)
+
+
+@pytest.mark.slow
+def test_phi3_with_8_heads_and_4_kv_heads_megatron_d4_matches_eager():
+    """qkv_proj q 64 | k 32 | v 32 with head_dim 8 over 4 devices: 2 query heads and 1 KV head a rank."""
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(**{**SMALL, "num_attention_heads": 8, "num_key_value_heads": 4}, bos_token_id=0, eos_token_id=0,
+                                  pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(cfg)
+    mesh = Mesh(model, 4, "megatron", tokens(), labels=tokens())
+    worst = check_parity(model, mesh, tokens())
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert str(mesh.ranks[0].placement(name)) == "parts([0:64] S(0), [64:96] S(0), [96:128] S(0))"
+    assert _rank_bytes(mesh, name) == [128 * 64 * 4 // 4] * 4
+    print("phi3 (8 heads, 4 KV heads) d=4 megatron", worst)
 
 
 @pytest.mark.slow
