@@ -62,7 +62,7 @@ def _example(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
-def _axis_range(node: fx.Node, base: fx.Node, shape: tuple[int, ...], axis: int, whole_after: bool) -> tuple[int, int] | None:
+def _axis_range(node: fx.Node, base: fx.Node, shape: tuple[int, ...], axis: int) -> tuple[int, int] | None:
     """(start, stop) if ``node`` is ``base[..., start:stop, (:)]`` selecting a range of ``axis``
     (step 1, every other axis whole), else None."""
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 and node.args[0] is base):
@@ -91,7 +91,7 @@ def _reads(y: fx.Node, n: int) -> tuple[list[tuple[fx.Node, int, int]], fx.Node 
     and the view between them (or None), when it is read only as ranges of its features."""
     shape = tuple(_example(y).shape)
     users = list(y.users)
-    ranges = [(u, _axis_range(u, y, shape, len(shape) - 1, False)) for u in users]
+    ranges = [(u, _axis_range(u, y, shape, len(shape) - 1)) for u in users]
     if users and all(r is not None for _, r in ranges):
         return [(u, a, b) for u, (a, b) in ranges], None
     if len(users) != 1:
@@ -103,7 +103,7 @@ def _reads(y: fx.Node, n: int) -> tuple[list[tuple[fx.Node, int, int]], fx.Node 
     if len(vshape) != len(shape) + 1 or vshape[:-2] != shape[:-1] or vshape[-2] * vshape[-1] != n:
         return None
     h = vshape[-1]
-    ranges = [(u, _axis_range(u, view, vshape, len(vshape) - 2, True)) for u in view.users]
+    ranges = [(u, _axis_range(u, view, vshape, len(vshape) - 2)) for u in view.users]
     if not ranges or any(r is None for _, r in ranges):
         return None
     return [(u, a * h, b * h) for u, (a, b) in ranges], view
