@@ -1,5 +1,6 @@
-"""Regional compilation (nvtp/frontend/regional.py): a deep model's fusions spliced from a trace
-of 3 blocks equal a trace of the whole model, and nvtp.jit trains with them as eager does."""
+"""Regional compilation (nvtp/frontend/regional.py): a deep model's fusions spliced from one traced
+block (or, where that does not fit, from a trace of 3 blocks) compute what a trace of the whole
+model computes, and nvtp.jit trains with them as eager does."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def tiny():
     idx, tgt = gpt.example_tokens(cfg)
     meta = _meta_copy(model)
     whole = capture(meta, idx.to("meta"), tgt.to("meta"))
-    spliced = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"))
+    spliced = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"), template=False)
     return model, idx, tgt, whole, spliced
 
 
@@ -76,6 +77,37 @@ def test_spliced_fusions_equal_a_whole_trace(tiny):
     for label, g in grads.items():
         assert torch.equal(my_grads[label], g), label
     assert _kinds(spliced.forward)["uniform"] == 1 + 3 * LAYERS  # the embedding's dropout, and 3 per block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fusions_spliced_from_one_traced_block_compute_the_whole_trace_bit_for_bit(tiny, dtype, monkeypatch):
+    """The template splice: the model without its blocks and block 0 alone are the only traces, at
+    any depth; the L-layer fusions give the whole trace's loss and every gradient bit for bit, with
+    each block's own dropout draws (bf16: the boundary marker is cast, multiplied, cast back)."""
+    from nvtp.frontend import capture as capture_module
+
+    model, idx, tgt, whole, _ = tiny
+    model = copy.deepcopy(model).to(dtype)
+    meta = _meta_copy(model)
+    if dtype != torch.float32:
+        whole = capture(meta, idx.to("meta"), tgt.to("meta"))
+    traced = []
+    real = capture_module.capture
+    monkeypatch.setattr(capture_module, "capture", lambda m, *a, **k: traced.append(m) or real(m, *a, **k))
+    got = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"))
+    assert got.regional.startswith(f"spliced: {LAYERS} blocks of h from one traced block"), got.regional
+    assert [type(m).__name__ for m in traced] == ["GPT", "Block"] and list(traced[0].h.children())[0].__class__ is regional._Boundary
+    roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values() if i.role != "saved")  # noqa: E731
+    assert roles(got.forward) == roles(whole.forward) and roles(got.backward) == roles(whole.backward)
+    assert _kinds(got.forward)["uniform"] == _kinds(whole.forward)["uniform"] > LAYERS  # fp32: 1 + 3 a block; bf16: 1 + 2
+    named = dict(model.named_parameters()) | {"idx": idx, "targets": tgt}
+    run = lambda f, inputs: reference.run(f, inputs, seed=7)  # noqa: E731
+    values, grads = run_pair(whole.forward, whole.backward, named, torch.ones((), dtype=dtype), run)
+    my_values, my_grads = run_pair(got.forward, got.backward, named, torch.ones((), dtype=dtype), run)
+    assert torch.equal(my_values[output_value(got.forward)], values[output_value(whole.forward)])
+    assert sorted(my_grads) == sorted(grads) and len(grads) == len(named) - 2
+    for label, g in grads.items():
+        assert torch.equal(my_grads[label], g), label
 
 
 def test_jit_trains_a_spliced_model_as_eager_does_on_a_simulated_mesh():
@@ -149,7 +181,8 @@ def test_models_without_a_repeated_chain_are_traced_whole_with_the_reason():
     assert got.regional == "whole trace: the blocks of blocks differ (class or parameter shapes)"
     assert len(list(got.forward.compute_ops())) > 0
     got = regional.capture_regional(_meta_copy(_Skip()), x)
-    assert got.regional.startswith("whole trace: the forward's last part reads"), got.regional
+    assert got.regional.startswith("whole trace: the model reads block 0's output outside the chain of blocks; "
+                                   "the forward's last part reads"), got.regional
     whole = capture(_meta_copy(_Skip()), x)
     assert _kinds(got.forward) == _kinds(whole.forward)
 
@@ -193,10 +226,50 @@ def test_a_chain_of_blocks_that_only_looks_alike_is_spliced_and_computes_the_who
         assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-5, atol=1e-7), name
 
 
-@pytest.mark.slow  # two traces (3 blocks, then 4): about 25 s
-def test_a_llama_whose_block_0_backward_differs_is_spliced_from_4_blocks_and_matches_eager():
+def test_a_backward_that_recomputes_the_residual_stream_is_spliced_from_one_block_and_matches_eager():
+    """x + gelu(linear(x)): Thunder's backward recomputes each block's input from the one before, a
+    chain the 3-block splice cannot repeat; one traced block gives each copy its own recomputation."""
+
+    class Res(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + torch.nn.functional.gelu(self.lin(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(Res() for _ in range(6))
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    got = regional.capture_regional(_meta_copy(net), x.to("meta"))
+    assert got.regional.startswith("spliced: 6 blocks of blocks from one traced block"), got.regional
+    three = regional.capture_regional(_meta_copy(net), x.to("meta"), template=False)
+    assert three.regional.startswith("whole trace: the backward's block 0 reads"), three.regional
+    values, grads = run_pair(got.forward, got.backward, dict(net.named_parameters()) | {"x": x}, torch.ones(()),
+                             lambda f, inputs: reference.run(f, inputs))
+    want = net(x)
+    want.backward()
+    assert torch.allclose(values[output_value(got.forward)], want, rtol=1e-6)
+    for name, p in net.named_parameters():
+        assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("template", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: traces of 3 and 4 blocks, 25 s
+def test_a_llama_whose_block_0_backward_differs_is_spliced_and_matches_eager(template):
     """Thunder recomputes the embedding for block 0's backward (RMSNorm's input) and saves the
-    other blocks' inputs: block 0's backward is kept whole, blocks 1..L-2 spliced."""
+    other blocks' inputs. One traced block: every copy saves its input. Several traced blocks:
+    block 0's backward is kept whole, blocks 1..L-2 spliced."""
     from tests.blocks import LlamaBlock, RMSNorm
 
     class Llama(torch.nn.Module):
@@ -215,8 +288,9 @@ def test_a_llama_whose_block_0_backward_differs_is_spliced_from_4_blocks_and_mat
     torch.manual_seed(0)
     net = Llama(6)
     idx, tgt = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
-    got = regional.capture_regional(_meta_copy(net), idx.to("meta"), tgt.to("meta"))
-    assert got.regional.startswith("spliced: 6 blocks of layers from a trace of 4; block 0's backward kept whole"), got.regional
+    got = regional.capture_regional(_meta_copy(net), idx.to("meta"), tgt.to("meta"), template=template)
+    want_how = "from one traced block" if template else "from a trace of 4; block 0's backward kept whole"
+    assert got.regional.startswith(f"spliced: 6 blocks of layers {want_how}"), got.regional
     named = dict(net.named_parameters()) | dict(net.named_buffers()) | {"idx": idx, "tgt": tgt}
     values, grads = run_pair(got.forward, got.backward, named, torch.ones(()), lambda f, inputs: reference.run(f, inputs))
     want = net(idx, tgt)

@@ -3,10 +3,12 @@ mesh of 2 ranks (ranks as threads, real weights, fp32, CPU), and its all-reduces
 
     .venv/bin/python tools/jit_depth.py 1        # then 12: issue 14's "within 1.5x of 1 layer"
     .venv/bin/python tools/jit_depth.py 12 --whole   # every block traced (nvtp.jit(..., regional=False))
+    .venv/bin/python tools/jit_depth.py 12 --seq 128 # a shorter sequence (GPT-2's is 1024)
+    .venv/bin/python tools/jit_depth.py 12 --three   # the splice of a 3-block trace (regional's fallback)
 
 Prints one line: compile (trace + sharding, on rank 0; rank 1 takes the programs), the first
 forward+backward step of both ranks, the all-reduces of the sharded forward and backward, and
-how the fusions were made (spliced from a trace of 3 blocks, or traced whole and why).
+how the fusions were made (spliced from one traced block, or from a trace of 3, or traced whole and why).
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 
 
-def main(layers: int, regional: bool = True) -> None:
-    cfg = gpt.config("gpt2", n_layer=layers, dropout=0.0)
+def main(layers: int, regional: bool = True, seq: int | None = None, template: bool = True) -> None:
+    cfg = gpt.config("gpt2", n_layer=layers, dropout=0.0, **({"seq_len": seq} if seq else {}))
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     idx, tgt = gpt.example_tokens(cfg)
     group = ThreadGroup(2, timeout=600)
     ranks = [nvtp.jit(model if r == 0 else copy.deepcopy(model), plan="megatron", mesh=DeviceMesh.of_size(2),
                       comm=ThreadComm(group, r), regional=regional) for r in range(2)]
+    if not template:
+        from nvtp.frontend import regional as splicing
+        real = splicing.capture_regional
+        splicing.capture_regional = lambda *a, **k: real(*a, template=False, **k)
     start = time.perf_counter()
     ranks[0].compile(idx, tgt)
     ranks[1].share_compiled(ranks[0])
@@ -46,5 +52,7 @@ def main(layers: int, regional: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    numbers = [a for a in sys.argv[1:] if not a.startswith("--")]
-    main(int(numbers[0]) if numbers else 1, regional="--whole" not in sys.argv)
+    args = sys.argv[1:]
+    seq = int(args[args.index("--seq") + 1]) if "--seq" in args else None
+    numbers = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--seq")]
+    main(int(numbers[0]) if numbers else 1, regional="--whole" not in args, seq=seq, template="--three" not in args)

@@ -1,11 +1,26 @@
-"""Regional compilation: trace a deep model's repeated block a few times, not once per layer.
+"""Regional compilation: trace a deep model's repeated block once, not once per layer.
 
-Thunder's trace costs seconds a layer, so ``nvtp.jit`` of a 12-layer GPT would spend most of its
-start-up tracing twelve copies of one block. Instead, ``capture_regional`` finds the repeated
-blocks (an ``nn.ModuleList`` whose children have one class and the same parameters), traces the
-model cut to ``TRACED`` blocks (3), and builds the L-layer forward and backward fusions from that
-trace by splicing the dataflow graph: still ONE forward and ONE backward fusion, which nvtp shards
-and runs as any other.
+Thunder's trace costs seconds a layer (its bytecode interpreter: about 2 s for a GPT-2 block on
+this CPU), so ``nvtp.jit`` of a 12-layer GPT would spend most of its start-up tracing twelve copies
+of one block. Instead, ``capture_regional`` finds the repeated blocks (an ``nn.ModuleList`` whose
+children have one class and the same parameters) and builds the L-layer forward and backward
+fusions by splicing dataflow graphs: still ONE forward and ONE backward fusion, which nvtp shards
+and runs as any other. Two ways, the first that fits:
+
+1. **One traced block** (``capture_template``): the model is first run eagerly on its meta copy
+   (nothing is computed) to check that its blocks are a chain, ``x = block(x)`` each once, in
+   order, on one tensor, and that nothing outside the chain reads a block's output but the last
+   (``observe_chain``). Then two traces that do not grow with depth: the *skeleton*, the model with
+   its chain replaced by ``_Boundary`` (``x * 1.0``, a marker found again in the forward and, as
+   ``1.0 * grad``, in the backward), and block 0 alone. The L-layer forward is the skeleton's with
+   the marker replaced by L copies of the block's forward (parameters named ``<prefix>.<i>.*``,
+   the carry chained); the backward the skeleton's with its marker replaced by the L copies of the
+   block's backward in reverse, each reading the values its own forward copy saved. A skeleton
+   backward that recomputes the marker (Thunder rematerialising ``x * 1.0``) reads the last
+   block's output instead. With dropout each copy draws its own masks, in the whole trace's order:
+   tests/test_regional.py compares the loss and every gradient with a whole trace, bit for bit.
+2. **A trace of ``TRACED`` blocks (3)**, for chains the first way does not take (a block called
+   with more than the carry, a model reading block outputs outside the chain), described next.
 
 How the splice finds a block (no model-specific names). Every op gets a *tag*, the block it
 belongs to. In the forward: the highest block index among the block parameters it depends on
@@ -25,13 +40,15 @@ renamed T0, T1, ... in op order (inputs first).
 
 Anything that does not fit (no repeated ModuleList, blocks that differ, a region that reads a
 block other than its neighbour, a unit whose second copy does not match the first) raises
-``NotRepeatable`` with the reason; ``capture_regional`` then traces the whole model as before and
-says why in ``Captured.regional``. When only block 0's backward differs (Thunder recomputes the
-embedding for a Llama-style block 0 whose RMSNorm needs its input, and saves the other blocks'
-inputs), the model is traced again at 4 blocks and block 0's backward kept whole in the tail.
-Still traced whole: a backward that recomputes the residual stream through every block (a
-residual block of one linear and a GELU), whose recomputation is a chain of its own. Assumed, not checked: the model's forward does not depend on the number
-of blocks other than by running them (a trace of 3 blocks computes what 3 of L compute).
+``NotRepeatable`` with the reason; ``capture_regional`` then tries the next way, and at last
+traces the whole model, saying why in ``Captured.regional``. When only block 0's backward differs
+(Thunder recomputes the embedding for a Llama-style block 0 whose RMSNorm needs its input, and
+saves the other blocks' inputs), the model is traced again at 4 blocks and block 0's backward kept
+whole in the tail. The 3-block way cannot take a backward that recomputes the residual stream
+through every block (a residual block of one linear and a GELU), whose recomputation is a chain of
+its own; the one-block way can (each copy recomputes its own). Assumed, not checked, by both: the
+model's forward does not depend on the number of blocks other than by running them (a forward
+that reads ``len(self.h)`` would see 1 in the skeleton, 3 in the cut model).
 """
 
 from __future__ import annotations
@@ -523,9 +540,294 @@ def splice(forward: Fusion, backward: Fusion | None, prefix: str, traced: int, l
     return fwd, bwd
 
 
+# -- one traced block (the template splice) --------------------------------------------------------
+
+class _Boundary(torch.nn.Module):
+    """Stands for the whole chain of blocks in the skeleton: ``x * 1.0``, one multiplication (cast
+    to float and back for a low-precision ``x``) that marks where the chain's input leaves the head
+    and its output enters the tail, in the forward and, as ``1.0 * grad``, in the backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What running the model on meta tensors says of its blocks: each is called once, in order,
+    as ``x = block(x)`` on one tensor (the carry), and nothing outside the chain reads a block's
+    output but the last. ``carry`` is block 0's input (meta)."""
+
+    carry: torch.Tensor
+
+
+def observe_chain(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> Chain:
+    """Run ``module`` eagerly (its meta copy: nothing is computed) and check that its blocks form
+    the chain the template splice builds; ``NotRepeatable`` says what differs."""
+    from torch.overrides import TorchFunctionMode
+
+    blocks = list(module.get_submodule(rep.prefix))
+    calls: list[tuple[int, tuple, dict, Any]] = []
+    depth = [0]
+    used_outside: set[int] = set()
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, a=(), kw=None):
+            kw = kw or {}
+            if depth[0] == 0:
+                for t in torch.utils._pytree.tree_leaves((a, kw)):
+                    if isinstance(t, torch.Tensor):
+                        used_outside.add(id(t))
+            return func(*a, **kw)
+
+    def pre(i):
+        def hook(m, a, kw):
+            depth[0] += 1
+            calls.append((i, a, kw, None))
+        return hook
+
+    def post(i):
+        def hook(m, a, kw, out):
+            depth[0] -= 1
+            j = max(k for k, c in enumerate(calls) if c[0] == i)
+            calls[j] = (i, a, kw, out)
+        return hook
+
+    handles = [b.register_forward_pre_hook(pre(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(post(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad(), Uses():
+            module(*args, **kwargs)
+    except NotRepeatable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model that does not run on meta tensors: the other splice decides
+        raise NotRepeatable(f"the model did not run on meta tensors ({type(e).__name__})") from e
+    finally:
+        for h in handles:
+            h.remove()
+    if [c[0] for c in calls] != list(range(len(blocks))):
+        raise NotRepeatable(f"the blocks of {rep.prefix} are not each called once, in order")
+    for i, a, kw, out in calls:
+        if kw or len(a) != 1 or not isinstance(a[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+            raise NotRepeatable(f"block {i} of {rep.prefix} is not called as x = block(x) on one tensor")
+        if out.shape != a[0].shape or out.dtype != a[0].dtype:
+            raise NotRepeatable(f"block {i} of {rep.prefix} changes its input's shape or dtype")
+        if i and a[0] is not calls[i - 1][3]:
+            raise NotRepeatable(f"block {i} of {rep.prefix} does not read block {i - 1}'s output")
+        if i < len(blocks) - 1 and id(out) in used_outside:
+            raise NotRepeatable(f"the model reads block {i}'s output outside the chain of {rep.prefix}")
+    return Chain(calls[0][1][0])
+
+
+def _marker(f: Fusion, carry: torch.Tensor, forward: bool) -> tuple[set[int], str, str]:
+    """The ops of ``_Boundary`` in a skeleton fusion: (their indices, the value entering, the value
+    leaving). Forward: ``x * 1.0``; backward: ``1.0 * g``; each with a cast to float before and a
+    cast back after when the carry is of lower precision."""
+    found = _markers(f, carry, forward)
+    if len(found) != 1:
+        raise NotRepeatable(f"the skeleton's {'forward' if forward else 'backward'} has {len(found)} places where the chain of "
+                            "blocks could be, not 1")
+    return found[0]
+
+
+def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[int], str, str]]:
+    """Every op group of ``f`` that ``_marker`` would take (a backward that recomputes the forward's
+    ``x * 1.0`` has one of the forward's form too)."""
+    from nvtp.ir.dtypes import DType
+
+    shape, dtype = tuple(carry.shape), DType.from_torch(carry.dtype)
+    users = f.consumers()
+    at = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
+    outputs = {v.name for v in f.outputs}
+    found = []
+    for i, op in enumerate(f.ops):
+        if op.kind != "mul":
+            continue
+        lhs, rhs = op.arg("lhs"), op.arg("rhs")
+        value, const = (lhs, rhs) if forward else (rhs, lhs)
+        if not is_value(value) or is_value(const) or const != 1.0 or tuple(value.shape) != shape:
+            continue
+        drop, entering, leaving = {i}, value.name, op.outputs[0].name
+        producer = f.ops[at[entering]]
+        if producer.kind == "cast" and producer.operands[0].dtype == dtype and len(users[entering]) == 1 and entering not in outputs:
+            drop.add(at[entering])
+            entering = producer.operands[0].name
+        after = users.get(leaving, [])
+        if len(after) == 1 and after[0].kind == "cast" and after[0].outputs[0].dtype == dtype and leaving not in outputs:
+            drop.add(at[after[0].outputs[0].name])
+            leaving = after[0].outputs[0].name
+        if f.value(entering).dtype == dtype and f.value(leaving).dtype == dtype:
+            found.append((drop, entering, leaving))
+    return found
+
+
+def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
+                    carry: torch.Tensor, prefix: str, layers: int) -> tuple[Fusion, Fusion | None]:
+    """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
+    replaced by ``_Boundary``), with the boundary replaced by L copies of the block's own fusions,
+    chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``."""
+    fb_inputs = [op for op in block_fwd.ops if defines_input(op)]
+    acts = [op.outputs[0] for op in fb_inputs if block_fwd.role(op.outputs[0].name) != "parameter"]
+    if len(acts) != 1:
+        raise NotRepeatable(f"the block's forward reads {len(acts)} inputs that are not its parameters, not 1 (the carry)")
+    x = acts[0].name
+    ys = [v for v in block_fwd.outputs if block_fwd.role(v.name) == "output"]
+    if len(ys) != 1:
+        raise NotRepeatable(f"the block's forward has {len(ys)} outputs, not 1")
+    y = ys[0].name
+
+    def label(f: Fusion, name: str, i: int) -> str:
+        return f"{prefix}.{i}.{f.label(name)}"
+
+    # Forward.
+    drop, entering, leaving = _marker(skeleton_fwd, carry, True)
+    ops: list[Op] = [op for op in skeleton_fwd.ops if defines_input(op)]
+    info: dict[str, ValueInfo] = {n: i for n, i in skeleton_fwd.info.items()}
+    for i in range(layers):
+        for op in fb_inputs:
+            v = op.outputs[0]
+            if v.name != x:
+                ops.append(Op(op.kind, op.args, (_renamed(v, f"{v.name}#{i}"),)))
+                info[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_fwd, v.name, i))
+    read: dict[str, str] = {}
+    carries = []  # the carry entering each copy (forward names)
+
+    def fname(name: str, i: int) -> str:
+        return carries[i] if name == x else f"{name}#{i}"
+
+    for j, op in enumerate(skeleton_fwd.ops):
+        if defines_input(op):
+            continue
+        if j in drop:
+            if j == min(drop):
+                carry_in = read.get(entering, entering)
+                for i in range(layers):
+                    carries.append(carry_in)
+                    for bop in block_fwd.compute_ops():
+                        ops.append(Op(bop.kind, _map_args(bop.args, lambda v, i=i: _renamed(v, fname(v.name, i))),
+                                      tuple(_renamed(v, fname(v.name, i)) for v in bop.outputs)))
+                    carry_in = fname(y, i)
+                read[leaving] = carry_in
+            continue
+        ops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read.get(v.name, v.name))), op.outputs))
+    values = {v.name: v for op in ops for v in op.outputs}
+    outs: dict[str, Value] = {}
+    for v in skeleton_fwd.outputs:
+        outs.setdefault(read.get(v.name, v.name), values[read.get(v.name, v.name)])
+        info.setdefault(read.get(v.name, v.name), skeleton_fwd.info.get(v.name, ValueInfo("saved")))
+    saved_sources = [block_bwd.info[op.outputs[0].name].source for op in block_bwd.ops
+                     if defines_input(op) and block_bwd.role(op.outputs[0].name) == "saved"] if block_bwd is not None else []
+    # A backward that recomputes the boundary (Thunder rematerialising ``x * 1.0`` from the head's
+    # output) reads the last block's output instead: the forward saves it.
+    recomputed = _markers(skeleton_bwd, carry, True) if skeleton_bwd is not None else []
+    if recomputed and read[leaving] not in outs:
+        outs[read[leaving]] = values[read[leaving]]
+        info[read[leaving]] = ValueInfo("saved")
+    for i in range(layers):
+        for s in saved_sources:
+            name = fname(s, i)
+            if name not in outs:
+                outs[name] = values[name]
+                info[name] = ValueInfo("saved")
+    fwd, frename = _canonical(skeleton_fwd.name, ops, list(outs.values()), {n: i for n, i in info.items() if n in values}, skeleton_fwd)
+    if skeleton_bwd is None or block_bwd is None:
+        return fwd, None
+
+    # Backward: the copies in reverse, the incoming gradient of each the outgoing one of the copy after.
+    bb_inputs = [op for op in block_bwd.ops if defines_input(op)]
+    gys = [op.outputs[0].name for op in bb_inputs if block_bwd.role(op.outputs[0].name) == "grad"]
+    gxs = [v.name for v in block_bwd.outputs if block_bwd.grad_of(v.name) == block_fwd.label(x)]
+    if len(gys) != 1 or len(gxs) != 1:
+        raise NotRepeatable(f"the block's backward takes {len(gys)} gradients and gives {len(gxs)} for its input, not 1 and 1")
+    gy, gx = gys[0], gxs[0]
+    bdrop, bentering, bleaving = _marker(skeleton_bwd, carry, False)
+    bops: list[Op] = []
+    binfo: dict[str, ValueInfo] = {}
+
+    def saved(src: str) -> str:
+        return frename[read.get(src, src)]
+
+    for op in skeleton_bwd.ops:
+        if defines_input(op):
+            bops.append(op)
+            old = skeleton_bwd.info.get(op.outputs[0].name)
+            if old is not None:
+                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.role == "saved" else old
+    for i in range(layers):
+        for op in bb_inputs:
+            v = op.outputs[0]
+            role = block_bwd.role(v.name)
+            if v.name == gy:
+                continue
+            bops.append(Op(op.kind, op.args, (_renamed(v, f"{v.name}#{i}"),)))
+            binfo[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_bwd, v.name, i)) if role == "parameter" else \
+                ValueInfo("saved", "", frename[fname(block_bwd.info[v.name].source, i)])
+    bread: dict[str, str] = {}
+    grads: list[tuple[str, str]] = []
+    skip: set[int] = set()
+    if recomputed:
+        define_x = next(op for op in fb_inputs if op.outputs[0].name == x)
+        last = _renamed(define_x.outputs[0], "carry_out")
+        bops.append(Op(define_x.kind, define_x.args, (last,)))
+        binfo[last.name] = ValueInfo("saved", "", frename[read[leaving]])
+        for drop_r, _, leaving_r in recomputed:
+            skip |= drop_r
+            bread[leaving_r] = last.name
+
+    for j, op in enumerate(skeleton_bwd.ops):
+        if defines_input(op) or j in skip:
+            continue
+        if j in bdrop:
+            if j == min(bdrop):
+                g = bread.get(bentering, bentering)
+                for i in reversed(range(layers)):
+                    def bname(name: str, i: int = i, g: str = g) -> str:
+                        return g if name == gy else f"{name}#{i}"
+                    for bop in block_bwd.compute_ops():
+                        bops.append(Op(bop.kind, _map_args(bop.args, lambda v: _renamed(v, bname(v.name))),
+                                       tuple(_renamed(v, bname(v.name)) for v in bop.outputs)))
+                    grads += [(bname(v.name), f"{prefix}.{i}.{block_bwd.grad_of(v.name)}") for v in block_bwd.outputs if v.name != gx]
+                    g = bname(gx)
+                bread[bleaving] = g
+            continue
+        bops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, bread.get(v.name, v.name))), op.outputs))
+    bvalues = {v.name: v for op in bops for v in op.outputs}
+    bouts: dict[str, Value] = {}
+    for v in skeleton_bwd.outputs:
+        name = bread.get(v.name, v.name)
+        bouts.setdefault(name, bvalues[name])
+        binfo.setdefault(name, skeleton_bwd.info.get(v.name, ValueInfo("grad")))
+    for name, of in sorted(grads, key=lambda g: g[1]):
+        bouts[name] = bvalues[name]
+        binfo[name] = ValueInfo("grad", f"grad({of})", grad_of=of)
+    bwd, _ = _canonical(skeleton_bwd.name, bops, list(bouts.values()), {n: i for n, i in binfo.items() if n in bvalues}, skeleton_bwd)
+    return fwd, bwd
+
+
+def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwargs: Any):
+    """The model's fusions from two traces that do not grow with depth: the skeleton (the model with
+    its chain of blocks replaced by ``_Boundary``) and block 0 alone; ``NotRepeatable`` if the
+    model is not such a chain."""
+    from nvtp.frontend.capture import capture
+
+    chain = observe_chain(module, rep, args, kwargs)
+    skeleton = truncated(module, rep.prefix, 0)
+    parent = skeleton.get_submodule(rep.prefix.rpartition(".")[0]) if "." in rep.prefix else skeleton
+    parent._modules[rep.prefix.rpartition(".")[2]] = torch.nn.ModuleList([_Boundary()])
+    try:
+        skel = capture(skeleton, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a forward that needs its blocks (indexes them, reads their attributes)
+        raise NotRepeatable(f"the model without its blocks did not trace ({type(e).__name__})") from e
+    carry = torch.empty_like(chain.carry, device="meta").requires_grad_(skel.backward is not None)
+    try:
+        block = capture(module.get_submodule(f"{rep.prefix}.0"), carry)
+    except Exception as e:  # noqa: BLE001 - a block that does not trace alone: the other splice decides
+        raise NotRepeatable(f"block 0 of {rep.prefix} did not trace alone ({type(e).__name__})") from e
+    return skel, splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count)
+
+
 # -- capture ---------------------------------------------------------------------------------------
 
-def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, **kwargs: Any):
+def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, template: bool = True, **kwargs: Any):
     """``capture(module, *args)``, by splicing a trace of ``traced`` blocks when ``module`` has
     more repeated blocks than that; else (or when the splice fails) the whole trace. The returned
     ``Captured.regional`` says which, and why."""
@@ -535,10 +837,22 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
         rep = find_repeated(module)
     except NotRepeatable as e:
         return replace(capture(module, *args, **kwargs), regional=f"whole trace: {e}")
-    if rep.count <= traced:
-        return replace(capture(module, *args, **kwargs), regional=f"whole trace: {rep.count} blocks in {rep.prefix}, no more than the {traced} a splice traces")
     start = time.perf_counter()
     reasons = []
+    if template:
+        try:
+            skel, (fwd, bwd) = capture_template(module, rep, *args, **kwargs)
+        except NotRepeatable as e:
+            reasons.append(str(e))
+        else:
+            verify(fwd)
+            if bwd is not None:
+                verify(bwd)
+            seconds = time.perf_counter() - start
+            return replace(skel, forward=fwd, backward=bwd, trace_seconds=seconds,
+                           regional=f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s)")
+    if rep.count <= traced:
+        reasons.append(f"{rep.count} blocks in {rep.prefix}, no more than the {traced} a splice of several traced blocks traces")
     # Block 0's backward may differ from the others' (Thunder recomputes the embedding for it): then
     # trace a 4th block and keep block 0's backward whole.
     for blocks, first_in_tail in ((traced, False), (traced + 1, True)):
@@ -548,7 +862,7 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
             part = capture(truncated(module, rep.prefix, blocks), *args, **kwargs)
             fwd, bwd = splice(part.forward, part.backward, rep.prefix, blocks, rep.count, first_in_tail)
         except NotRepeatable as e:
-            reasons.append(str(e))
+            reasons.append(str(e) if not first_in_tail else f"with a 4th block: {e}")
             if not str(e).startswith("the backward"):
                 break
         except Exception as e:  # noqa: BLE001 - the cut model may not trace (e.g. a forward indexing block n-1): trace it whole
@@ -563,5 +877,5 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
             kept = "; block 0's backward kept whole" if first_in_tail else ""
             return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds,
                            regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {blocks}{kept} ({seconds:.1f} s)")
-    reason = "whole trace: " + "; with a 4th block: ".join(reasons)
+    reason = "whole trace: " + "; ".join(reasons)
     return replace(capture(module, *args, **kwargs), regional=reason)
