@@ -42,17 +42,34 @@ def verify(fusion: Fusion) -> Fusion:
     return fusion
 
 
+# Ops already found well typed, by identity (an ``Op`` is immutable, and what ``_typed`` checks reads
+# only the op): the sharding passes copy most ops of a verified fusion unchanged, and re-inferring
+# them was a fifth of sharding a deep model. The op is kept so its id is not reused.
+_TYPED: dict[int, Op] = {}
+_TYPED_MAX = 1 << 20
+
+
 def _verify_op(op: Op, defined: dict[str, object]) -> None:
-    s = opstable.spec(op.kind)
-    names = [name for name, _ in op.args]
-    expected = [p.name for p in s.params]
-    if names != expected:
-        raise IRError(f"fd.ops.{op.kind} has arguments {names}, expected {expected}")
     for v in op.operands:
         if v.name not in defined:
             raise IRError(f"{v.name} is used before it is defined")
         if defined[v.name] != v:
             raise IRError(f"{v.name} is used as {v.describe()} but defined as {defined[v.name].describe()}")  # type: ignore[attr-defined]
+    if _TYPED.get(id(op)) is op:
+        return
+    _typed(op)
+    if len(_TYPED) >= _TYPED_MAX:
+        _TYPED.clear()
+    _TYPED[id(op)] = op
+
+
+def _typed(op: Op) -> None:
+    """``op``'s arguments, result types and operand dtypes are what the op table says."""
+    s = opstable.spec(op.kind)
+    names = [name for name, _ in op.args]
+    expected = [p.name for p in s.params]
+    if names != expected:
+        raise IRError(f"fd.ops.{op.kind} has arguments {names}, expected {expected}")
     outs = opstable.infer(op.kind, op.args)
     if len(outs) != len(op.outputs):
         raise IRError(f"fd.ops.{op.kind} gives {len(outs)} results, the op lists {len(op.outputs)}")

@@ -67,8 +67,26 @@ def tensor_operands(op: Op) -> list[TensorValue]:
     return [v for v in op.operands if isinstance(v, TensorValue)]
 
 
+# Factor descriptions by op identity (an ``Op`` is immutable and nothing writes to an ``OpFactors``
+# once its rule returns): the plans probe a deep model one projection at a time, and every probe
+# asked again for the factors of the same ops. The op is kept so its id is not reused.
+_FACTORS: dict[int, tuple[Op, "OpFactors"]] = {}
+_FACTORS_MAX = 1 << 20
+
+
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
+    hit = _FACTORS.get(id(op))
+    if hit is not None and hit[0] is op:
+        return hit[1]
+    f = _factors_of(op)
+    if len(_FACTORS) >= _FACTORS_MAX:
+        _FACTORS.clear()
+    _FACTORS[id(op)] = (op, f)
+    return f
+
+
+def _factors_of(op: Op) -> OpFactors:
     fn = RULES.get(op.kind)
     if fn is None:
         raise RuleError(f"op {op.kind} has no sharding rule in nvtp/sharding/rules.py RULES; add one")
