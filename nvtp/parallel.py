@@ -366,6 +366,10 @@ class ShardedModule(torch.nn.Module):
         running anything: before loading a checkpoint, or to fail fast on a bad plan."""
         if kwargs and not self._fx:
             args, kwargs = _positional(self.module, args, kwargs), {}
+        if self._fx:
+            from nvtp.frontend import fx
+
+            kwargs = fx.without_cache(self.module, kwargs)  # a transformers model trains without a KV cache
         self._compiled_for(args, kwargs)
         return self
 
@@ -417,6 +421,10 @@ class ShardedModule(torch.nn.Module):
         if kwargs and not self._fx:  # model(idx, targets=t): the thunder.jit route takes positions
             args = _positional(self.module, args, kwargs)
             kwargs = {}
+        if self._fx:
+            from nvtp.frontend import fx
+
+            kwargs = fx.without_cache(self.module, kwargs)  # a transformers model trains without a KV cache
         if self.mesh.ndim > 1 and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)

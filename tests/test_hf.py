@@ -226,6 +226,19 @@ def test_arguments_the_model_cannot_take_are_an_input_error():
         model(torch.randn(2, 7))
 
 
+def test_a_config_with_the_kv_cache_on_trains_without_it_and_an_explicit_use_cache_true_is_refused():
+    """transformers configs default to use_cache=True; dynamo cannot export the DynamicCache output,
+    and a newcomer got a graph-break error telling them to remove data-dependent Python. nvtp now
+    calls the model with use_cache=False (a training step does not use the cache)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | {"use_cache": True}), bos_token_id=0, eos_token_id=0))
+    assert model.config.use_cache
+    worst = check_parity(model, Mesh(model, 2, "megatron", tokens(), labels=tokens()), tokens())
+    assert worst["split"] >= len(decoder_weights(model)), worst
+    with pytest.raises(InputError, match=r"LlamaForCausalLM: nvtp.jit does not return KV caches \(past_key_values\); call it with use_cache=False"):
+        nvtp.jit(model, plan="megatron").compile(tokens(), use_cache=True)
+
+
 # -- more families and mesh sizes (a trace each: 6-9 s on an idle 2-core machine, up to a minute loaded) --
 
 

@@ -43,7 +43,7 @@ import operator
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -87,6 +87,22 @@ class Program:
         """The model's own output object (e.g. ``CausalLMOutputWithPast``) from the fusion's user outputs."""
         leaves = [outputs[i] if kind == "out" else i for kind, i in self.output_map]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def without_cache(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's keyword arguments with ``use_cache=False`` added when the model's config asks for
+    a KV cache (transformers' default) and the call does not say: nvtp trains, and a cache is an
+    output nvtp would return and feed back (``past_key_values``), as transformers itself turns the
+    cache off for gradient checkpointing. ``use_cache=True`` passed explicitly is refused."""
+    kwargs = dict(kwargs)
+    if "use_cache" not in inspect.signature(module.forward).parameters:
+        return kwargs
+    if kwargs.get("use_cache"):
+        raise InputError(f"{type(module).__name__}: nvtp.jit does not return KV caches (past_key_values); "
+                         "call it with use_cache=False (training does not use the cache)")
+    if "use_cache" not in kwargs and getattr(getattr(module, "config", None), "use_cache", False):
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 def call_structure(args: tuple, kwargs: dict) -> tuple:
