@@ -568,7 +568,7 @@ def observe_chain(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: d
     blocks = list(module.get_submodule(rep.prefix))
     calls: list[tuple[int, tuple, dict, Any]] = []
     depth = [0]
-    used_outside: set[int] = set()
+    used_outside: dict[int, torch.Tensor] = {}  # kept alive: a freed tensor's id may be a block output's later
 
     class Uses(TorchFunctionMode):
         def __torch_function__(self, func, types, a=(), kw=None):
@@ -576,7 +576,7 @@ def observe_chain(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: d
             if depth[0] == 0:
                 for t in torch.utils._pytree.tree_leaves((a, kw)):
                     if isinstance(t, torch.Tensor):
-                        used_outside.add(id(t))
+                        used_outside[id(t)] = t
             return func(*a, **kw)
 
     def pre(i):
@@ -875,7 +875,8 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
                 verify(bwd)
             seconds = time.perf_counter() - start
             kept = "; block 0's backward kept whole" if first_in_tail else ""
+            why = f"; not from one traced block: {reasons[0]}" if template and reasons else ""
             return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds,
-                           regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {blocks}{kept} ({seconds:.1f} s)")
+                           regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {blocks}{kept} ({seconds:.1f} s){why}")
     reason = "whole trace: " + "; ".join(reasons)
     return replace(capture(module, *args, **kwargs), regional=reason)
