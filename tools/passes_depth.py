@@ -20,6 +20,8 @@ with torch.device("meta"):
 idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
 c = regional.capture_regional(m, idx, tgt)
 print(c.regional, len(c.forward.ops), "+", len(c.backward.ops), "ops")
+import gc, os
+if os.environ.get("NOGC"): gc.disable()
 t = time.perf_counter()
 f = shard(c.forward, plan, DeviceMesh.of_size(8))
 t1 = time.perf_counter()

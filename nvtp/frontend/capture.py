@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
+from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, ValueInfo
 
 
@@ -150,7 +151,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     start = time.perf_counter()
     saved_grads = {p: p.grad for p in module.parameters()}
     try:
-        with use_runtime(runtime):
+        with use_runtime(runtime), paused():  # nvtp/gcpause.py: the collector walking Thunder's objects
             jitted = thunder.jit(module, executors=[executor()])
             out = jitted(*args, **kwargs)
             if backward:

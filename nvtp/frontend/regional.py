@@ -828,9 +828,16 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
 # -- capture ---------------------------------------------------------------------------------------
 
 def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, template: bool = True, **kwargs: Any):
-    """``capture(module, *args)``, by splicing a trace of ``traced`` blocks when ``module`` has
-    more repeated blocks than that; else (or when the splice fails) the whole trace. The returned
-    ``Captured.regional`` says which, and why."""
+    """``capture(module, *args)``, by splicing one traced block (``template``) or a trace of
+    ``traced`` blocks when ``module`` has a chain of repeated blocks; else (or when the splices do
+    not fit) the whole trace. The returned ``Captured.regional`` says which, and why."""
+    from nvtp.gcpause import paused
+
+    with paused():
+        return _capture_regional(module, args, kwargs, traced, template)
+
+
+def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced: int, template: bool):
     from nvtp.frontend.capture import capture
 
     try:
