@@ -4,7 +4,7 @@
 sharded, counted L times), so its time does not grow with L; Thunder tracing the whole model
 grows by seconds a layer. The targets: the whole 96-layer model compiled and explained within
 60 s wall on this 2-core machine, from a fresh process as a user runs it; the sharding passes of
-a flat (not regional) 96-layer forward fusion within 2 s.
+the 96-layer forward and backward nvtp.jit shards (spliced from one traced block) within 2 s.
 """
 
 from __future__ import annotations
@@ -43,30 +43,38 @@ def test_explain_whole_gpt3(benchmark, layers, request):
     assert seconds[0] <= EXPLAIN_TARGET_S, f"explain of {layers} layers took {seconds[0]:.1f} s (target {EXPLAIN_TARGET_S} s)"
 
 
-@pytest.mark.xfail(strict=False, reason="missed knowingly: 1.9 s (quiet) to 2.6 s (loaded) for the flat 96-layer forward alone on "
-                   "2026-11-22; linear in depth but not fast enough per op (propagation 0.86 s, annotate 0.65 s, verify 0.37 s). "
-                   "The regional route nvtp explain takes shards the 96-layer model in 0.1 s")
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
-def test_sharding_passes_flat_96_layers(benchmark, plan, request):
-    """The 96-layer forward as one flat fusion (copies of the GPT-3 layer chained, as
-    tests/test_scale.py builds them): 10,945 ops."""
-    from nvtp import dump
-    from nvtp.sharding.pipeline import shard
-    from nvtp.sharding.placements import DeviceMesh
-    from tests.test_scale import stack
+@pytest.mark.parametrize("plan", ["megatron", pytest.param("megatron-sp", marks=pytest.mark.xfail(
+    strict=False, reason="missed knowingly: 2.55 s on 2026-11-23 (load 1), its backward's propagation 1.15 s"))])
+def test_sharding_passes_96_layers_forward_and_backward(benchmark, plan, request):
+    """What nvtp.jit shards for GPT-3 at 96 layers: the forward and backward spliced from one traced
+    block (9,286 + 24,498 ops), ``shard`` then ``shard_backward``, nvFuser target, d = 8. Timed once,
+    on fusions traced for this test (the passes remember ops they have seen: a second run on the
+    same fusions would be faster than a user's first)."""
+    import torch
 
-    benchmark.group = "scale: sharding passes, flat 96-layer gpt3 forward, 8 devices"
-    fusion = stack(dump.load(ROOT / "fusions/nanogpt_gpt3_bf16_fwd.py").fusion, 96)
+    from nvtp.frontend.regional import capture_regional
+    from nvtp.models import gpt
+    from nvtp.sharding.pipeline import shard, shard_backward
+    from nvtp.sharding.placements import DeviceMesh
+
+    benchmark.group = "scale: sharding passes, 96-layer gpt3 forward + backward, 8 devices"
+    cfg = gpt.config("gpt3", n_layer=96, dropout=0.0)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg).to(torch.bfloat16)
+    idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
+    captured = capture_regional(model, idx, tgt)
+    assert captured.regional.startswith("spliced: 96 blocks of h from one traced block"), captured.regional
     seconds = []
 
     def run():
         start = time.perf_counter()
-        shard(fusion, plan, DeviceMesh.of_size(8))
+        fwd = shard(captured.forward, plan, DeviceMesh.of_size(8))
+        shard_backward(captured.backward, fwd, "nvfuser")
         seconds.append(time.perf_counter() - start)
 
-    benchmark.pedantic(run, rounds=3, iterations=1)
-    best = min(seconds)
-    data = record(f"scale: passes flat 96 layers {plan}", nodeid=request.node.nodeid, kind="compile",
-                  config={"layers": 96, "ops": len(fusion.ops), "plan": plan}, timings={"passes": Timing.of(seconds)}, ratios={})
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    data = record(f"scale: passes 96 layers fwd+bwd {plan}", nodeid=request.node.nodeid, kind="compile",
+                  config={"layers": 96, "ops": len(captured.forward.ops) + len(captured.backward.ops), "plan": plan},
+                  timings={"passes": Timing.of(seconds)}, ratios={})
     benchmark.extra_info.update(data)
-    assert best <= PASSES_TARGET_S, f"{plan}: {best:.2f} s (target {PASSES_TARGET_S} s)"
+    assert seconds[0] <= PASSES_TARGET_S, f"{plan}: {seconds[0]:.2f} s (target {PASSES_TARGET_S} s)"
