@@ -660,6 +660,28 @@ def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[in
     return found
 
 
+def _copied(f: Fusion, name: Callable[[str], str]) -> list[Op]:
+    """``f``'s compute ops with every value renamed ``name(old)``: one copy of a block."""
+    return [Op(op.kind, _map_args(op.args, lambda v: _renamed(v, name(v.name))), tuple(_renamed(v, name(v.name)) for v in op.outputs))
+            for op in f.compute_ops()]
+
+
+def _reading(op: Op, read: dict[str, str]) -> Op:
+    """``op`` reading ``read[name]`` where ``read`` renames an operand (the boundary's output)."""
+    return Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read.get(v.name, v.name))), op.outputs)
+
+
+def _outputs_read(f: Fusion, values: dict[str, Value], read: dict[str, str], info: dict[str, ValueInfo], role: str) -> dict[str, Value]:
+    """``f``'s outputs as the spliced fusion has them (renamed by ``read``), their info carried over
+    into ``info`` (``role`` where ``f`` has none)."""
+    outs: dict[str, Value] = {}
+    for v in f.outputs:
+        name = read.get(v.name, v.name)
+        outs.setdefault(name, values[name])
+        info.setdefault(name, f.info.get(v.name, ValueInfo(role)))
+    return outs
+
+
 def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
                     carry: torch.Tensor, prefix: str, layers: int) -> tuple[Fusion, Fusion | None]:
     """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
@@ -702,18 +724,13 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
                 carry_in = read.get(entering, entering)
                 for i in range(layers):
                     carries.append(carry_in)
-                    for bop in block_fwd.compute_ops():
-                        ops.append(Op(bop.kind, _map_args(bop.args, lambda v, i=i: _renamed(v, fname(v.name, i))),
-                                      tuple(_renamed(v, fname(v.name, i)) for v in bop.outputs)))
+                    ops += _copied(block_fwd, lambda name, i=i: fname(name, i))
                     carry_in = fname(y, i)
                 read[leaving] = carry_in
             continue
-        ops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read.get(v.name, v.name))), op.outputs))
+        ops.append(_reading(op, read))
     values = {v.name: v for op in ops for v in op.outputs}
-    outs: dict[str, Value] = {}
-    for v in skeleton_fwd.outputs:
-        outs.setdefault(read.get(v.name, v.name), values[read.get(v.name, v.name)])
-        info.setdefault(read.get(v.name, v.name), skeleton_fwd.info.get(v.name, ValueInfo("saved")))
+    outs = _outputs_read(skeleton_fwd, values, read, info, "saved")
     saved_sources = [block_bwd.info[op.outputs[0].name].source for op in block_bwd.ops
                      if defines_input(op) and block_bwd.role(op.outputs[0].name) == "saved"] if block_bwd is not None else []
     # A backward that recomputes the boundary (Thunder rematerialising ``x * 1.0`` from the head's
@@ -782,20 +799,14 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
                 for i in reversed(range(layers)):
                     def bname(name: str, i: int = i, g: str = g) -> str:
                         return g if name == gy else f"{name}#{i}"
-                    for bop in block_bwd.compute_ops():
-                        bops.append(Op(bop.kind, _map_args(bop.args, lambda v: _renamed(v, bname(v.name))),
-                                       tuple(_renamed(v, bname(v.name)) for v in bop.outputs)))
+                    bops += _copied(block_bwd, bname)
                     grads += [(bname(v.name), f"{prefix}.{i}.{block_bwd.grad_of(v.name)}") for v in block_bwd.outputs if v.name != gx]
                     g = bname(gx)
                 bread[bleaving] = g
             continue
-        bops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, bread.get(v.name, v.name))), op.outputs))
+        bops.append(_reading(op, bread))
     bvalues = {v.name: v for op in bops for v in op.outputs}
-    bouts: dict[str, Value] = {}
-    for v in skeleton_bwd.outputs:
-        name = bread.get(v.name, v.name)
-        bouts.setdefault(name, bvalues[name])
-        binfo.setdefault(name, skeleton_bwd.info.get(v.name, ValueInfo("grad")))
+    bouts = _outputs_read(skeleton_bwd, bvalues, bread, binfo, "grad")
     for name, of in sorted(grads, key=lambda g: g[1]):
         bouts[name] = bvalues[name]
         binfo[name] = ValueInfo("grad", f"grad({of})", grad_of=of)
