@@ -13,6 +13,7 @@ so rank r holds the r-th slice of each of the k chunks (the fused QKV output's `
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -149,7 +150,10 @@ class FusedParts:
         return "parts(" + ", ".join(f"[{a}:{b}] {p}" for a, b, p in self.parts) + ")"
 
 
+@functools.lru_cache(maxsize=None)
 def make_shard(dim: int, split_factor: int = 1) -> Placement:
+    """``Shard(dim)``, or ``_StridedShard(dim, k)`` for k > 1; one object per pair (torch's
+    placements are immutable; the propagation asks for them hundreds of thousands of times)."""
     return Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
 
 

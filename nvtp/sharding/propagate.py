@@ -254,7 +254,7 @@ class _Propagator:
     def decide(self, i: int, op: Op) -> None:
         f = self.factors(i, op)
         cands = self.candidates(op, f)
-        best = min(cands, key=lambda c: self.cost(op, f, c))
+        best = cands[0] if len(cands) == 1 else min(cands, key=lambda c: self.cost(op, f, c))
         self.decisions[i] = best
         for v, axes in zip(op.outputs, f.results):
             if isinstance(v, TensorValue):
