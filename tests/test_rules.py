@@ -656,3 +656,27 @@ def test_a_number_divided_by_a_partial_sum_is_not_offered(d):
     """2 / (a + b) is not 2 / a + 2 / b: only a dividend may be a partial sum."""
     f, op = _single([((2, 8), F32)], lambda b, x: b.op("div", 2.0, x))
     assert partial_decisions(f, op, d) == []
+
+
+def test_the_factor_and_type_caches_do_not_keep_ops_alive():
+    """factors_of and verify remember ops by identity, weakly: an op no fusion holds is gone from
+    both, so a long process that compiles many models does not keep every op it ever saw."""
+    import gc
+    import sys
+
+    from nvtp.ir.graph import Fusion, TensorValue
+    from nvtp.ir.build import make_op
+    from nvtp.sharding import rules
+
+    checked = sys.modules["nvtp.ir.verify"]
+    x = TensorValue("T0", (4, 8), DType.Float)
+    define = make_op("define_tensor", (), {"shape": (4, 8), "contiguity": (True, True), "dtype": DType.Float,
+                                            "is_cpu": False, "stride_order": (1, 0)}, ["T0"])
+    op = make_op("neg", (x,), {}, ["T1"])
+    checked.verify(Fusion((define, op), (op.outputs[0],)))
+    rules.factors_of(op)
+    key = id(op)
+    assert rules._FACTORS[key][1] is rules.factors_of(op) and checked._TYPED.get(key) is op
+    del op
+    gc.collect()
+    assert key not in rules._FACTORS and checked._TYPED.get(key) is None

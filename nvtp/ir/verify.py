@@ -4,6 +4,8 @@ syntax and print the fusion around it."""
 
 from __future__ import annotations
 
+import weakref
+
 from nvtp.ir import ops as opstable
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
 from nvtp.ir.ops import IRError
@@ -44,9 +46,8 @@ def verify(fusion: Fusion) -> Fusion:
 
 # Ops already found well typed, by identity (an ``Op`` is immutable, and what ``_typed`` checks reads
 # only the op): the sharding passes copy most ops of a verified fusion unchanged, and re-inferring
-# them was a fifth of sharding a deep model. The op is kept so its id is not reused.
-_TYPED: dict[int, Op] = {}
-_TYPED_MAX = 1 << 20
+# them was a fifth of sharding a deep model. Held weakly: an entry goes when its op does.
+_TYPED: "weakref.WeakValueDictionary[int, Op]" = weakref.WeakValueDictionary()
 
 
 def _verify_op(op: Op, defined: dict[str, object]) -> None:
@@ -58,8 +59,6 @@ def _verify_op(op: Op, defined: dict[str, object]) -> None:
     if _TYPED.get(id(op)) is op:
         return
     _typed(op)
-    if len(_TYPED) >= _TYPED_MAX:
-        _TYPED.clear()
     _TYPED[id(op)] = op
 
 

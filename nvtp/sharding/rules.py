@@ -22,6 +22,7 @@ The propagation algorithm (``propagate.py``) is written once against this descri
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,20 +70,18 @@ def tensor_operands(op: Op) -> list[TensorValue]:
 
 # Factor descriptions by op identity (an ``Op`` is immutable and nothing writes to an ``OpFactors``
 # once its rule returns): the plans probe a deep model one projection at a time, and every probe
-# asked again for the factors of the same ops. The op is kept so its id is not reused.
-_FACTORS: dict[int, tuple[Op, "OpFactors"]] = {}
-_FACTORS_MAX = 1 << 20
+# asked again for the factors of the same ops. Held weakly: an entry goes when its op does.
+_FACTORS: dict[int, tuple[weakref.ref, "OpFactors"]] = {}
 
 
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
-    hit = _FACTORS.get(id(op))
-    if hit is not None and hit[0] is op:
+    key = id(op)
+    hit = _FACTORS.get(key)
+    if hit is not None and hit[0]() is op:
         return hit[1]
     f = _factors_of(op)
-    if len(_FACTORS) >= _FACTORS_MAX:
-        _FACTORS.clear()
-    _FACTORS[id(op)] = (op, f)
+    _FACTORS[key] = (weakref.ref(op, lambda _, key=key: _FACTORS.pop(key, None)), f)
     return f
 
 
