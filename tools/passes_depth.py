@@ -8,25 +8,33 @@ wall time, forward and backward, with each pass's share.
 
 from __future__ import annotations
 
-import sys, time, torch
-from nvtp.models import gpt
+import sys
+import time
+
+import torch
+
 from nvtp.frontend import regional
+from nvtp.models import gpt
 from nvtp.sharding.pipeline import shard, shard_backward
 from nvtp.sharding.placements import DeviceMesh
-L, plan = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "megatron"
-cfg = gpt.config("gpt3", n_layer=L, dropout=0.0)
-with torch.device("meta"):
-    m = gpt.GPT(cfg).to(torch.bfloat16)
-idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
-c = regional.capture_regional(m, idx, tgt)
-print(c.regional, len(c.forward.ops), "+", len(c.backward.ops), "ops")
-import gc, os
-if os.environ.get("NOGC"): gc.disable()
-t = time.perf_counter()
-f = shard(c.forward, plan, DeviceMesh.of_size(8))
-t1 = time.perf_counter()
-b = shard_backward(c.backward, f, "nvfuser")
-t2 = time.perf_counter()
-print(plan, L, "fwd", round(t1 - t, 2), "bwd", round(t2 - t1, 2), "total", round(t2 - t, 2))
-for s in (f, b):
-    print({k: round(v, 2) for k, v in getattr(s, "pass_seconds", getattr(s, "seconds", {})).items()})
+
+
+def main(layers: int, plan: str) -> None:
+    cfg = gpt.config("gpt3", n_layer=layers, dropout=0.0)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg).to(torch.bfloat16)
+    idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
+    captured = regional.capture_regional(model, idx, tgt)
+    print(captured.regional, len(captured.forward.ops), "+", len(captured.backward.ops), "ops")
+    start = time.perf_counter()
+    fwd = shard(captured.forward, plan, DeviceMesh.of_size(8))
+    middle = time.perf_counter()
+    bwd = shard_backward(captured.backward, fwd, "nvfuser")
+    end = time.perf_counter()
+    print(plan, layers, "fwd", round(middle - start, 2), "bwd", round(end - middle, 2), "total", round(end - start, 2))
+    for sharded in (fwd, bwd):
+        print({k: round(v, 2) for k, v in sharded.seconds.items()})
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 96, sys.argv[2] if len(sys.argv) > 2 else "megatron")
