@@ -364,14 +364,19 @@ class ShardedModule(torch.nn.Module):
     def compile(self, *args, **kwargs) -> "ShardedModule":
         """Trace and shard for arguments like ``args`` now (the parameters become shards), without
         running anything: before loading a checkpoint, or to fail fast on a bad plan."""
-        if kwargs and not self._fx:
-            args, kwargs = _positional(self.module, args, kwargs), {}
-        if self._fx:
-            from nvtp.frontend import fx
-
-            kwargs = fx.without_cache(self.module, kwargs)  # a transformers model trains without a KV cache
+        args, kwargs = self._call(args, kwargs)
         self._compiled_for(args, kwargs)
         return self
+
+    def _call(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+        """A call's arguments as the compiled programs take them: positions on the thunder.jit route
+        (``model(idx, targets=t)``); on the FX route, keywords, with a transformers model's KV cache
+        off (it trains)."""
+        if not self._fx:
+            return (_positional(self.module, args, kwargs) if kwargs else args), {}
+        from nvtp.frontend import fx
+
+        return args, fx.without_cache(self.module, kwargs)
 
     def share_compiled(self, other: "ShardedModule") -> "ShardedModule":
         """Take ``other``'s traced and sharded programs instead of tracing again: ``other`` is the
@@ -418,13 +423,7 @@ class ShardedModule(torch.nn.Module):
                                  + " mode; switch back, or nvtp.jit(..., dynamic=True) to compile each mode")
 
     def forward(self, *args, **kwargs):
-        if kwargs and not self._fx:  # model(idx, targets=t): the thunder.jit route takes positions
-            args = _positional(self.module, args, kwargs)
-            kwargs = {}
-        if self._fx:
-            from nvtp.frontend import fx
-
-            kwargs = fx.without_cache(self.module, kwargs)  # a transformers model trains without a KV cache
+        args, kwargs = self._call(args, kwargs)
         if self.mesh.ndim > 1 and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
