@@ -43,8 +43,7 @@ def test_explain_whole_gpt3(benchmark, layers, request):
     assert seconds[0] <= EXPLAIN_TARGET_S, f"explain of {layers} layers took {seconds[0]:.1f} s (target {EXPLAIN_TARGET_S} s)"
 
 
-@pytest.mark.parametrize("plan", ["megatron", pytest.param("megatron-sp", marks=pytest.mark.xfail(
-    strict=False, reason="missed knowingly: 2.32 s on 2026-11-23 (load 1), most of it the backward's propagation"))])
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_sharding_passes_96_layers_forward_and_backward(benchmark, plan, request):
     """What nvtp.jit shards for GPT-3 at 96 layers: the forward and backward spliced from one traced
     block (9,286 + 24,498 ops), ``shard`` then ``shard_backward``, nvFuser target, d = 8. Timed once,

@@ -172,3 +172,24 @@ def test_a_truncated_file_is_refused_with_its_line(tmp_path):
     cut = text[: text.index("fd.ops.exp(") + len("fd.ops.exp(T")]  # mid-call
     with pytest.raises(DumpError, match=r"<dump>:\d+: not valid Python"):
         parse(cut)
+
+
+def test_a_renamed_op_changes_only_names_and_keeps_its_template():
+    """``Op.renamed`` gives the same op on renamed values; it remembers the op it was copied from
+    (the root, through copies of copies), which equality ignores, and any other change drops it."""
+    from dataclasses import replace
+
+    from nvtp.ir.build import make_op
+
+    x, y = TensorValue("T0", (4, 8), DType.Float), TensorValue("T1", (4, 8), DType.Float)
+    op = make_op("add", (x, y), {}, ["T2"])
+    copy = op.renamed(lambda v: v.name + "b", lambda v: "T9")
+    again = copy.renamed(lambda v: "A" if v.name == "T0b" else v.name)
+    assert [(v.name, v.shape, v.dtype) for v in copy.operands] == [("T0b", (4, 8), DType.Float), ("T1b", (4, 8), DType.Float)]
+    assert copy.outputs == (TensorValue("T9", (4, 8), DType.Float),) and again.outputs == copy.outputs
+    assert [v.name for v in again.operands] == ["A", "T1b"]
+    assert op.template is None and copy.template is op and again.template is op
+    assert again == Op("add", again.args, again.outputs) and hash(again) == hash(Op("add", again.args, again.outputs))
+    assert replace(copy, outputs=(TensorValue("T9", (2, 8), DType.Float),)).template is None
+    flip = make_op("permute", (x,), {"dims": (1, 0)}, ["T3"]).renamed(lambda v: "T5")
+    assert flip.template is not None and flip.with_args(dims=(0, 1)).template is None

@@ -97,6 +97,9 @@ def test_fusions_spliced_from_one_traced_block_compute_the_whole_trace_bit_for_b
     got = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"))
     assert got.regional.startswith(f"spliced: {LAYERS} blocks of h from one traced block"), got.regional
     assert [type(m).__name__ for m in traced] == ["GPT", "Block"] and list(traced[0].h.children())[0].__class__ is regional._Boundary
+    for f in (got.forward, got.backward):  # each op is a renamed copy: the skeleton's once, the block's once a layer
+        copies = collections.Counter(id(op.template) for op in f.compute_ops() if op.template is not None)
+        assert sum(copies.values()) == len(list(f.compute_ops())) and set(copies.values()) == {1, LAYERS}
     roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values() if i.role != "saved")  # noqa: E731
     assert roles(got.forward) == roles(whole.forward) and roles(got.backward) == roles(whole.backward)
     assert _kinds(got.forward)["uniform"] == _kinds(whole.forward)["uniform"] > LAYERS  # fp32: 1 + 3 a block; bf16: 1 + 2

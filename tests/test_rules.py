@@ -680,3 +680,28 @@ def test_the_factor_and_type_caches_do_not_keep_ops_alive():
     del op
     gc.collect()
     assert key not in rules._FACTORS and checked._TYPED.get(key) is None
+
+
+def test_a_renamed_copy_shares_its_templates_factors_and_type_check():
+    """A spliced block's ops are renamed copies of the traced block's: factors_of and verify work
+    each template out once, so a deep model's passes do not redo the rules per layer."""
+    import sys
+
+    from nvtp.ir.build import make_op
+    from nvtp.ir.graph import TensorValue
+    from nvtp.sharding import rules
+
+    checked = sys.modules["nvtp.ir.verify"]
+    x = TensorValue("T0", (4, 8), DType.Float)
+    op = make_op("permute", (x,), {"dims": (1, 0)}, ["T1"])
+    copies = [op.renamed(lambda v, i=i: f"{v.name}_{i}", lambda v, i=i: f"{v.name}_{i}") for i in range(3)]
+    calls = []
+    real = rules._factors_of
+    rules._factors_of = lambda o: calls.append(o) or real(o)
+    try:
+        got = [rules.factors_of(c) for c in copies]
+    finally:
+        rules._factors_of = real
+    assert calls == [op] and all(f is got[0] for f in got) and got[0].results == [[(1,), (0,)]]
+    checked._verify_op(copies[0], {"T0_0": copies[0].operands[0]})
+    assert checked._TYPED.get(id(op)) is op

@@ -157,17 +157,6 @@ def _has_value(a: Any) -> bool:
     return is_value(a) or (isinstance(a, tuple) and any(is_value(x) for x in a))
 
 
-def _map_args(args: tuple, fn: Callable[[Value], Value]) -> tuple:
-    def one(a: Any) -> Any:
-        if is_value(a):
-            return fn(a)
-        if isinstance(a, tuple):
-            return tuple(fn(x) if is_value(x) else x for x in a)
-        return a
-
-    return tuple((k, one(a)) for k, a in args)
-
-
 def _renamed(v: Value, name: str) -> Value:
     # Not dataclasses.replace: a 96-layer splice renames ~10^5 values, and replace is 10x slower.
     return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
@@ -402,8 +391,8 @@ def _splice(ch: _Chain, prefix: str, source_key: Callable[[str, int], Any] | Non
         """Op ``i`` of ``region`` as block ``built``'s: operand ``pos`` renamed ``read(i, pos, value)``."""
         op = f.ops[i]
         pos = iter(range(len(op.operands)))
-        outs = tuple(_renamed(v, v.name + suffix) for v in op.outputs)
-        ops.append(Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read(i, next(pos), v))), outs))
+        ops.append(op.renamed(lambda v: read(i, next(pos), v), lambda v: v.name + suffix))
+        outs = ops[-1].outputs
         for v, nv in zip(op.outputs, outs):
             where[(v.name, built)] = nv.name
             old = f.info.get(v.name)
@@ -473,7 +462,7 @@ def _canonical(name: str, ops: list[Op], outputs: list[Value], info: dict[str, V
     def fix(v: Value) -> Value:
         return _renamed(v, rename[v.name])
 
-    new_ops = tuple(Op(op.kind, _map_args(op.args, fix), tuple(fix(v) for v in op.outputs)) for op in ordered)
+    new_ops = tuple(op.renamed(lambda v: rename[v.name], lambda v: rename[v.name]) for op in ordered)
     new_info = {rename[n]: i for n, i in info.items()}
     return replace(base, ops=new_ops, outputs=tuple(fix(v) for v in outputs), info=new_info), rename
 
@@ -662,13 +651,12 @@ def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[in
 
 def _copied(f: Fusion, name: Callable[[str], str]) -> list[Op]:
     """``f``'s compute ops with every value renamed ``name(old)``: one copy of a block."""
-    return [Op(op.kind, _map_args(op.args, lambda v: _renamed(v, name(v.name))), tuple(_renamed(v, name(v.name)) for v in op.outputs))
-            for op in f.compute_ops()]
+    return [op.renamed(lambda v: name(v.name), lambda v: name(v.name)) for op in f.compute_ops()]
 
 
 def _reading(op: Op, read: dict[str, str]) -> Op:
     """``op`` reading ``read[name]`` where ``read`` renames an operand (the boundary's output)."""
-    return Op(op.kind, _map_args(op.args, lambda v: _renamed(v, read.get(v.name, v.name))), op.outputs)
+    return op.renamed(lambda v: read.get(v.name, v.name))
 
 
 def _outputs_read(f: Fusion, values: dict[str, Value], read: dict[str, str], info: dict[str, ValueInfo], role: str) -> dict[str, Value]:

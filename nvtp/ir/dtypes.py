@@ -38,7 +38,7 @@ class DType(enum.Enum):
 
     @property
     def itemsize(self) -> int:
-        return self.torch.itemsize
+        return _ITEMSIZE[self]
 
     @property
     def is_float(self) -> bool:
@@ -75,6 +75,7 @@ _TO_TORCH = {
     DType.ComplexDouble: torch.complex128,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_ITEMSIZE = {k: v.itemsize for k, v in _TO_TORCH.items()}  # asked per value by the passes' byte counts
 _FLOATS = {DType.Double, DType.Float, DType.Half, DType.BFloat16, DType.Float8_e4m3fn, DType.Float8_e5m2}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from nvtp.ir.dtypes import DType
 
@@ -40,8 +40,9 @@ class TensorValue:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
+        # Cached (the value is immutable): the propagation prices a reshard per operand per candidate.
         return self.numel * self.dtype.itemsize
 
     def describe(self) -> str:
@@ -85,6 +86,28 @@ class Op:
     kind: str
     args: tuple[tuple[str, Any], ...]
     outputs: tuple[Value, ...]
+    # The op this one is a renamed copy of (``renamed``: a spliced block's op, from the traced
+    # block's): same kind, literals, shapes and dtypes, so what depends on those alone (a sharding
+    # rule's factors, the type check) is worked out once for all copies. Not an argument, so
+    # ``dataclasses.replace`` and ``with_args``, which may change more than names, drop it.
+    template: "Op | None" = field(default=None, init=False, repr=False, compare=False)
+
+    def renamed(self, operand: Callable[[Value], str], output: Callable[[Value], str] | None = None) -> "Op":
+        """This op reading each operand ``v`` as ``operand(v)`` (in argument order) and, with
+        ``output``, naming each result ``output(v)``; only names change."""
+        def one(v: Value) -> Value:
+            name = operand(v)
+            if name == v.name:
+                return v
+            return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
+
+        args = tuple((k, one(a) if is_value(a) else tuple(one(x) if is_value(x) else x for x in a) if isinstance(a, tuple) else a)
+                     for k, a in self.args)
+        outputs = self.outputs if output is None else tuple(
+            TensorValue(output(v), v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(output(v), v.dtype) for v in self.outputs)
+        new = Op(self.kind, args, outputs)
+        object.__setattr__(new, "template", self.template or self)
+        return new
 
     def arg(self, name: str) -> Any:
         for key, value in self.args:
@@ -106,6 +129,11 @@ class Op:
             elif isinstance(a, tuple):
                 found.extend(x for x in a if is_value(x))
         return tuple(found)
+
+    @cached_property
+    def tensor_operands(self) -> tuple["TensorValue", ...]:
+        """The tensor operands in argument order (the sharding rules' operand positions)."""
+        return tuple(v for v in self.operands if isinstance(v, TensorValue))
 
     @property
     def output(self) -> Value:

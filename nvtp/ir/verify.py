@@ -45,7 +45,7 @@ def verify(fusion: Fusion) -> Fusion:
 
 
 # Ops already found well typed, by identity (an ``Op`` is immutable, and what ``_typed`` checks reads
-# only the op): the sharding passes copy most ops of a verified fusion unchanged, and re-inferring
+# only the op; a renamed copy is checked through its template): the sharding passes copy most ops of a verified fusion unchanged, and re-inferring
 # them was a fifth of sharding a deep model. Held weakly: an entry goes when its op does.
 _TYPED: "weakref.WeakValueDictionary[int, Op]" = weakref.WeakValueDictionary()
 
@@ -56,6 +56,7 @@ def _verify_op(op: Op, defined: dict[str, object]) -> None:
             raise IRError(f"{v.name} is used before it is defined")
         if defined[v.name] != v:
             raise IRError(f"{v.name} is used as {v.describe()} but defined as {defined[v.name].describe()}")  # type: ignore[attr-defined]
+    op = op.template or op  # a renamed copy is typed as its template is
     if _TYPED.get(id(op)) is op:
         return
     _typed(op)

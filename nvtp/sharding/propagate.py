@@ -223,27 +223,30 @@ class _Propagator:
 
     def cost(self, op: Op, f: OpFactors, dec: Decision) -> tuple[float, int, int, int]:
         total, support = 0.0, 0
-        for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            p = self.placement.get(v.name)
+        placement, hints, d = self.placement, self.hints, self.d
+        for pos, (axes, v) in enumerate(zip(f.operands, op.tensor_operands)):
+            p = placement.get(v.name)
             if p is None:
                 continue
             want = implied(axes, f, dec, result=False, position=pos)
-            if want not in self.hints.get(v.name, []):  # a reshard another consumer needs is shared
-                moved = reshard_bytes(p, want, v.nbytes, self.d)
-                if self.keep_splits and axis_split(p) is not None and want != p:
+            if p is want or p == want:
+                if self.source.get(v.name) == "plan":
+                    support += 1
+            elif want not in hints.get(v.name, ()):  # a reshard another consumer needs is shared
+                moved = reshard_bytes(p, want, v.nbytes, d)
+                if self.keep_splits and axis_split(p) is not None:
                     moved *= _GATHER_PENALTY  # a data axis never gathers the batch: it reduces the results instead
                 total += moved
-            if p == want and self.source.get(v.name) == "plan":
-                support += 1
         for axes, v in zip(f.results, op.outputs):
             if not isinstance(v, TensorValue):
                 continue
             have = implied(axes, f, dec, result=True)
-            hints = self.hints.get(v.name, [])
-            for hint in hints:
-                total += reshard_bytes(have, hint, v.nbytes, self.d)
-            if dec.partial and not hints:
-                total += reshard_bytes(SUM, REPLICATE, v.nbytes, self.d)  # a partial sum is resolved later
+            wanted = hints.get(v.name)
+            if wanted:
+                for hint in wanted:
+                    total += reshard_bytes(have, hint, v.nbytes, d)
+            elif dec.partial:
+                total += reshard_bytes(SUM, REPLICATE, v.nbytes, d)  # a partial sum is resolved later
         sharded = 0 if dec.factor is not None else 1
         # Ties: decisions the plan supports, then splitting over replicating; a partial sum is
         # carried through layout ops (it can only shrink there) but otherwise resolved early,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvtp.ir.build import make_op
-from nvtp.ir.graph import Fusion, Op, TensorValue, Value, defines_input, fresh_names, is_value
+from nvtp.ir.graph import Fusion, Op, TensorValue, defines_input, fresh_names
 from nvtp.ir.ops import spec
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
 from nvtp.sharding.propagate import Propagation, reshard_bytes
@@ -87,14 +87,6 @@ def plan_reshards(fusion: Fusion, prop: Propagation, mesh: DeviceMesh, output_hi
     return sorted(steps, key=lambda s: (min(c for c in s.consumers if c >= 0) if any(c >= 0 for c in s.consumers) else len(fusion.ops), order.get(s.value, 0)))
 
 
-def _substitute(x: Any, old: str, new: Value) -> Any:
-    if is_value(x) and x.name == old:
-        return new
-    if isinstance(x, tuple):
-        return tuple(_substitute(e, old, new) for e in x)
-    return x
-
-
 def insert_reshards(fusion: Fusion, prop: Propagation, steps: list[ReshardStep]) -> tuple[Fusion, dict[str, Placement], dict[str, ReshardStep], dict[int, int]]:
     """Insert one ``set`` per step before its first consumer and rewire the consumers.
 
@@ -122,7 +114,7 @@ def insert_reshards(fusion: Fusion, prop: Propagation, steps: list[ReshardStep])
                 outputs = [result if v.name == step.value else v for v in outputs]
                 continue
             op = rewired.get(c, ops[c])
-            rewired[c] = Op(op.kind, tuple((k, _substitute(a, step.value, result)) for k, a in op.args), op.outputs)
+            rewired[c] = op.renamed(lambda v: result.name if v.name == step.value else v.name)  # a set keeps shape and dtype
     new_ops: list[Op] = []
     index_map: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -207,8 +199,8 @@ def _hoist_scan(ops: list[Op], placements, made, names, mesh) -> tuple[list[Op],
         else:
             gathered = values[existing]
         old_result = op.outputs[0]
-        again = Op(p_op.kind, tuple((k, gathered if is_value(a) and a.name == u.name else a) for k, a in p_op.args),
-                   (type(old_result)(old_result.name, old_result.shape, old_result.dtype),))
+        # The same op on the gathered operand, named as the old set's result (shapes and dtypes agree).
+        again = p_op.renamed(lambda v: gathered.name if v.name == u.name else v.name, lambda v: old_result.name)
         producers[old_result.name] = again
         # The hoisted pair replaces the old set in place; its result keeps the old name.
         ops[idx:idx + 1] = new_ops + [again]

@@ -63,19 +63,21 @@ class RuleError(LookupError):
 rule = registrar(RULES, "sharding rule")
 
 
-def tensor_operands(op: Op) -> list[TensorValue]:
+def tensor_operands(op: Op) -> tuple[TensorValue, ...]:
     """The tensor operands of ``op`` in argument order (the rules' operand positions)."""
-    return [v for v in op.operands if isinstance(v, TensorValue)]
+    return op.tensor_operands
 
 
 # Factor descriptions by op identity (an ``Op`` is immutable and nothing writes to an ``OpFactors``
 # once its rule returns): the plans probe a deep model one projection at a time, and every probe
-# asked again for the factors of the same ops. Held weakly: an entry goes when its op does.
+# asked again for the factors of the same ops. A renamed copy (``Op.template``) shares its
+# template's entry: factors hold no names. Held weakly: an entry goes when its op does.
 _FACTORS: dict[int, tuple[weakref.ref, "OpFactors"]] = {}
 
 
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
+    op = op.template or op
     key = id(op)
     hit = _FACTORS.get(key)
     if hit is not None and hit[0]() is op:
