@@ -301,3 +301,32 @@ def test_a_llama_whose_block_0_backward_differs_is_spliced_and_matches_eager(tem
     assert torch.allclose(values[output_value(got.forward)], want, rtol=1e-6)
     for name, p in net.named_parameters():
         assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp", {"h.2.mlp.c_fc": "colwise", "h.2.mlp.c_proj": "rowwise"}],
+                         ids=["megatron", "megatron-sp", "block-2-only"])
+def test_the_propagation_reuses_a_repeated_blocks_choices_and_shards_exactly_as_without(tiny, plan, monkeypatch):
+    """Spliced blocks are renamed copies of one traced block (``Op.template``): the propagation
+    chooses once per template and neighbourhood (``_Propagator.choose``) and reuses the choice in
+    the other blocks. The sharded forward and backward (text, every placement, every collective)
+    are those of a propagation that works out every op afresh."""
+    from nvtp.sharding import propagate
+    from nvtp.sharding.pipeline import shard, shard_backward
+
+    spliced = tiny[4]
+    mesh = DeviceMesh.of_size(2)
+
+    def sharded():
+        fwd = shard(spliced.forward, plan, mesh)
+        bwd = shard_backward(spliced.backward, fwd, "nvfuser")
+        return [(str(s.fusion), dict(s.shardings), [str(c) for c in s.communications]) for s in (fwd, bwd)]
+
+    counts = collections.Counter()
+    choose, candidates = propagate._Propagator.choose, propagate._Propagator.candidates
+    monkeypatch.setattr(propagate._Propagator, "choose", lambda self, op, f: counts.update(["choose"]) or choose(self, op, f))
+    monkeypatch.setattr(propagate._Propagator, "candidates", lambda self, op, f: counts.update(["worked out"]) or candidates(self, op, f))
+    reused = sharded()
+    assert counts["worked out"] < 0.75 * counts["choose"], counts  # the copies' choices were reused
+    monkeypatch.setattr(propagate._Propagator, "choose", lambda self, op, f: self._chosen.clear() or choose(self, op, f))
+    afresh = sharded()
+    assert reused == afresh and any(c for _, _, c in afresh)

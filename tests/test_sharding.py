@@ -518,3 +518,26 @@ def test_a_whole_gpt_shards_for_nvfuser_with_replicated_embeddings(whole_gpt_cap
         assert "ideviceIdx.x" in fd.fusion.print_math()
     check_simulated(fwd)
     check_simulated(bwd)
+
+
+@pytest.mark.parametrize("told", ["operand", "hint"])
+def test_renamed_copies_of_an_op_choose_each_by_its_own_neighbours(told):
+    """The propagation reuses a choice for a renamed copy of an op (a spliced block's) only when
+    its operands' placements and the hints on its values are those of the op that chose: here two
+    copies of one linear, one told to split (its weight split, or a consumer wanting its result
+    split) and one not, get different decisions, whichever decides first."""
+    b = FusionBuilder()
+    x, x2 = b.define_tensor((4, 8), DType.Float), b.define_tensor((4, 8), DType.Float)
+    w, w2 = b.define_tensor((16, 8), DType.Float), b.define_tensor((16, 8), DType.Float)
+    b.add_output(b.op("linear", x, w))
+    f = b.build()
+    op = f.ops[-1]
+    copy = op.renamed(lambda v: {x.name: x2.name, w.name: w2.name}[v.name], lambda v: v.name + "c")
+    f = f.with_ops(f.ops + (copy,), f.outputs + copy.outputs)
+    mesh = DeviceMesh.of_size(2)
+    if told == "operand":
+        prop = propagate_shardings(f, mesh, {x.name: Replicate(), x2.name: Replicate(), w.name: Shard(0), w2.name: Replicate()})
+    else:
+        prop = propagate_shardings(f, mesh, {x.name: Replicate(), x2.name: Replicate()}, {op.outputs[0].name: Shard(1)})  # weights open
+    assert copy.template is op
+    assert prop.placements[op.outputs[0].name] == Shard(1) and prop.placements[copy.outputs[0].name] == Replicate()

@@ -154,6 +154,7 @@ class _Propagator:
         self.decisions: dict[int, Decision] = {}
         self.requirements: list[Requirement] = []
         self._factors: dict[int, OpFactors] = {}
+        self._chosen: dict[tuple, tuple[Decision, list[Placement | None], list[Placement]]] = {}  # see ``choose``
         index = _index(fusion)
         self.compute, self._users, self._maker, self._position = index.compute, index.users, index.maker, index.position
         self.inputs = index.inputs
@@ -254,18 +255,37 @@ class _Propagator:
         carry = 0 if dec.partial and _shrinks_or_keeps(op) else (2 if dec.partial else 1)
         return total, -support, sharded, carry
 
-    def decide(self, i: int, op: Op) -> None:
-        f = self.factors(i, op)
+    def choose(self, op: Op, f: OpFactors) -> tuple[Decision, list[Placement | None], list[Placement]]:
+        """The cheapest candidate decision, the placements of its results (None: not a tensor) and
+        those it needs of its operands. What ``candidates`` and ``cost`` read is the op's structure
+        (the same for every renamed copy: ``Op.template``) and, for its operands and results, the
+        placements, hints and plan sources: a deep model's blocks repeat the choice with that key."""
+        operands, placement, hints = op.tensor_operands, self.placement, self.hints
+        key = (id(op.template or op),
+               tuple([placement.get(v.name) for v in operands]),
+               tuple([tuple(hints.get(v.name, ())) for v in operands]),
+               tuple([tuple(hints.get(v.name, ())) for v in op.outputs]),
+               tuple([self.source.get(v.name) == "plan" for v in operands]))
+        hit = self._chosen.get(key)
+        if hit is not None:
+            return hit
         cands = self.candidates(op, f)
         best = cands[0] if len(cands) == 1 else min(cands, key=lambda c: self.cost(op, f, c))
+        results = [implied(axes, f, best, result=True) if isinstance(v, TensorValue) else None for v, axes in zip(op.outputs, f.results)]
+        wants = [implied(axes, f, best, result=False, position=pos) for pos, axes in enumerate(f.operands)]
+        self._chosen[key] = hit = (best, results, wants)
+        return hit
+
+    def decide(self, i: int, op: Op) -> None:
+        f = self.factors(i, op)
+        best, results, wants = self.choose(op, f)
         self.decisions[i] = best
-        for v, axes in zip(op.outputs, f.results):
-            if isinstance(v, TensorValue):
-                self.placement[v.name] = implied(axes, f, best, result=True)
+        for v, p in zip(op.outputs, results):
+            if p is not None:
+                self.placement[v.name] = p
                 self.source.setdefault(v.name, "propagated")
                 self._touch(v.name)
-        for pos, (axes, v) in enumerate(zip(f.operands, tensor_operands(op))):
-            want = implied(axes, f, best, result=False, position=pos)
+        for v, want in zip(op.tensor_operands, wants):
             self.requirements.append(Requirement(i, v.name, want))
             self.hints.setdefault(v.name, []).append(want)
             self._touch(v.name)
