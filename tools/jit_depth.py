@@ -5,10 +5,12 @@ mesh of 2 ranks (ranks as threads, real weights, fp32, CPU), and its all-reduces
     .venv/bin/python tools/jit_depth.py 12 --whole   # every block traced (nvtp.jit(..., regional=False))
     .venv/bin/python tools/jit_depth.py 12 --seq 128 # a shorter sequence (GPT-2's is 1024)
     .venv/bin/python tools/jit_depth.py 12 --three   # the splice of a 3-block trace (regional's fallback)
+    .venv/bin/python tools/jit_depth.py 12 --steps 3 # and two more steps: is the first step's time the arithmetic?
 
 Prints one line: compile (trace + sharding, on rank 0; rank 1 takes the programs), the first
 forward+backward step of both ranks, the all-reduces of the sharded forward and backward, and
-how the fusions were made (spliced from one traced block, or from a trace of 3, or traced whole and why).
+how the fusions were made (spliced from one traced block, or from a trace of 3, or traced whole and why);
+with ``--steps N``, then the time of each later step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 
 
-def main(layers: int, regional: bool = True, seq: int | None = None, template: bool = True) -> None:
+def main(layers: int, regional: bool = True, seq: int | None = None, template: bool = True, steps: int = 1) -> None:
     cfg = gpt.config("gpt2", n_layer=layers, dropout=0.0, **({"seq_len": seq} if seq else {}))
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
@@ -49,10 +51,15 @@ def main(layers: int, regional: bool = True, seq: int | None = None, template: b
     print(f"layers {layers}: compile {compiled - start:.1f} s, first step {stepped - compiled:.1f} s, total {stepped - start:.1f} s; "
           f"all-reduces forward {fwd}, backward {bwd} (sequence {cfg.seq_len}, batch {cfg.batch}); "
           f"{c.captured.regional or 'whole trace: regional=False'}")
+    for k in range(1, steps):
+        start = time.perf_counter()
+        spmd.on_threads(lambda r: ranks[r](idx, tgt).backward(), group)
+        print(f"step {k + 1}: {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     seq = int(args[args.index("--seq") + 1]) if "--seq" in args else None
-    numbers = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--seq")]
-    main(int(numbers[0]) if numbers else 1, regional="--whole" not in args, seq=seq, template="--three" not in args)
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 1
+    numbers = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] not in ("--seq", "--steps"))]
+    main(int(numbers[0]) if numbers else 1, regional="--whole" not in args, seq=seq, template="--three" not in args, steps=steps)
