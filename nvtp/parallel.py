@@ -177,7 +177,7 @@ class ShardedModule(torch.nn.Module):
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, _Compiled] = {}
-        self.last: _Compiled | None = None
+        self.last: _Compiled | None = None  # the programs of the latest compile() or call
 
     # -- state: the wrapped module's own keys ------------------------------------------------
 
@@ -365,7 +365,7 @@ class ShardedModule(torch.nn.Module):
         """Trace and shard for arguments like ``args`` now (the parameters become shards), without
         running anything: before loading a checkpoint, or to fail fast on a bad plan."""
         args, kwargs = self._call(args, kwargs)
-        self._compiled_for(args, kwargs)
+        self.last = self._compiled_for(args, kwargs)  # ``last.captured.regional``: how it was traced
         return self
 
     def _call(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
@@ -385,6 +385,7 @@ class ShardedModule(torch.nn.Module):
         for key, compiled in other._compiled.items():
             self._compiled[key] = compiled
             self._shard_parameters(compiled.forward, compiled.parts)
+        self.last = other.last
         return self
 
     def _compiled_for(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
