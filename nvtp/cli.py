@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--batch", type=_positive_int, default=None,
                            help="with --model: each rank's batch (default the config's); on --mesh DPxTP the traced batch is DP times it")
             c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args): one rank's batch on --mesh); "
-                                                 "more than 3 repeated blocks are traced as 3 and spliced, as nvtp.jit does")
+                                                 "a chain of repeated blocks is traced as one block and the model without them, then spliced, as nvtp.jit does")
         c.set_defaults(fn=fn)
 
     m = sub.add_parser("demo", help="the main job: train a small GPT (or --model llama: a transformers model) sharded over a local CPU mesh, checked against one process")

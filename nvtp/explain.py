@@ -5,8 +5,9 @@
     print(report.as_text()); report.as_json()
 
 A model is a list of *regions*, each a forward and a backward fusion sharded on the mesh and
-run ``count`` times per step. ``plan`` traces the module once as ``nvtp.jit`` does (one region:
-more than 3 repeated blocks are traced as 3 and spliced, nvtp.frontend.regional; else whole). ``explain_gpt`` compiles a deep GPT *regionally*, as torch.compile's regional
+run ``count`` times per step. ``plan`` traces the module as ``nvtp.jit`` does (one region: a chain
+of repeated blocks is traced as block 0 and the model without its blocks, then spliced to full
+depth, nvtp.frontend.regional; else whole). ``explain_gpt`` compiles a deep GPT *regionally*, as torch.compile's regional
 compilation does for repeated layers: it traces one transformer block and the model without its
 blocks (embeddings, final norm, LM head, loss), shards both, and counts the block ``layers``
 times. That is exact for what is reported, because a block's sharding does not depend on its

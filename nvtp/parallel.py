@@ -711,9 +711,10 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     ``frontend``: how the model is traced: "thunder" (``thunder.jit``), "fx" (TorchDynamo's graph
     of the whole forward, then Thunder: ``nvtp/frontend/fx.py``), or "auto": "fx" for Hugging
     Face transformers models, "thunder" otherwise. ``regional``: on the "thunder" route, a model
-    with more than 3 repeated blocks (an ``nn.ModuleList`` of blocks alike) is traced at 3 blocks
-    and the rest spliced in (``nvtp/frontend/regional.py``; ``model.last.captured.regional`` says
-    so, or why it traced the whole model); False traces every block.
+    whose blocks form a chain (an ``nn.ModuleList`` of 2 or more blocks alike, each called once as
+    ``x = block(x)``) is traced as block 0 and the model without its blocks, and the fusions are
+    spliced to full depth (``nvtp/frontend/regional.py``; ``model.last.captured.regional`` says so,
+    or why it traced the model another way); False traces every block.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
