@@ -145,7 +145,7 @@ def test_plan_refuses_a_bad_mesh_before_tracing():
 
 @pytest.mark.slow
 def test_plan_splices_a_deep_model_like_a_whole_trace():
-    """nvtp.plan traces a deep model's repeated blocks as 3 and splices them (as nvtp.jit does):
+    """nvtp.plan traces a deep model as block 0 and the model without its blocks, then splices (as nvtp.jit does):
     the same communications and memory as the whole trace (the activation peak, a liveness bound,
     within 1%). About 45 s: two traces of an 8-layer GPT."""
     import collections
