@@ -36,6 +36,7 @@ Memory per rank (bytes; each tensor's local part under all its mesh axes' placem
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -249,7 +250,7 @@ class ModelReport:
             times = f" x {r.count}" if r.count > 1 else ""
             n_bwd = len(r.backward.fusion.ops) if r.backward else 0
             lines.append(f"region {r.name}{times}: forward {len(r.forward.fusion.ops)} ops, backward {n_bwd} ops")
-            for label, placement in _parameter_shardings(r).items():
+            for label, placement in _folded(_parameter_shardings(r)):
                 lines.append(f"  {label:40} {placement}")
         comms = self.communications()
         lines.append("communications per step (bytes each rank sends with ring algorithms):")
@@ -376,6 +377,41 @@ def _parameter_shardings(r: Region) -> dict[str, str]:
         if isinstance(v, TensorValue) and f.role(v.name) == "parameter":
             shown = [str(p) if axis_split(p) else "replicated" for p in r.forward.shardings[v.name]]
             out[f.label(v.name)] = shown[0] if mesh.ndim == 1 else ", ".join(f"{n} {p}" for n, p in zip(mesh.names, shown))
+    return out
+
+
+_BLOCK_LABEL = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+
+
+def _folded(shardings: dict[str, str]) -> list[tuple[str, str]]:
+    """Labels of repeated blocks folded per block: ``layers.{0..31}.q.weight  S(0)`` where blocks 0
+    to 31 place their ``q.weight`` alike (a block placed otherwise keeps its own lines), in the
+    order the labels first appear."""
+    runs: dict[tuple[str, str], list[list]] = {}  # (prefix, rest) -> runs [first, last, placement]
+    order: list[tuple] = []  # ("label", label, placement) or ("block", (prefix, rest))
+    for label, placement in shardings.items():
+        m = _BLOCK_LABEL.match(label)
+        if m is None:
+            order.append(("label", label, placement))
+            continue
+        key, i = (m.group(1), m.group(3)), int(m.group(2))
+        group = runs.get(key)
+        if group is None:
+            runs[key] = group = []
+            order.append(("block", key))
+        if group and group[-1][1] == i - 1 and group[-1][2] == placement:
+            group[-1][1] = i
+        else:
+            group.append([i, i, placement])
+    out = []
+    for item in order:
+        if item[0] == "label":
+            out.append(item[1:])
+            continue
+        (prefix, rest) = item[1]
+        for first, last, placement in runs[item[1]]:
+            blocks = str(first) if first == last else f"{{{first}..{last}}}"
+            out.append((f"{prefix}.{blocks}.{rest}", placement))
     return out
 
 

@@ -107,6 +107,27 @@ def test_cli_explains_any_module_through_a_factory(capsys):
     assert report["memory_per_rank"]["parameters"] == 4 * params  # fp32
 
 
+def tiny_gpt_model():
+    """A factory for ``--module``: a GPT of 2 blocks and its tokens."""
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny", n_layer=2)
+    return gpt.GPT(cfg), gpt.example_tokens(cfg)
+
+
+def test_cli_text_folds_the_shardings_of_repeated_blocks(capsys):
+    """``--module``'s text lists a parameter of the repeated blocks once, ``h.{0..1}.<name>``, when
+    every block places it alike; a block placed otherwise keeps its own line."""
+    from nvtp.cli import main
+    from nvtp.explain import _folded
+
+    assert main(["explain", "--module", "tests.test_explain:tiny_gpt_model", "--plan", "megatron", "--devices", "2"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  h.")]
+    assert ["h.{0..1}.attn.c_attn.weight", "_S(0,", "3)"] in lines and ["h.{0..1}.mlp.c_proj.weight", "S(1)"] in lines
+    assert len(lines) == len(dict(gpt.Block(gpt.config("tiny")).named_parameters()))  # one line per block parameter
+    assert _folded({"wte": "R", "h.0.w": "S(0)", "h.1.w": "S(0)", "h.2.w": "R", "h.3.w": "S(0)", "h.0.b": "R", "h.1.b": "R"}) == [
+        ("wte", "R"), ("h.{0..1}.w", "S(0)"), ("h.2.w", "R"), ("h.3.w", "S(0)"), ("h.{0..1}.b", "R")]
+
+
 def test_cli_refuses_a_file_and_a_model_together(tmp_path):
     out = subprocess.run([sys.executable, "-m", "nvtp", "explain", "x.py", "--model", "nanogpt", "--plan", "megatron", "--devices", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
