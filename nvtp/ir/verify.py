@@ -45,8 +45,9 @@ def verify(fusion: Fusion) -> Fusion:
 
 
 # Ops already found well typed, by identity (an ``Op`` is immutable, and what ``_typed`` checks reads
-# only the op; a renamed copy is checked through its template): the sharding passes copy most ops of a verified fusion unchanged, and re-inferring
-# them was a fifth of sharding a deep model. Held weakly: an entry goes when its op does.
+# only the op; a renamed copy is checked through its template): the sharding passes copy most ops
+# of a verified fusion unchanged, and re-inferring them was a fifth of sharding a deep model. Held
+# weakly: an entry goes when its op does.
 _TYPED: "weakref.WeakValueDictionary[int, Op]" = weakref.WeakValueDictionary()
 
 
