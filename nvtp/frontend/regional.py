@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import torch
 
-from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, ValueInfo, defines_input, is_value
+from nvtp.ir.graph import Fusion, Op, ScalarValue, Value, ValueInfo, defines_input, is_value, renamed_value
 from nvtp.ir.verify import verify
 
 TRACED = 3  # blocks traced: a head, two units to match against each other, and a tail
@@ -155,11 +155,6 @@ def _walk_values(args: Any) -> list[Value]:
 
 def _has_value(a: Any) -> bool:
     return is_value(a) or (isinstance(a, tuple) and any(is_value(x) for x in a))
-
-
-def _renamed(v: Value, name: str) -> Value:
-    # Not dataclasses.replace: a 96-layer splice renames ~10^5 values, and replace is 10x slower.
-    return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
 
 
 @dataclass
@@ -428,7 +423,7 @@ def _splice(ch: _Chain, prefix: str, source_key: Callable[[str, int], Any] | Non
         if r in ("head", "tail"):
             outs.append(v)
         elif r == 1:
-            outs.extend(_renamed(v, f"{v.name}#{c}") for c in range(1, ch.copies + 1))
+            outs.extend(renamed_value(v, f"{v.name}#{c}") for c in range(1, ch.copies + 1))
     # The head's values that are "block -1's" copies of first-unit values: those the first block reads
     # as carries, and up from them the ops alike on both sides (the layer norm statistics of the
     # embedding that the backward of block 0 reads as the backward of block 1 reads those of block 0's output).
@@ -460,7 +455,7 @@ def _canonical(name: str, ops: list[Op], outputs: list[Value], info: dict[str, V
             rename[v.name] = f"{'S' if isinstance(v, ScalarValue) else 'T'}{len(rename)}"
 
     def fix(v: Value) -> Value:
-        return _renamed(v, rename[v.name])
+        return renamed_value(v, rename[v.name])
 
     new_ops = tuple(op.renamed(lambda v: rename[v.name], lambda v: rename[v.name]) for op in ordered)
     new_info = {rename[n]: i for n, i in info.items()}
@@ -696,7 +691,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
         for op in fb_inputs:
             v = op.outputs[0]
             if v.name != x:
-                ops.append(Op(op.kind, op.args, (_renamed(v, f"{v.name}#{i}"),)))
+                ops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
                 info[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_fwd, v.name, i))
     read: dict[str, str] = {}
     carries = []  # the carry entering each copy (forward names)
@@ -763,7 +758,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
             role = block_bwd.role(v.name)
             if v.name == gy:
                 continue
-            bops.append(Op(op.kind, op.args, (_renamed(v, f"{v.name}#{i}"),)))
+            bops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
             binfo[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_bwd, v.name, i)) if role == "parameter" else \
                 ValueInfo("saved", "", frename[fname(block_bwd.info[v.name].source, i)])
     bread: dict[str, str] = {}
@@ -771,7 +766,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     skip: set[int] = set()
     if recomputed:
         define_x = next(op for op in fb_inputs if op.outputs[0].name == x)
-        last = _renamed(define_x.outputs[0], "carry_out")
+        last = renamed_value(define_x.outputs[0], "carry_out")
         bops.append(Op(define_x.kind, define_x.args, (last,)))
         binfo[last.name] = ValueInfo("saved", "", frename[read[leaving]])
         for drop_r, _, leaving_r in recomputed:

@@ -79,6 +79,12 @@ def is_value(x: Any) -> bool:
     return isinstance(x, (TensorValue, ScalarValue))
 
 
+def renamed_value(v: Value, name: str) -> Value:
+    """``v`` named ``name`` (not ``dataclasses.replace``: a 96-layer splice renames ~10^5 values,
+    and replace is 10x slower)."""
+    return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
+
+
 @dataclass(frozen=True)
 class Op:
     """One statement: ``outputs = fd.ops.<kind>(**args)`` (or ``fd.define_tensor`` / ``fd.define_scalar``)."""
@@ -97,14 +103,11 @@ class Op:
         ``output``, naming each result ``output(v)``; only names change."""
         def one(v: Value) -> Value:
             name = operand(v)
-            if name == v.name:
-                return v
-            return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
+            return v if name == v.name else renamed_value(v, name)
 
         args = tuple((k, one(a) if is_value(a) else tuple(one(x) if is_value(x) else x for x in a) if isinstance(a, tuple) else a)
                      for k, a in self.args)
-        outputs = self.outputs if output is None else tuple(
-            TensorValue(output(v), v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(output(v), v.dtype) for v in self.outputs)
+        outputs = self.outputs if output is None else tuple(renamed_value(v, output(v)) for v in self.outputs)
         new = Op(self.kind, args, outputs)
         object.__setattr__(new, "template", self.template or self)
         return new
