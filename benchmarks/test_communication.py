@@ -43,12 +43,14 @@ def gpt3():
 @pytest.mark.parametrize("d", [2, 4, 8], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_bytes_per_rank_per_layer(benchmark, gpt3, plan, d, request):
-    from nvtp.sharding.pipeline import shard_pair
+    from nvtp import driver
     from nvtp.sharding.placements import DeviceMesh
 
     benchmark.group = "communication: gpt3 layer, bytes per rank"
     fwd, bwd = gpt3
-    sf, sb = benchmark.pedantic(shard_pair, args=(fwd, bwd, plan, DeviceMesh.of_size(d)), rounds=1, iterations=1)
+    program = benchmark.pedantic(driver.shard, args=(driver.of_fusions(fwd, bwd), plan, DeviceMesh.of_size(d), "nvfuser"),
+                                 rounds=1, iterations=1)
+    sf, sb = program.forward, program.backward
     x = fwd.inputs[0]  # the [b, s, h] activation
     b, s, h = x.shape
     want = megatron_formula(plan, d, b, s, h, x.dtype.itemsize)

@@ -52,16 +52,18 @@ def gpt3():
 
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_sharding_passes(benchmark, gpt3, plan, request):
-    from nvtp.sharding.pipeline import shard_pair
+    from nvtp import driver
     from nvtp.sharding.placements import DeviceMesh
 
     benchmark.group = "compile: sharding passes, gpt3 forward+backward fusions, 4 devices"
     fwd, bwd = gpt3
     start = time.perf_counter()
-    shard_pair(fwd, bwd, plan, DeviceMesh.of_size(4))  # the first, cold call of this process
+    traced = driver.of_fusions(fwd, bwd)
+    driver.shard(traced, plan, DeviceMesh.of_size(4), "nvfuser")  # the first, cold call of this process
     cold = time.perf_counter() - start
-    result = benchmark.pedantic(shard_pair, args=(fwd, bwd, plan, DeviceMesh.of_size(4)), rounds=15, warmup_rounds=1, iterations=1)
-    sf, sb = result
+    result = benchmark.pedantic(driver.shard, args=(traced, plan, DeviceMesh.of_size(4), "nvfuser"), rounds=15, warmup_rounds=1,
+                                iterations=1)
+    sf, sb = result.forward, result.backward
     stats = benchmark.stats.stats
     passes = {f"forward {k}": round(1000 * v, 2) for k, v in sf.seconds.items()}
     passes.update({f"backward {k}": round(1000 * v, 2) for k, v in sb.seconds.items()})

@@ -44,7 +44,7 @@ def _program(direction: str, layout: str, d: int, rank: int):
     from nvtp.execute import spmd
     from nvtp.execute.nvfuser import build_definition, prepare_inputs
     from nvtp.ir.parser import parse
-    from nvtp.sharding.pipeline import shard_pair
+    from nvtp import driver
     from nvtp.sharding.placements import DeviceMesh, local_shape
 
     fwd = dump.load(ROOT / "fusions/nanogpt_gpt3_bf16_fwd.py").fusion
@@ -55,7 +55,8 @@ def _program(direction: str, layout: str, d: int, rank: int):
         whole = dump.random_inputs(fusion, seed=0)
         expected = [(tuple(v.shape), v.dtype.torch) for v in fusion.outputs]
         return fusion, build_definition(fusion), prepare_inputs(fusion, whole, device), expected
-    sf, sb = shard_pair(fwd, bwd, "megatron", DeviceMesh.of_size(d))  # target nvfuser: partial sums resolved where made
+    program = driver.shard(driver.of_fusions(fwd, bwd), "megatron", DeviceMesh.of_size(d), "nvfuser")  # partial sums resolved where made
+    sf, sb = program.forward, program.backward
     sharded = sf if direction == "forward" else sb
     dumped = parse(format_sharded(sharded, []))
     whole = dump.random_inputs(sharded.source, seed=0)  # the same on every rank; each keeps its shards

@@ -51,9 +51,8 @@ def test_sharding_passes_96_layers_forward_and_backward(benchmark, plan, request
     same fusions would be faster than a user's first)."""
     import torch
 
-    from nvtp.frontend.regional import capture_regional
+    from nvtp import driver
     from nvtp.models import gpt
-    from nvtp.sharding.pipeline import shard, shard_backward
     from nvtp.sharding.placements import DeviceMesh
 
     benchmark.group = "scale: sharding passes, 96-layer gpt3 forward + backward, 8 devices"
@@ -61,14 +60,13 @@ def test_sharding_passes_96_layers_forward_and_backward(benchmark, plan, request
     with torch.device("meta"):
         model = gpt.GPT(cfg).to(torch.bfloat16)
     idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
-    captured = capture_regional(model, idx, tgt)
-    assert captured.regional.startswith("spliced: 96 blocks of h from one traced block"), captured.regional
+    captured = driver.trace(model, (idx, tgt))
+    assert captured.how.startswith("spliced: 96 blocks of h from one traced block"), captured.how
     seconds = []
 
     def run():
         start = time.perf_counter()
-        fwd = shard(captured.forward, plan, DeviceMesh.of_size(8))
-        shard_backward(captured.backward, fwd, "nvfuser")
+        driver.shard(captured, plan, DeviceMesh.of_size(8), "nvfuser")
         seconds.append(time.perf_counter() - start)
 
     benchmark.pedantic(run, rounds=1, iterations=1)

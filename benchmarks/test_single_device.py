@@ -113,13 +113,14 @@ def test_reference_backend_compiled_against_interpreted(benchmark, request):
     modules with LayerNorm, GELU and softmax as torch's kernels (the default) and every op by
     its own implementation (``compiled=False``), GPT-2 block, sequence 256, dropout 0.1."""
     from nvtp.execute import reference
-    from nvtp.frontend.capture import capture, run_pair
+    from nvtp import driver
+    from nvtp.frontend.capture import run_pair
 
     cfg = gpt.config("gpt2", seq_len=256, dropout=0.1)
     torch.manual_seed(0)
     block = gpt.Block(cfg).train()
     x = gpt.example_input(cfg)
-    c = capture(block, x)
+    c = driver.trace(block, (x,), regional=False, boundary=False)
     named = {n: p.detach() for n, p in block.named_parameters()} | {"x": x.detach()}
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
 

@@ -81,12 +81,25 @@ def _seconds(text: str) -> float:
     return t
 
 
-def _load_sharded(args):
-    """The sharded fusion of ``args.file`` under ``args.plan`` on ``args.devices`` (or ``args.mesh``, DPxTP)."""
+def _load_sharded(args, backend: str):
+    """The sharded fusion of ``args.file`` under ``args.plan`` on ``args.devices`` (or ``args.mesh``, DPxTP),
+    sharded by the compile driver for ``backend``'s target."""
     from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare
 
     mesh = check_mesh_options(args.devices, getattr(args, "mesh", None), getattr(args, "fsdp", False))
-    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=getattr(args, "fsdp", False)))
+    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=getattr(args, "fsdp", False), backend=backend))
+
+
+def _planning_backend(args) -> str:
+    """``--backend``, or the one ``nvtp.jit`` would run a model on here: nvFuser on a machine where
+    it runs (a CUDA GPU and nvfuser_direct), the reference backend otherwise."""
+    from nvtp.execute import backends
+
+    if args.backend != "auto":
+        return args.backend
+    import torch
+
+    return backends.default_name("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cmd_shard(args) -> int:
@@ -94,7 +107,7 @@ def cmd_shard(args) -> int:
 
     if args.devices is None and args.mesh is None:
         raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
-    sharded = _load_sharded(args)
+    sharded = _load_sharded(args, "nvfuser")  # the file nvFuser runs: sharded for nvFuser's target
     where = f"--devices {args.devices}" if args.mesh is None else f"--mesh {args.mesh}{' --fsdp' if args.fsdp else ''}"
     command = f"nvtp shard {args.file} --plan {args.plan} {where} --out {args.out}"
     data = None if args.mesh is None else ("fsdp" if args.fsdp else "ddp")
@@ -123,11 +136,12 @@ def cmd_explain(args) -> int:
         return _explain_model(args)
     if args.file is None:
         raise Usage("give a dump FILE, or a whole model: --model nanogpt --config NAME [--layers L], or --module pkg.mod:factory")
-    sharded = _load_sharded(args)
+    backend = _planning_backend(args)
+    sharded = _load_sharded(args, backend)
     if args.json:
-        print(json.dumps(report.as_json(sharded, args.file), indent=1))
+        print(json.dumps(report.as_json(sharded, args.file) | {"backend": backend}, indent=1))
     else:
-        print(report.as_text(sharded, args.file))
+        print(report.as_text(sharded, args.file, backend))
     return EXIT_OK
 
 
@@ -141,8 +155,12 @@ def _explain_model(args) -> int:
     from nvtp import explain
     from nvtp.dump.mesh import check_mesh_options
 
+    from nvtp.sharding.plans import check_plan
+
     mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)  # (dp, tp) or None; bad spellings refused here
+    check_plan(args.plan, [])  # a misspelt plan name, before the factory runs or anything is traced
     where = {"devices": args.devices} if mesh is None else {"mesh": mesh, "fsdp": args.fsdp}
+    backend = _planning_backend(args)
     if args.module:
         mod_name, _, attr = args.module.partition(":")
         if not attr:
@@ -155,7 +173,7 @@ def _explain_model(args) -> int:
         if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], __import__("torch").nn.Module)):
             raise Usage(f"--module {args.module}: the factory must return (model, example_args), got {type(made).__name__}")
         model, example = made
-        result = explain.plan(model, *example, plan=args.plan, **where)
+        result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where)
     else:
         from nvtp.models import gpt
 
@@ -164,7 +182,7 @@ def _explain_model(args) -> int:
         except ValueError as e:
             raise Usage(str(e)) from None
         layers = args.layers or cfg.n_layer
-        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, **where)
+        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, **where)
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
     return EXIT_OK
 
@@ -176,6 +194,7 @@ def cmd_replay(args) -> int:
         from nvtp.dump.mesh import MeshJob, check_mesh_options, run
 
         mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
+        # The mesh replay runs on the reference backend, and --plan shards for what runs.
         return run(MeshJob(args.file, args.plan, args.devices, args.seed, args.check, args.timeout, mesh=mesh, fsdp=args.fsdp))
     from nvtp.dump.mesh import check_memory
 
@@ -288,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
+            c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],
+                           help="the backend to plan for: auto (default) is the one nvtp.jit would run the model on here "
+                                "(nvfuser with a CUDA GPU and nvFuser, else reference); nvfuser plans for GPUs on any machine")
             c.add_argument("--model", choices=["nanogpt"], help="explain a whole model instead of a dump (with --config, --layers)")
             c.add_argument("--config", default="gpt3", help="the model's config: tiny, gpt2 or gpt3 (default gpt3)")
             c.add_argument("--layers", type=_positive_int, default=None, help="layers (default: the config's)")

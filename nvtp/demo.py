@@ -184,12 +184,12 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
         opt = make_optimizer(job, model.parameters())
         show = rank == 0 and job.verbose
         if show:
-            compiled = next(iter(model._compiled.values()))
-            fwd, bwd = compiled.forward, compiled.backward
+            program = model.last  # the driver's Program: what nvtp.plan reports for this model and mesh
+            fwd, bwd = program.forward, program.backward
             route = "TorchDynamo's graph, then Thunder," if model._fx else "Thunder"
             print(f"1. nvtp.jit traced the {type(model.module).__name__} with {route} into one forward fusion ({len(list(fwd.source.compute_ops()))} ops) "
                   f"and one backward fusion ({len(list(bwd.source.compute_ops()))} ops), and sharded them with plan {job.plan}, "
-                  f"in {compile_s:.1f} s", flush=True)
+                  f"in {compile_s:.1f} s, for the {program.backend} backend", flush=True)
             for note in fwd.annotations.notes:
                 print(f"     {note}")
             for note in model.notes:  # what the data plan left whole (fsdp: a bias tp splits)

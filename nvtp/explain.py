@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import torch
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.pipeline import shard_pair
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
 from nvtp.sharding.report import communication_records
@@ -73,6 +72,8 @@ class ModelReport:
     batch: str = ""  # how the traced batch relates to a rank's (2-D meshes)
     notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
     how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
+    backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
+    tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
 
     # -- communications -------------------------------------------------------------------
 
@@ -123,9 +124,9 @@ class ModelReport:
             for v in f.inputs:
                 if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
                     continue
-                label = f.label(v.name)
+                label = self.tied.get(f.label(v.name), f.label(v.name))
                 if r.count == 1 and label in seen:
-                    continue  # a tied weight is one parameter
+                    continue  # a tied weight is one parameter, under all its names
                 seen.add(label)
                 yield r, v, label
 
@@ -217,6 +218,7 @@ class ModelReport:
         return {
             "model": self.model,
             "plan": self.plan,
+            "backend": self.backend,
             "devices": self.devices,
             "regions": [{"name": r.name, "count": r.count, "forward_ops": len(r.forward.fusion.ops),
                          "backward_ops": len(r.backward.fusion.ops) if r.backward else 0,
@@ -238,11 +240,12 @@ class ModelReport:
 
     def as_text(self) -> str:
         if self.mesh is None:
-            lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s)"]
+            lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s), for the {self.backend} backend"]
         else:
             shape = "x".join(map(str, self.mesh.shape))
             lines = [f"{self.model}: plan {self.plan} on tp, {self.data.upper()} on dp, on a {shape} mesh "
-                     f"({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; {self.devices} devices)"]
+                     f"({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; {self.devices} devices), "
+                     f"for the {self.backend} backend"]
             if self.batch:
                 lines.append(f"  {self.batch}")
             lines += [f"  {n}" for n in self.notes]
@@ -436,143 +439,120 @@ def _weight_of(sharded: ShardedFusion, result: str, step) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# entry points
+# entry points: every program comes from the compile driver (nvtp.driver)
 
 
-def make_mesh(devices: int | None = None, mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False) -> DeviceMesh:
-    """The mesh ``plan``/``explain_gpt`` shard over: ``devices`` (1-D, default 2) or ``mesh``, a
-    (dp, tp) pair or a 2-D DeviceMesh with axes named dp and tp. Bad input raises ValueError."""
-    from nvtp.sharding.multi import axis_roles
-    from nvtp.sharding.propagate import ShardingError
+def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMesh:
+    """The mesh to plan for: ``devices`` (1-D) or ``mesh`` ((dp, tp), "DPxTP" or a DeviceMesh), else ``default`` devices."""
+    from nvtp.mesh import make_mesh
 
-    if mesh is None:
-        if fsdp:
-            raise ValueError("fsdp=True splits the weights over the dp axis of a 2-D mesh; give mesh=(dp, tp) with it")
-        return DeviceMesh.of_size(devices or 2)
-    if devices is not None:
-        raise ValueError(f"give either devices={devices} (a 1-D mesh) or mesh={mesh} (a 2-D (dp, tp) mesh), not both")
-    if not isinstance(mesh, DeviceMesh):
-        shape = tuple(mesh) if isinstance(mesh, (tuple, list)) else ()
-        if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
-            raise ValueError(f"mesh={mesh!r}: expected (dp, tp), two positive integers, or a 2-D DeviceMesh with axes ('dp', 'tp')")
-        mesh = DeviceMesh.of_shape(shape, ("dp", "tp"))
-    try:
-        axis_roles(mesh)
-    except ShardingError as e:
-        raise ValueError(str(e)) from None
-    return mesh
+    return make_mesh(mesh, devices=devices if devices is not None or mesh is not None else default, fsdp=fsdp)
 
 
 def _axis_size(mesh: DeviceMesh, name: str) -> int:
     return mesh.shape[mesh.names.index(name)] if name in mesh.names else 1
 
 
-def _shard(forward: Fusion, backward: Fusion | None, plan: str, mesh: DeviceMesh, *, fsdp: bool, target: str,
-           batched=None, weights=None) -> tuple[ShardedFusion, ShardedFusion | None, list[str]]:
-    """Forward and backward sharded on ``mesh``: 1-D as ever; 2-D the plan on tp and the data plan on dp."""
-    if mesh.ndim == 1:
-        return (*shard_pair(forward, backward, plan, mesh, target=target), [])
-    from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
-
-    fwd, data = shard_mesh(forward, plan, mesh, fsdp=fsdp, target=target, batched=batched, weights=weights)
-    bwd = shard_backward_mesh(backward, fwd, target) if backward is not None else None
-    return fwd, bwd, list(data.notes)
+def report_of(program, model: str = "", *, batch: str = "") -> ModelReport:
+    """The report of a whole ``nvtp.program.Program``: one region, the model."""
+    mesh = program.mesh
+    two = mesh.ndim > 1
+    return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward)],
+                       dict(program.seconds), mesh=mesh if two else None, data=("fsdp" if program.fsdp else "ddp") if two else "",
+                       weights=program.traced.weights, batch=batch, notes=list(program.notes), how=program.traced.how,
+                       backend=program.backend, tied=dict(program.traced.tied))
 
 
-def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, target: str = "nvfuser",
-         mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True) -> ModelReport:
-    """Trace ``model`` on ``example_args`` once, on meta tensors (nothing is computed and the
-    parameters are not touched), shard forward and backward for ``devices`` devices (default 2),
-    or on ``mesh`` = (dp, tp) (the plan on tp, the batch split over dp; ``fsdp`` splits the weights
-    over dp too), and report (``ModelReport``). One region: the whole model. On a dp mesh
-    ``example_args`` are one rank's batch, as ``nvtp.jit`` takes them: the traced batch is dp times
-    it. ``regional`` (the default) traces a deep model's repeated blocks once and splices them
-    (nvtp.frontend.regional), as ``nvtp.jit`` does."""
-    import inspect
-    import time
+def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
+         mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, **example_kwargs) -> ModelReport:
+    """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
+    arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
+    computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
+    placement, every communication with its bytes, the memory per rank. ``devices`` (default 2)
+    or ``mesh`` = (dp, tp) (the plan on tp, the batch split over dp; ``fsdp`` splits the weights
+    over dp too); on a dp mesh ``example_args`` are one rank's batch, as ``nvtp.jit`` takes them.
+    ``backend``: the backend to plan for (default: the one ``nvtp.jit`` would run this model on
+    here, ``nvtp.execute.backends.default_name``); "nvfuser" plans for GPUs on any machine.
+    Takes every model ``nvtp.jit`` takes (the FX route for transformers models included)."""
+    from nvtp import driver
+    from nvtp.execute import backends
 
-    from nvtp.frontend.capture import capture
-    from nvtp.parallel import _meta_copy
-
-    mesh = make_mesh(devices, mesh, fsdp)
-    dp = _axis_size(mesh, "dp") if mesh.ndim > 1 else 1
-    start = time.perf_counter()
-    meta = _meta_copy(model)
-    args = [torch.empty((a.shape[0] * dp, *a.shape[1:]) if a.ndim else a.shape, dtype=a.dtype, device="meta",
-                        requires_grad=a.requires_grad) if isinstance(a, torch.Tensor) else a for a in example_args]
-    if regional:
-        from nvtp.frontend.regional import capture_regional
-
-        captured = capture_regional(meta, *args)
-    else:
-        captured = capture(meta, *args)
-    traced = time.perf_counter() - start
-    start = time.perf_counter()
-    names = set(list(inspect.signature(model.forward).parameters)[: len(example_args)])
-    weights = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False))
-    fwd, bwd, notes = _shard(captured.forward, captured.backward, plan, mesh, fsdp=fsdp, target=target,
-                             batched=names, weights=weights)
+    mesh = _mesh(devices, mesh, fsdp, 2)
+    if backend is None:
+        backend = backends.default_name(next((p.device.type for p in model.parameters()), "cpu"))
+    backends.resolve(backend, run=False)
+    args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
+    program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional, **kwargs)
     batch = ""
-    if mesh.ndim > 1:
-        batch = f"traced batch = dp x each rank's batch (the example arguments') = {dp} x {example_args[0].shape[0]}" \
-            if example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim else ""
-    return ModelReport(type(model).__name__, plan, mesh.size, [Region("model", 1, fwd, bwd)],
-                       {"trace": traced, "shard": time.perf_counter() - start}, mesh=mesh if mesh.ndim > 1 else None,
-                       data=("fsdp" if fsdp else "ddp") if mesh.ndim > 1 else "", weights=weights, batch=batch,
-                       notes=notes, how=captured.regional)
+    if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
+        batch = f"traced batch = dp x each rank's batch (the example arguments') = {_axis_size(mesh, 'dp')} x {example_args[0].shape[0]}"
+    return report_of(program, type(model).__name__, batch=batch)
 
 
 def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                target: str = "nvfuser", regional: bool = True, mesh: "tuple[int, int] | DeviceMesh | None" = None,
+                backend: str = "nvfuser", regional: bool = True, mesh: "tuple[int, int] | DeviceMesh | None" = None,
                 fsdp: bool = False, batch: int | None = None) -> ModelReport:
     """nvtp's GPT with ``cfg`` at ``layers`` layers, traced on meta tensors, on ``devices``
-    devices (default 8) or ``mesh`` = (dp, tp) (``fsdp``: weights split over dp too). ``batch`` is
-    each rank's batch (default the config's); on a dp mesh the traced batch is dp times it.
-    ``regional`` (the default) traces one block and the model without blocks, and counts the
-    block ``layers`` times; ``regional=False`` traces the whole model (seconds a layer)."""
+    devices (default 8) or ``mesh`` = (dp, tp) (``fsdp``: weights split over dp too), for
+    ``backend`` (default nvFuser: a model of this size is planned for GPUs). ``batch`` is each
+    rank's batch (default the config's); on a dp mesh the traced batch is dp times it.
+    ``regional`` (the default) traces one block and the model without blocks through the compile
+    driver, and counts the block ``layers`` times: exact, because a block's input arrives as the
+    plan places activations and it hands its output back the same way (the program ``nvtp.jit``
+    splices to full depth has the same placements and steps: tests/test_driver.py);
+    ``regional=False`` traces the whole model (seconds a layer)."""
     import time
     from dataclasses import replace
 
+    from nvtp.sharding.plans import check_plan
+
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch={batch!r}: each rank's batch must be a positive integer")
-    mesh = make_mesh(devices if devices is not None or mesh is not None else 8, mesh, fsdp)
+    check_plan(plan, [])  # a misspelt plan name, before any tracing
+    mesh = _mesh(devices, mesh, fsdp, 8)
     dp, tp = (_axis_size(mesh, "dp"), _axis_size(mesh, "tp")) if mesh.ndim > 1 else (1, mesh.size)
     per_rank = batch or cfg.batch
     cfg = replace(cfg, batch=per_rank * dp)
     start = time.perf_counter()
     shape = {"s": cfg.seq_len, "b": per_rank, "h": cfg.n_embd, "a": cfg.n_head, "t": tp, "L": layers}
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
-    extra = {}
+    extra = {"backend": backend}
     if mesh.ndim > 1:
-        extra = {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
-                 "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
+        extra |= {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
+                  "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
-        captured = _trace_gpt(cfg, layers, dtype)
+        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype), plan, mesh, backend, fsdp)
         traced = time.perf_counter() - start
-        fwd, bwd, notes = _shard(captured.forward, captured.backward, plan, mesh, fsdp=fsdp, target=target)
-        return ModelReport(name, plan, mesh.size, [Region("model", 1, fwd, bwd)],
-                           {"trace": traced, "shard": time.perf_counter() - start - traced}, shape, notes=notes, **extra)
-    c_outer, c_block = _trace_gpt(cfg, 0, dtype), _trace_gpt(cfg, None, dtype)
+        return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward)],
+                           {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
+    outer_t, block_t = _trace_gpt(cfg, 0, dtype), _trace_gpt(cfg, None, dtype)
     traced = time.perf_counter() - start
-    o_fwd, o_bwd, o_notes = _shard(c_outer.forward, c_outer.backward, plan, mesh, fsdp=fsdp, target=target)
-    b_fwd, b_bwd, b_notes = _shard(c_block.forward, c_block.backward, plan, mesh, fsdp=fsdp, target=target)
-    regions = [Region("outer", 1, o_fwd, o_bwd), Region("block", layers, b_fwd, b_bwd)]
+    outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp) for t in (outer_t, block_t))
+    regions = [Region("outer", 1, outer.forward, outer.backward), Region("block", layers, block.forward, block.backward)]
     return ModelReport(name, plan, mesh.size, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape,
-                       notes=o_notes + [f"block: {n}" for n in b_notes], **extra)
+                       notes=outer.notes + [f"block: {n}" for n in block.notes], **extra)
+
+
+def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool):
+    from nvtp import driver
+
+    return driver.shard(traced, plan, mesh, backend, fsdp=fsdp)
 
 
 @functools.lru_cache(maxsize=8)
 def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype):
-    """The captured fusions of GPT(cfg) with ``n_layer`` layers, or of one Block (None), on meta
-    tensors; kept, so that explaining several plans traces once."""
+    """The traced fusions of GPT(cfg) with ``n_layer`` layers, or of one Block (None: its output
+    is the next block's input, so no module boundary), on meta tensors; kept, so that
+    explaining several plans traces once."""
     from dataclasses import replace
 
-    from nvtp.frontend.capture import capture
+    from nvtp import driver
     from nvtp.models import gpt
 
     with torch.device("meta"):
         if n_layer is None:
-            return capture(gpt.Block(cfg).to(dtype), gpt.example_input(cfg, dtype=dtype, device="meta"))
+            block = gpt.Block(cfg).to(dtype)
+            return driver.trace(block, (gpt.example_input(cfg, dtype=dtype, device="meta"),), regional=False, boundary=False)
         model = gpt.GPT(replace(cfg, n_layer=n_layer)).to(dtype)
-    tokens = [torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long, device="meta") for _ in range(2)]
-    return capture(model, *tokens)
+    tokens = tuple(torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long, device="meta") for _ in range(2))
+    return driver.trace(model, tokens, regional=False)

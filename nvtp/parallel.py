@@ -29,24 +29,25 @@ rank fails or stays silent for ``timeout`` seconds (``nvtp.execute.launch``, doc
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import inspect
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from nvtp import driver
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import reference, spmd
+from nvtp.execute import backends, spmd
 from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
-from nvtp.frontend.capture import Captured, capture
 from nvtp.ir.graph import TensorValue
-from nvtp.sharding.pipeline import ShardedFusion, backward_annotations, shard
+from nvtp.mesh import check_world, make_mesh
+from nvtp.program import Program
+from nvtp.sharding.passes import ShardedFusion
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
@@ -56,17 +57,33 @@ __all__ = ["ShardedModule", "jit", "full_tensor", "InputError"]
 
 @dataclass
 class _Compiled:
-    forward: ShardedFusion
-    backward: ShardedFusion | None
-    captured: Captured
-    arg_names: list[str]
+    """A compiled call shape: the driver's ``Program`` and this rank's runner of it (the backend's lowering)."""
+
+    program: Program
     signature: tuple
-    program: Any = None  # the FX route's Program (nvtp.frontend.fx): how calls and outputs map onto the fusions
+    run: Callable[..., list[Any]]
+
+    @property
+    def forward(self) -> ShardedFusion:
+        return self.program.forward
+
+    @property
+    def backward(self) -> ShardedFusion | None:
+        return self.program.backward
+
+    @property
+    def arg_names(self) -> list[str]:
+        return self.program.traced.arguments
+
+    @property
+    def call(self) -> Any:
+        """The FX route's binding of a call's arguments and rebuilding of the outputs (None on Thunder's route)."""
+        return self.program.traced.call
 
     @property
     def parts(self) -> dict[str, Any]:
         """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
-        return self.program.parts if self.program is not None else {}
+        return self.program.traced.parts
 
     @cached_property
     def traced_args(self) -> list[str]:
@@ -117,67 +134,42 @@ def _retarget_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             params[i] = new
 
 
-def _default_mesh() -> DeviceMesh:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return DeviceMesh.of_size(dist.get_world_size())
-    return DeviceMesh.of_size(1)
-
-
-def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The module with every parameter and buffer on the meta device (nothing copied)."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    return copy.deepcopy(module, memo)
-
-
 class ShardedModule(torch.nn.Module):
     """``module`` sharded over ``mesh`` by ``plan``; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
-                 frontend: str = "auto", fsdp: bool = False, regional: bool = True):
+                 frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto"):
         super().__init__()
-        from nvtp.frontend import fx
-
-        if frontend not in ("auto", "fx", "thunder"):
-            raise ValueError(f"frontend must be 'auto', 'fx' or 'thunder', not {frontend!r}")
-        # The FX route (dynamo's graph, then Thunder) for transformers models; thunder.jit for the rest.
-        self._fx = frontend == "fx" or (frontend == "auto" and fx.wants_fx(module))
+        # Everything a user can get wrong is refused here, before anything is traced: the route,
+        # the mesh and its axis names, the plan's names, and a backend that cannot run here.
+        self._route = driver.route(module, frontend)
+        self._fx = self._route == "fx"
         self.module = module
         self.dynamic = dynamic
         self.plan = plan
-        self.mesh = _as_mesh(mesh) if mesh is not None else _default_mesh()
+        world = comm.size if comm is not None else None
+        self.mesh = make_mesh(mesh, fsdp=fsdp, world=world if world is not None else _world())
         self.fsdp = fsdp
-        if self.mesh.ndim == 2:
-            from nvtp.sharding.multi import axis_roles
-
-            axis_roles(self.mesh)  # names it knows, before anything starts
-        elif fsdp:
-            raise ShardingError("fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh, "
-                                "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
         self._torch_mesh = None if mesh is None or isinstance(mesh, DeviceMesh) else mesh  # torch's, when given
         self.check_replicas = check_replicas
         self.regional = regional
         self._comm = comm
-        _check_mesh(self.mesh, comm)
-        check_plan(plan, _names(module), type(module).__name__)  # an unknown plan or unmatched glob, before any tracing
+        check_world(self.mesh, comm)
+        check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
+        self.backend = backends.resolve(backend, _device_of(module)).name
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
             start_watchdog(timeout)  # once per process; init_group may have started it already
         # Not a submodule: the meta copy Thunder traces is no part of the model's state.
-        object.__setattr__(self, "_meta", _meta_copy(module))
+        object.__setattr__(self, "_meta", driver.meta_copy(module))
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         self._placements: dict[str, Placement] = {}
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, _Compiled] = {}
-        self.last: _Compiled | None = None  # the programs of the latest compile() or call
+        self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
 
     # -- state: the wrapped module's own keys ------------------------------------------------
 
@@ -247,54 +239,22 @@ class ShardedModule(torch.nn.Module):
         return tuple(sig)
 
     def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
-        names = list(inspect.signature(self.module.forward).parameters)[: len(args)]
-        meta_args = [torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta", requires_grad=a.requires_grad)
-                     if isinstance(a, torch.Tensor) else a for a in args]
-        self._meta.train(self.module.training)
-        # Raises InputError when the arguments do not fit the module, CaptureError when Thunder
-        # cannot trace it or nvtp cannot fuse an op (each naming the op and the source line).
-        program = None
-        if self._fx:  # one dynamo graph of the whole forward, traced by Thunder (nvtp/frontend/fx.py)
-            from nvtp.frontend import fx
-
-            meta_kwargs = {k: torch.empty(self._global_batch(a.shape), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
-                           for k, a in (kwargs or {}).items()}
-            # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
-            # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
-            # (dp, tp) mesh keep them whole.
-            split = self.mesh.ndim == 1 and self.plan in ("megatron", "megatron-sp")
-            program, captured = fx.trace(self._meta, tuple(meta_args), meta_kwargs, split_parts=split)
-            names = program.arg_names + list(program.constants)  # constants travel as whole arguments
-        elif self.regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
-            from nvtp.frontend.regional import capture_regional
-
-            captured = capture_regional(self._meta, *meta_args)
-        else:
-            captured = capture(self._meta, *meta_args)
-        annotations = {}
-        if self._placements:  # a new input shape: keep the parameters where they already are
-            for v in captured.forward.inputs:
-                label = captured.forward.label(v.name)
-                if label in self._placements:
-                    annotations[v.name] = self._placements[label]
-        hints = {v.name: REPLICATE for v in captured.forward.outputs if captured.forward.role(v.name) == "output"}
-        if self.mesh.ndim > 1:
-            forward, backward = self._shard_mesh(captured, names, annotations, hints)
-            compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
-            self._shard_parameters(forward, compiled.parts)
-            return compiled
-        forward = shard(captured.forward, self.plan, self.mesh, annotations=annotations, output_hints=hints, target="reference")
-        backward = None
-        if captured.backward is not None:
-            # Parameters' gradients land where the parameters live; arguments' gradients whole.
-            inputs, grad_hints = backward_annotations(captured.backward, forward)
-            for v in captured.backward.outputs:
-                if captured.backward.grad_of(v.name) in names:
-                    grad_hints[v.name] = REPLICATE
-            backward = shard(captured.backward, "replicate", self.mesh, annotations=inputs, output_hints=grad_hints, target="reference")
-        compiled = _Compiled(forward, backward, captured, names, self._signature(args, kwargs), program)
-        self._shard_parameters(forward, compiled.parts)
-        return compiled
+        """The driver's program for this call shape (``nvtp.driver``: the route, the passes for this
+        backend's target), this rank's parameters made its shards, and the backend's runner.
+        Raises InputError when the arguments do not fit the module, CaptureError when Thunder
+        cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
+        dp = self._dp_axis()
+        # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
+        # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
+        # (dp, tp) mesh keep them whole.
+        split = self.mesh.ndim == 1 and self.plan in ("megatron", "megatron-sp")
+        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
+                              batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module)
+        program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements)
+        self.notes = list(program.notes)
+        self._shard_parameters(program)
+        run = backends.BACKENDS[self.backend].lower(program, self.comm)
+        return _Compiled(program, self._signature(args, kwargs), run)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -308,36 +268,13 @@ class ShardedModule(torch.nn.Module):
             raise InputError(f"the dp ranks pass arguments of different shapes ({seen}); on a (dp, tp) mesh every rank passes "
                              "its own batch of the same shape, as with DDP: split the global batch evenly over dp")
 
-    def _global_batch(self, shape) -> tuple[int, ...]:
-        """An argument's shape for the whole step: on a mesh with a dp axis each rank passes its own
-        batch (DDP's convention), so the traced batch dimension is dp times the rank's."""
-        dp = self._dp_axis()
-        if dp is None or not len(shape):
-            return tuple(shape)
-        return (shape[0] * self.mesh.shape[dp], *shape[1:])
-
-    def _shard_mesh(self, captured: Captured, names: list[str], annotations: Mapping[str, Any],
-                    hints: Mapping[str, Placement]) -> tuple[ShardedFusion, ShardedFusion | None]:
-        """Forward and backward over a (dp, tp) mesh: the plan on tp, the data plan on dp."""
-        from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
-
-        forward, data = shard_mesh(captured.forward, self.plan, self.mesh, fsdp=self.fsdp, target="reference",
-                                   batched=set(names), annotations=annotations, output_hints=hints,
-                                   weights={n for n, _ in self.module.named_parameters(remove_duplicate=False)})
-        self.notes = data.notes
-        backward = None
-        if captured.backward is not None:  # arguments' gradients whole over tp, split over dp like the arguments
-            grad_hints = {v.name: REPLICATE for v in captured.backward.outputs if captured.backward.grad_of(v.name) in names}
-            backward = shard_backward_mesh(captured.backward, forward, "reference", output_hints=grad_hints)
-        return forward, backward
-
-    def _shard_parameters(self, forward: ShardedFusion, parts: Mapping[str, Any] | None = None) -> None:
+    def _shard_parameters(self, program: Program) -> None:
+        """Make each parameter this rank's part of it, as ``program`` places it (a DTensor on a
+        mesh of processes); a parameter placed by an earlier compile must be placed alike."""
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
-        placed = [(forward.source.label(v.name), forward.placement(v.name) if self.mesh.ndim == 1 else forward.sharding(v.name))
-                  for v in forward.source.inputs]
-        placed = _join_parts(placed, parts or {})
-        for label, placement in placed:
+        for label, placement in program.parameters.items():
+            label = program.traced.tied.get(label, label)  # a tied parameter, under its first name
             if label in params:
                 p = params[label]
                 if label in self._placements:
@@ -365,26 +302,21 @@ class ShardedModule(torch.nn.Module):
         """Trace and shard for arguments like ``args`` now (the parameters become shards), without
         running anything: before loading a checkpoint, or to fail fast on a bad plan."""
         args, kwargs = self._call(args, kwargs)
-        self.last = self._compiled_for(args, kwargs)  # ``last.captured.regional``: how it was traced
+        self.last = self._compiled_for(args, kwargs).program  # ``last.traced.how``: how it was traced
         return self
 
     def _call(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
-        """A call's arguments as the compiled programs take them: positions on the thunder.jit route
-        (``model(idx, targets=t)``); on the FX route, keywords, with a transformers model's KV cache
-        off (it trains)."""
-        if not self._fx:
-            return (_positional(self.module, args, kwargs) if kwargs else args), {}
-        from nvtp.frontend import fx
-
-        return args, fx.without_cache(self.module, kwargs)
+        """A call's arguments as the compiled programs take them (``nvtp.driver.bind_call``)."""
+        return driver.bind_call(self.module, self._route, args, kwargs)
 
     def share_compiled(self, other: "ShardedModule") -> "ShardedModule":
         """Take ``other``'s traced and sharded programs instead of tracing again: ``other`` is the
         same model with the same plan and mesh on another rank (a simulated mesh, one module per
         rank in one process). This rank's parameters become its shards."""
-        for key, compiled in other._compiled.items():
-            self._compiled[key] = compiled
-            self._shard_parameters(compiled.forward, compiled.parts)
+        for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
+            self._compiled[key] = _Compiled(compiled.program, compiled.signature,
+                                            backends.BACKENDS[self.backend].lower(compiled.program, self.comm))
+            self._shard_parameters(compiled.program)
         self.last = other.last
         return self
 
@@ -428,7 +360,7 @@ class ShardedModule(torch.nn.Module):
         if self.mesh.ndim > 1 and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
-        self.last = compiled
+        self.last = compiled.program
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         named = {}
@@ -439,15 +371,15 @@ class ShardedModule(torch.nn.Module):
                 named[label] = params[label]
             elif label in buffers:
                 named[label] = buffers[label]
-        program = compiled.program
-        user = program.bind(args, kwargs) | program.constants if program else dict(zip(compiled.arg_names, args))
+        call = compiled.call
+        user = call.bind(args, kwargs) | call.constants if call else dict(zip(compiled.arg_names, args))
         if self.check_replicas and self.mesh.size > 1:
             self._check_replicas(named, user)
         tensors = [named[k] for k in named] + [user[k] for k in compiled.traced_args]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         outs = _Run.apply(self, compiled, list(named), seed, *tensors)
-        if program:
-            return program.rebuild(outs)  # the model's own output object (e.g. CausalLMOutputWithPast)
+        if call:
+            return call.rebuild(outs)  # the model's own output object (e.g. CausalLMOutputWithPast)
         return outs[0] if len(outs) == 1 else outs
 
 
@@ -495,70 +427,15 @@ def _all_gather_json(comm: Comm, obj: Any) -> list[Any]:
     return [json.loads(bytes(p[:n].tolist()).decode()) for p, n in zip(parts, sizes)]
 
 
-def _positional(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
-    """``args`` and ``kwargs`` as positional arguments of ``module.forward`` (defaults filled in up to the last given)."""
-    try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except TypeError as e:
-        raise InputError(f"{type(module).__name__}.forward: {e}") from None
-    bound.apply_defaults()
-    if bound.kwargs:
-        raise InputError(f"{type(module).__name__}.forward: keyword-only arguments ({', '.join(bound.kwargs)}) "
-                         "are not supported on the thunder.jit route; pass them positionally")
-    return bound.args
-
-
-def _names(module: torch.nn.Module) -> list[str]:
-    """What a plan may name in ``module``: its parameters (tied ones under every name), buffers and arguments."""
-    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers(remove_duplicate=False)]
-    try:
-        return names + list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):  # a forward without a Python signature
-        return names
-
-
-def _as_mesh(mesh: Any) -> DeviceMesh:
-    """nvtp's mesh for ``mesh``: nvtp's own, or torch's ``DeviceMesh`` over the default process
-    group's ranks: 1-D (``init_device_mesh("cpu", (n,))``) or 2-D with axes named "dp" and "tp"
-    (``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``)."""
-    if isinstance(mesh, DeviceMesh):
-        return mesh
-    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-    if not isinstance(mesh, TorchMesh):
-        raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh or nvtp's DeviceMesh, not {type(mesh).__name__}")
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim > 2 or (mesh.ndim == 2 and sorted(names) != ["dp", "tp"]):
-        raise ShardingError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
-                            f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
-                            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")
+def _world() -> int:
+    """Ranks of the default process group (1 without one): the default mesh's size."""
     import torch.distributed as dist
 
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    if dist.is_initialized() and ranks != tuple(range(dist.get_world_size())):
-        raise ShardingError(f"the mesh holds ranks {list(ranks)}, the process group {dist.get_world_size()} ranks in order; "
-                            "nvtp.jit shards over every rank of the default group: pass init_device_mesh(device, (world_size,)) "
-                            "or a (dp, tp) mesh with dp * tp = world_size")
-    if mesh.ndim == 1:
-        return DeviceMesh(ranks)
-    return DeviceMesh(ranks, tuple(mesh.shape), names)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _check_mesh(mesh: DeviceMesh, comm: Comm | None) -> None:
-    """The mesh must be the process group: refuse a mismatch before anything starts."""
-    import torch.distributed as dist
-
-    if comm is not None:
-        world, how = comm.size, f"the given comm has {comm.size} rank(s)"
-    elif dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-        how = f"the process group has {world} rank(s)"
-    else:
-        world, how = 1, "torch.distributed is not initialized (one process)"
-    if mesh.size != world:
-        raise ShardingError(f"the mesh has {mesh.size} device(s) but {how}; start {mesh.size} processes (torchrun "
-                            f"--nproc-per-node {mesh.size}, or nvtp demo --devices {mesh.size}) and init_process_group in each, "
-                            f"or pass mesh=DeviceMesh.of_size({world})")
+def _device_of(module: torch.nn.Module) -> str:
+    return next((p.device.type for p in module.parameters()), "cpu")
 
 
 def _describe(sig) -> str:
@@ -588,7 +465,7 @@ class _Run(torch.autograd.Function):
             if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's tensor: take our part
                 t = spmd.shard_tensor(t, _callers(fwd, v.name, module), fwd.mesh, module.rank)
             inputs.append(t)
-        outputs = reference.run(fwd.fusion, inputs, shardings=fwd.shardings, mesh=fwd.mesh, comm=module.comm, seed=seed)
+        outputs = compiled.run("forward", inputs, seed=seed)
         values = {v.name: t for v, t in zip(f.inputs, inputs)}
         values.update({src.name: t for src, t in zip(f.outputs, outputs)})
         ctx.module, ctx.compiled, ctx.values, ctx.named, ctx.n_params = module, compiled, values, named, n_params
@@ -612,7 +489,7 @@ class _Run(torch.autograd.Function):
         if all(b.info[v.name].source in by_output for v in grad_inputs):  # each output's own gradient
             grads = [by_output[b.info[v.name].source] for v in grad_inputs]
         for v, g in zip(grad_inputs, grads):
-            g = torch.zeros(v.shape, dtype=v.dtype.torch) if g is None else g.detach()
+            g = torch.zeros(v.shape, dtype=v.dtype.torch, device=_device_of(ctx.module.module)) if g is None else g.detach()
             local = spmd.shard_tensor(g, _callers(bwd, v.name, ctx.module), bwd.mesh, ctx.module.rank)
             dp = ctx.module._dp_axis()
             if dp is not None and axis_split(bwd.sharding(v.name)[dp]) is not None:
@@ -626,7 +503,7 @@ class _Run(torch.autograd.Function):
         f = compiled.forward.source  # inputs the backward reads by label that are not parameters (the FX
         params |= {f.label(v.name): ctx.values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
         inputs = backward_inputs(b, params, ctx.values, local_grads)
-        outs = reference.run(bwd.fusion, inputs, shardings=bwd.shardings, mesh=bwd.mesh, comm=ctx.module.comm, seed=0)
+        outs = compiled.run("backward", inputs, seed=0)
         by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         result = [None, None, None, None]
         by_grad |= _joined_grads(ctx.module._part_rows, by_grad, params)
@@ -635,27 +512,6 @@ class _Run(torch.autograd.Function):
             result.append(_dt.grad_like(ctx.named[label], g) if isinstance(ctx.named[label], _dt.DTensor) else g)
         result += [by_grad.get(name) for name in compiled.traced_args]
         return tuple(result)
-
-
-def _join_parts(placed: list[tuple[str, Any]], parts: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """(label, placement) of the fusion's inputs with the parts of one parameter (``parts``: label
-    -> ``nvtp.frontend.fused.Part``) replaced by the parameter, placed ``FusedParts``."""
-    out, joined = [], {}
-    for label, placement in placed:
-        part = parts.get(label)
-        if part is None:
-            out.append((label, placement))
-            continue
-        split = axis_split(placement)
-        if isinstance(placement, tuple) or (split is not None and split[0] != 0):
-            raise ShardingError(f"{label}: a part of a fused projection's weight placed {placement}; nvtp holds such parts split "
-                                "along their rows (output features) or whole: plan it colwise or replicated")
-        if part.weight not in joined:
-            joined[part.weight] = []
-            out.append((part.weight, None))
-        joined[part.weight].append((part.start, part.stop, placement))
-    return [(label, FusedParts(0, tuple(sorted(joined[label]))) if placement is None and label in joined else placement)
-            for label, placement in out]
 
 
 def _part_rows(weight: str, placement: FusedParts, num_devices: int) -> dict[str, tuple[str, int, int]]:
@@ -702,7 +558,7 @@ def _callers(sharded: ShardedFusion, name: str, module: "ShardedModule") -> tupl
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
-        frontend: str = "auto", fsdp: bool = False, regional: bool = True) -> ShardedModule:
+        frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto") -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -713,14 +569,19 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     Face transformers models, "thunder" otherwise. ``regional``: on the "thunder" route, a model
     whose blocks form a chain (an ``nn.ModuleList`` of 2 or more blocks alike, each called once as
     ``x = block(x)``) is traced as block 0 and the model without its blocks, and the fusions are
-    spliced to full depth (``nvtp/frontend/regional.py``; ``model.last.captured.regional`` says so,
-    or why it traced the model another way); False traces every block.
+    spliced to full depth (``nvtp/frontend/regional.py``; ``model.last.traced.how`` says so,
+    or why it traced the model another way); False traces every block. ``backend``: what runs the
+    program (``nvtp.execute.backends``): "nvfuser" (nvFuser's kernels; CUDA models), "reference"
+    (torch ops and torch.distributed; anywhere), or "auto": nvFuser for a CUDA model where
+    nvfuser_direct loads, the reference backend otherwise. A backend that cannot run here is
+    refused at once. ``model.last`` is the ``nvtp.program.Program`` of the latest call: what
+    ``nvtp.plan`` reports for the same model, mesh and backend.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
     gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``."""
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional)
+                         fsdp=fsdp, regional=regional, backend=backend)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -117,3 +117,21 @@ BLOCKS = {
     "separate_qkv": lambda: SeparateQKVBlock(),
     "parallel_residual": lambda: ParallelBlock(),
 }
+
+
+class TiedGPT(nn.Module):
+    """A tiny language model whose output head is tied to its embedding the usual way
+    (``self.head.weight = self.wte.weight``, as GPT-2 and nanoGPT write it), or untied."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, tie: bool = True):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx)  # (B, T, C)
+        x = x + torch.tanh(self.fc(x))
+        return self.head(x).float().logsumexp(-1).mean()

@@ -200,7 +200,7 @@ def test_explain_of_a_backward_names_the_plan_asked_for(capsys):
     text = run(["nvtp", "explain", str(GPT3_BWD), "--plan", "megatron-sp", "--devices", "4"])
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert lines[0] == f"{GPT3_BWD}: plan megatron-sp on a mesh of 4 device(s)"
+    assert lines[0] == f"{GPT3_BWD}: plan megatron-sp on a mesh of 4 device(s), for the reference backend"
     assert "sharded to match its forward (nanogpt_gpt3_bf16_fwd.py)" in lines[1]
     assert cli.main(["explain", str(GPT3_BWD), "--plan", "megatron", "--devices", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

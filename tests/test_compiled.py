@@ -16,7 +16,7 @@ from nvtp.execute import reference, spmd
 from nvtp.frontend.capture import capture, forward_inputs, output_value, run_pair
 from nvtp.ir import DType, FusionBuilder, verify
 from nvtp.models import gpt
-from nvtp.sharding.pipeline import shard_pair
+from nvtp.sharding.passes import shard_pair
 from nvtp.sharding.placements import DeviceMesh, Shard
 from tests.conftest import make_block
 from tests.op_samples import SAMPLES

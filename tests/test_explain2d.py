@@ -49,7 +49,7 @@ def _dp_bytes(report_json) -> int:
 def test_cli_fsdp_json_names_axes_and_dp_bytes_equal_the_formula():
     """`nvtp explain --model nanogpt ... --mesh 2x2 --fsdp --json` as a user types it."""
     out = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--model", "nanogpt", "--config", "tiny", "--layers", str(LAYERS),
-                          "--plan", "megatron", "--mesh", f"{DP}x{TP}", "--fsdp", "--json"],
+                          "--plan", "megatron", "--mesh", f"{DP}x{TP}", "--fsdp", "--json", "--backend", "nvfuser"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -139,7 +139,7 @@ def test_bad_mesh_spellings_are_refused_with_one_line(argv, says, capsys):
 def test_plan_refuses_a_bad_mesh_before_tracing():
     with pytest.raises(ValueError, match=r"expected \(dp, tp\)"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), mesh=(2,))
-    with pytest.raises(ValueError, match="give mesh="):
+    with pytest.raises(ValueError, match="fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), devices=2, fsdp=True)
 
 

@@ -95,7 +95,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_tensor_axis_sizes_and_fix(ti
 def test_kv_heads_that_do_not_divide_are_refused():
     """Grouped-query attention: 8 query heads divide by 8 devices, 4 KV heads do not."""
     from nvtp.frontend.capture import capture
-    from nvtp.sharding.pipeline import shard
+    from nvtp.sharding.passes import shard
     from tests.blocks import LlamaBlock
 
     with torch.device("meta"):
@@ -133,7 +133,7 @@ def three_heads(tmp_path_factory):
 
 
 def test_heads_that_do_not_divide_a_smaller_mesh_are_refused(three_heads, capsys):
-    from nvtp.sharding.pipeline import shard
+    from nvtp.sharding.passes import shard
 
     with pytest.raises(ShardingError, match=ODD_HEADS):
         shard(three_heads[0], "megatron", DeviceMesh.of_size(2))
@@ -153,7 +153,7 @@ def test_heads_that_do_not_divide_a_smaller_mesh_are_refused(three_heads, capsys
 def test_kv_heads_that_do_not_divide_a_smaller_mesh_are_refused():
     """6 query heads divide by 2, 3 KV heads do not (they pair over 3)."""
     from nvtp.frontend.capture import capture
-    from nvtp.sharding.pipeline import shard
+    from nvtp.sharding.passes import shard
     from tests.blocks import LlamaBlock
 
     with torch.device("meta"):

@@ -312,7 +312,7 @@ def test_the_propagation_reuses_a_repeated_blocks_choices_and_shards_exactly_as_
     the other blocks. The sharded forward and backward (text, every placement, every collective)
     are those of a propagation that works out every op afresh."""
     from nvtp.sharding import propagate
-    from nvtp.sharding.pipeline import shard, shard_backward
+    from nvtp.sharding.passes import shard, shard_backward
 
     spliced = tiny[4]
     mesh = DeviceMesh.of_size(2)

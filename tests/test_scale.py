@@ -17,7 +17,7 @@ import pytest
 from nvtp import dump
 from nvtp.ir.graph import Fusion, Op, ValueInfo, is_value
 from nvtp.ir.verify import verify
-from nvtp.sharding.pipeline import shard
+from nvtp.sharding.passes import shard
 from nvtp.sharding.placements import DeviceMesh
 
 GPT3_FWD = Path(__file__).parent.parent / "fusions" / "nanogpt_gpt3_bf16_fwd.py"

@@ -32,7 +32,8 @@ def fusion_sizes() -> None:
 def errors_vs_eager() -> None:
     from nvtp.dump import relative_error
     from nvtp.execute import reference
-    from nvtp.frontend.capture import capture, output_value, run_pair
+    from nvtp import driver
+    from nvtp.frontend.capture import output_value, run_pair
     from nvtp.models import gpt
 
     print("| block | dtype | output rel. error | worst gradient rel. error (of 13) |")
@@ -42,7 +43,7 @@ def errors_vs_eager() -> None:
         torch.manual_seed(0)
         block = gpt.Block(cfg).to(dtype)
         x = gpt.example_input(cfg, dtype=dtype)
-        c = capture(block, x)
+        c = driver.trace(block, (x,), regional=False, boundary=False)
         g = torch.randn(cfg.batch, cfg.seq_len, cfg.n_embd, generator=torch.Generator().manual_seed(1)).to(dtype)
         named = {n: p.detach() for n, p in block.named_parameters()} | {"x": x.detach()}
         values, grads = run_pair(c.forward, c.backward, named, g, lambda f, i: reference.run(f, i))
@@ -56,8 +57,8 @@ def errors_vs_eager() -> None:
 
 def sharded_vs_single() -> None:
     from nvtp import dump
+    from nvtp import driver
     from nvtp.execute import reference, spmd
-    from nvtp.sharding.pipeline import shard_pair
     from nvtp.sharding.placements import DeviceMesh
 
     captured, _ = dump.trace_block("nanogpt", "tiny", torch.float32, dropout=0.1, device="cpu")
@@ -67,7 +68,8 @@ def sharded_vs_single() -> None:
         for d in (1, 2, 4):
             row = []
             comms = []
-            for s in shard_pair(captured.forward, captured.backward, plan, DeviceMesh.of_size(d)):
+            program = driver.shard(driver.of_fusions(captured.forward, captured.backward), plan, DeviceMesh.of_size(d), "nvfuser")
+            for s in (program.forward, program.backward):
                 inputs = dump.random_inputs(s.source, seed=0)
                 single = reference.run(s.source, inputs, seed=0)
                 per_rank, _ = spmd.run_simulated(s, inputs, seed=0)
@@ -79,8 +81,7 @@ def sharded_vs_single() -> None:
 
 
 def communication() -> None:
-    from nvtp import dump
-    from nvtp.sharding.pipeline import shard_pair
+    from nvtp import driver, dump
     from nvtp.sharding.placements import DeviceMesh
 
     f = dump.load(ROOT / "fusions/nanogpt_gpt3_bf16_fwd.py").fusion
@@ -90,7 +91,8 @@ def communication() -> None:
     for plan in ("megatron", "megatron-sp"):
         d = 4
         start = time.perf_counter()
-        sf, sb = shard_pair(f, b, plan, DeviceMesh.of_size(d))
+        program = driver.shard(driver.of_fusions(f, b), plan, DeviceMesh.of_size(d), "nvfuser")
+        sf, sb = program.forward, program.backward
         ms = 1000 * (time.perf_counter() - start)
         for name, s in (("forward", sf), ("backward", sb)):
             groups: dict[tuple[str, int], int] = {}

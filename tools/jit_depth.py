@@ -50,7 +50,7 @@ def main(layers: int, regional: bool = True, seq: int | None = None, template: b
     fwd, bwd = ([s.kind for s in f.communications].count("allreduce") for f in (c.forward, c.backward))
     print(f"layers {layers}: compile {compiled - start:.1f} s, first step {stepped - compiled:.1f} s, total {stepped - start:.1f} s; "
           f"all-reduces forward {fwd}, backward {bwd} (sequence {cfg.seq_len}, batch {cfg.batch}); "
-          f"{c.captured.regional or 'whole trace: regional=False'}")
+          f"{c.traced.how}")
     for k in range(1, steps):
         start = time.perf_counter()
         spmd.on_threads(lambda r: ranks[r](idx, tgt).backward(), group)

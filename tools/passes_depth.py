@@ -13,9 +13,8 @@ import time
 
 import torch
 
-from nvtp.frontend import regional
+from nvtp import driver
 from nvtp.models import gpt
-from nvtp.sharding.pipeline import shard, shard_backward
 from nvtp.sharding.placements import DeviceMesh
 
 
@@ -24,15 +23,13 @@ def main(layers: int, plan: str) -> None:
     with torch.device("meta"):
         model = gpt.GPT(cfg).to(torch.bfloat16)
     idx, tgt = (t.to("meta") for t in gpt.example_tokens(cfg))
-    captured = regional.capture_regional(model, idx, tgt)
-    print(captured.regional, len(captured.forward.ops), "+", len(captured.backward.ops), "ops")
+    traced = driver.trace(model, (idx, tgt))
+    print(traced.how, len(traced.forward.ops), "+", len(traced.backward.ops), "ops")
     start = time.perf_counter()
-    fwd = shard(captured.forward, plan, DeviceMesh.of_size(8))
-    middle = time.perf_counter()
-    bwd = shard_backward(captured.backward, fwd, "nvfuser")
+    program = driver.shard(traced, plan, DeviceMesh.of_size(8), "nvfuser")
     end = time.perf_counter()
-    print(plan, layers, "fwd", round(middle - start, 2), "bwd", round(end - middle, 2), "total", round(end - start, 2))
-    for sharded in (fwd, bwd):
+    print(plan, layers, "total", round(end - start, 2))
+    for sharded in (program.forward, program.backward):
         print({k: round(v, 2) for k, v in sharded.seconds.items()})
 
 

@@ -74,7 +74,7 @@ def main() -> int:
         if step == 0:
             c = sharded.last
             say(f"   traced and sharded: forward fusion {len(list(c.forward.source.compute_ops()))} ops, backward "
-                f"{len(list(c.backward.source.compute_ops()))} ops; trace {c.captured.trace_seconds:.1f} s")
+                f"{len(list(c.backward.source.compute_ops()))} ops; trace {c.traced.seconds:.1f} s")
 
     worst_param = 0.0
     for name, p in sharded.module.named_parameters():

@@ -65,8 +65,9 @@ def header(fusion: Fusion, command: str) -> list[str]:
 
 
 def trace_block(model: str, config_name: str, dtype: torch.dtype, *, dropout: float | None = None, device: str = "meta"):
-    """Capture the forward and backward fusions of one transformer block."""
-    from nvtp.frontend.capture import capture
+    """The forward and backward fusions of one transformer block (``nvtp.driver.trace``; a block
+    has no module boundary: its output is the next block's input)."""
+    from nvtp import driver
     from nvtp.models import gpt
 
     if model not in MODELS:
@@ -76,7 +77,7 @@ def trace_block(model: str, config_name: str, dtype: torch.dtype, *, dropout: fl
     with torch.device(device):
         block = gpt.Block(cfg).to(dtype)
     x = gpt.example_input(cfg, dtype=dtype, device=device)
-    return capture(block, x), cfg
+    return driver.trace(block, (x,), regional=False, boundary=False), cfg
 
 
 def dump_model(model: str, config_name: str, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nvtp.ir.parser import DumpError
+from nvtp.sharding.reshard import COLLECTIVES
 
 if TYPE_CHECKING:  # pragma: no cover
     from nvtp.sharding.sharded import ShardedFusion
@@ -35,44 +36,34 @@ class MeshJob:
     timeout: float = 60.0
     mesh: tuple[int, int] | None = None  # (dp, tp): a 2-D mesh instead of ``devices``
     fsdp: bool = False  # on a 2-D mesh, split the weights over dp too (ZeRO-3)
-
-
-MESH_AXES = ("dp", "tp")
-
-
-def mesh_shape(text: str) -> tuple[int, int]:
-    """``--mesh``'s spelling, ``DPxTP`` (``2x2``: 2 data-parallel groups of 2 tensor-parallel ranks)."""
-    from nvtp.sharding.propagate import ShardingError
-
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ShardingError(f"--mesh {text!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
-                            "a 1-D mesh is --devices N")
-    dp, tp = (int(p) for p in parts)
-    if dp < 1 or tp < 1:
-        raise ShardingError(f"--mesh {text!r}: each mesh axis needs at least 1 device (dp={dp}, tp={tp})")
-    return dp, tp
+    backend: str = "reference"  # the backend whose target ``--plan`` shards for (the replay runs on the reference backend)
 
 
 def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tuple[int, int] | None:
-    """The (dp, tp) of ``--mesh``, after refusing ``--devices`` with ``--mesh`` and ``--fsdp`` without it."""
-    from nvtp.sharding.propagate import ShardingError
+    """The (dp, tp) of ``--mesh``, after refusing ``--devices`` with ``--mesh`` and ``--fsdp`` without it
+    (``nvtp.mesh`` decides; this only spells the refusals with the command line's flags)."""
+    from nvtp.mesh import MeshError, parse
 
     if mesh is not None and devices is not None:
-        raise ShardingError(f"give either --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh), not both "
-                            f"(got --devices {devices} --mesh {mesh})")
+        raise MeshError(f"give either --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh), not both "
+                        f"(got --devices {devices} --mesh {mesh})")
     if fsdp and mesh is None:
-        raise ShardingError("--fsdp splits the weights over the dp axis of a 2-D mesh; give --mesh DPxTP with it (e.g. --mesh 2x2)")
-    return mesh_shape(mesh) if mesh is not None else None
+        raise MeshError("--fsdp splits the weights over the dp axis of a 2-D mesh; give --mesh DPxTP with it (e.g. --mesh 2x2)")
+    if mesh is None:
+        return None
+    shape = parse(mesh)
+    if len(shape) != 2:
+        raise MeshError(f"--mesh {mesh!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
+                        "a 1-D mesh is --devices N")
+    return shape
 
 
 def prepare(job: MeshJob) -> "ShardedFusion":
-    """The sharded fusion ``job`` runs (the same on every rank); raises before any communication."""
+    """The sharded fusion ``job`` runs (the same on every rank): the file's own schedule, or the
+    compile driver's program for ``--plan`` (a backward file with the forward it names);
+    raises before any communication."""
     from nvtp import dump
     from nvtp.dump.sharded import from_dump, mesh_text
-    from nvtp.sharding.multi import shard_pair_mesh
-    from nvtp.sharding.pipeline import shard, shard_pair
-    from nvtp.sharding.placements import DeviceMesh
 
     d = dump.load(job.file)
     if job.plan is None:
@@ -89,23 +80,11 @@ def prepare(job: MeshJob) -> "ShardedFusion":
         return sharded
     if job.devices is None and job.mesh is None:
         raise DumpError("--plan needs --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh)", job.file)
-    fusion = d.fusion
-    forward = None
-    if fusion.attrs.get("role") == "backward":
-        fwd_name = fusion.attrs.get("forward")
-        if not fwd_name:
-            raise DumpError("a backward fusion is sharded with its forward, but the file does not name one (nvtp_info 'forward')", job.file)
-        fwd_path = Path(job.file).with_name(fwd_name)
-        forward = dump.load(fwd_path).fusion
-    if job.mesh is not None:
-        mesh = DeviceMesh.of_shape(job.mesh, MESH_AXES)
-        if forward is not None:
-            return shard_pair_mesh(forward, fusion, job.plan, mesh, fsdp=job.fsdp)[1]
-        return shard_pair_mesh(fusion, None, job.plan, mesh, fsdp=job.fsdp)[0]
-    mesh = DeviceMesh.of_size(job.devices)
-    if forward is not None:
-        return shard_pair(forward, fusion, job.plan, mesh)[1]
-    return shard(fusion, job.plan, mesh)
+    from nvtp import driver
+
+    program = driver.compile(d, plan=job.plan, mesh=job.mesh if job.mesh is not None else job.devices, fsdp=job.fsdp,
+                             backend=job.backend)
+    return program.backward if program.backward is not None else program.forward
 
 
 def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
@@ -187,7 +166,7 @@ def _report_on_rank0(job: MeshJob, world: int, sharded: "ShardedFusion", inputs,
 
     held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
     whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
-    collectives = [c for c in log if c.kind != "local"]
+    collectives = [c for c in log if c.kind in COLLECTIVES]
     mesh = sharded.mesh
     shape = "" if mesh.ndim == 1 else f", a {'x'.join(map(str, mesh.shape))} mesh ({', '.join(mesh.names)})"
     on = (lambda c: "") if mesh.ndim == 1 else (lambda c: f" on {mesh.names[c.axis]}")

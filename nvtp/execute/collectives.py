@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from nvtp.sharding.placements import Placement, axis_split, is_partial, is_replicate, local_indices
+from nvtp.sharding.placements import Placement, axis_split, is_partial, local_indices
 
 
 class Comm(Protocol):
@@ -201,39 +201,31 @@ def gather_axis(t: torch.Tensor, dim: int, split_factor: int, comm: Comm) -> tor
     return torch.stack(pieces, dim + 1).flatten(dim, dim + 2)  # [.., k, d, c, ..] -> [.., k*d*c, ..]
 
 
-def reshard(t: torch.Tensor, src: Placement, dst: Placement, global_size: Sequence[int], comm: Comm) -> torch.Tensor:
-    """This rank's part of a tensor placed ``src``, re-placed as ``dst`` (1-D mesh)."""
-    if src == dst:
-        return t
-    d, pos = comm.size, comm.rank
-    if is_replicate(src):
-        split = axis_split(dst)
-        if split is not None:
-            dim, _ = split
-            return take(t, dim, local_indices(global_size[dim], dst, d, pos))
-        if is_partial(dst):
-            # Rank 0 keeps the value and the others hold zeros: their sum is the value, exactly.
-            return t if pos == 0 else torch.zeros_like(t)
-        raise ValueError(f"cannot reshard {src} to {dst}")
-    split = axis_split(src)
+def reshard(t: torch.Tensor, kind: str, src: Placement, dst: Placement, global_size: Sequence[int], comm: Comm) -> torch.Tensor:
+    """This rank's part of a tensor placed ``src``, re-placed as ``dst`` on one mesh axis, by the
+    step ``kind`` the program planned (``nvtp.sharding.reshard.reshard_kind``): it is run as
+    given, never worked out again here."""
+    op = src.reduce_op if is_partial(src) else "sum"
+    if kind == "allgather":
+        dim, factor = axis_split(src)
+        return _from_whole(gather_axis(t, dim, factor, comm), dst, global_size, comm)
+    if kind == "allreduce":
+        return _from_whole(comm.all_reduce(t, op), dst, global_size, comm)
+    if kind == "reduce_scatter":
+        dim, _ = axis_split(dst)
+        chunks = [take(t, dim, local_indices(global_size[dim], dst, comm.size, r)) for r in range(comm.size)]
+        return comm.reduce_scatter(chunks, op)
+    if kind in ("slice", "partition"):
+        return _from_whole(t, dst, global_size, comm)
+    raise ValueError(f"no reshard step {kind!r} (from {src} to {dst}); nvtp.sharding.reshard.reshard_kind names the steps")
+
+
+def _from_whole(t: torch.Tensor, dst: Placement, global_size: Sequence[int], comm: Comm) -> torch.Tensor:
+    """This rank's part, placed ``dst``, of ``t``, a whole value every rank holds."""
+    split = axis_split(dst)
     if split is not None:
-        full = gather_axis(t, split[0], split[1], comm)
-        return reshard(full, Replicate_(), dst, global_size, comm)
-    if is_partial(src):
-        op = src.reduce_op
-        split = axis_split(dst)
-        if is_replicate(dst):
-            return comm.all_reduce(t, op)
-        if split is not None:
-            dim, _ = split
-            chunks = [take(t, dim, local_indices(global_size[dim], dst, d, r)) for r in range(d)]
-            return comm.reduce_scatter(chunks, op)
-        if is_partial(dst):
-            return reshard(comm.all_reduce(t, op), Replicate_(), dst, global_size, comm)
-    raise ValueError(f"cannot reshard {src} to {dst}")
-
-
-def Replicate_():  # noqa: N802 - a placement, spelled like torch's constructor
-    from nvtp.sharding.placements import REPLICATE
-
-    return REPLICATE
+        dim, _ = split
+        return take(t, dim, local_indices(global_size[dim], dst, comm.size, comm.rank))
+    if is_partial(dst):  # rank 0 keeps the value and the others hold zeros: their sum is the value, exactly
+        return t if comm.rank == 0 else torch.zeros_like(t)
+    return t

@@ -30,6 +30,7 @@ from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.ops import RANDOM, pad_pairs, slice_bounds
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, held, induced, is_partial, local_indices, local_shape
+from nvtp.sharding.reshard import reshard_kind
 from nvtp.registry import registrar
 
 
@@ -68,6 +69,7 @@ class Context:
     rng_count: int = 0
     log: list[Communication] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # local shapes by value name, as asked
+    steps: Mapping[str, Any] | None = None  # a set's result -> its ReshardStep (nvtp.sharding.reshard), as planned
 
     # -- placements -----------------------------------------------------------------------
     def sharding(self, v: Value) -> tuple[Placement, ...] | None:
@@ -248,24 +250,30 @@ for _n in _BINARY_TORCH:
 
 @impl("set")
 def _set(ctx: Context, op: Op, a):
+    """A reshard: the step the program planned for this ``set`` (``ctx.steps``: its kind and mesh
+    axis), run as given. A fusion run without its steps (a bare sharded fusion) takes each axis
+    whose placement changes, by ``reshard_kind``, the one place a step's kind is decided."""
     x = a["arg"]
     if set_is_local(ctx, op):
         return x
-    src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
-    out = x
     v = op.outputs[0]
-    for axis, (s, d) in enumerate(zip(src, dst)):
-        if s != d:
-            size = list(v.shape)
-            if len(src) > 1:  # as this axis's process group sees the value: other axes' splits of a shared axis taken out
-                others = held(v.shape, src, ctx.mesh, [ctx.coord(a) for a in range(ctx.mesh.ndim)], skip=axis)
-                n = ctx.mesh.shape[axis]
-                for dim, o in enumerate(others):
-                    if o is not None and any(axis_split(q) and axis_split(q)[0] == dim for q in (s, d)):
-                        s, size[dim] = induced(s, v.shape[dim], o, n)
-                        d, _ = induced(d, v.shape[dim], o, n)
-            out = reshard(out, s, d, size, on_axis(ctx.comm, axis))
-            ctx.log.append(Communication(_collective_kind(s, d), v.name, v.nbytes, axis))
+    src, dst = ctx.sharding(op.operands[0]), ctx.sharding(v)
+    step = ctx.steps.get(v.name) if ctx.steps is not None else None
+    axes = [step.axis] if step is not None else [axis for axis, (s, d) in enumerate(zip(src, dst)) if s != d]
+    out = x
+    for axis in axes:
+        s, d = src[axis], dst[axis]
+        kind = step.kind if step is not None else reshard_kind(s, d)
+        size = list(v.shape)
+        if len(src) > 1:  # as this axis's process group sees the value: other axes' splits of a shared axis taken out
+            others = held(v.shape, src, ctx.mesh, [ctx.coord(a) for a in range(ctx.mesh.ndim)], skip=axis)
+            n = ctx.mesh.shape[axis]
+            for dim, o in enumerate(others):
+                if o is not None and any(axis_split(q) and axis_split(q)[0] == dim for q in (s, d)):
+                    s, size[dim] = induced(s, v.shape[dim], o, n)
+                    d, _ = induced(d, v.shape[dim], o, n)
+        out = reshard(out, kind, s, d, size, on_axis(ctx.comm, axis))
+        ctx.log.append(Communication(kind, v.name, v.nbytes, axis))
     return out
 
 
@@ -274,14 +282,6 @@ def set_is_local(ctx: Context, op: Op) -> bool:
     every placement is the whole tensor)."""
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
     return src is None or dst is None or src == dst or ctx.comm.size == 1
-
-
-def _collective_kind(src: Placement, dst: Placement) -> str:
-    if is_partial(src):
-        return "allreduce" if axis_split(dst) is None else "reduce_scatter"
-    if axis_split(src) is not None:
-        return "allgather"
-    return "local"
 
 
 @impl("where")
@@ -921,6 +921,7 @@ def run(
     strict: bool = False,
     values: dict[str, Any] | None = None,
     compiled: bool = True,
+    steps: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -935,6 +936,7 @@ def run(
     By default LayerNorm, tanh-GELU and softmax run as torch's fused kernels (rounding as eager
     PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
     by its own implementation, and so do inputs of other shapes or dtypes than declared.
+    ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -944,7 +946,7 @@ def run(
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
-    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes)
+    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, steps=steps)
     if log is not None:
         ctx.log = log
     try:

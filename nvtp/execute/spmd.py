@@ -98,7 +98,8 @@ def local_inputs(sharded: ShardedFusion, inputs: Sequence[Any], position: int) -
 
 def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed: int = 0, log: list | None = None) -> list[Any]:
     """Run this rank's part: ``inputs`` are this rank's shards; returns this rank's outputs."""
-    return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log)
+    return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log,
+                         steps=sharded.set_steps)
 
 
 def run_simulated(sharded: ShardedFusion, inputs: Sequence[Any], *, seed: int = 0, timeout: float = 120.0) -> tuple[list[list[Any]], list[list]]:

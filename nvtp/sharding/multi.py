@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.pipeline import backward_annotations, shard
+from nvtp.sharding.passes import backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, held, is_replicate, local_shape
 from nvtp.sharding.propagate import ShardingError, reshard_bytes
 from nvtp.sharding.reshard import ReshardStep

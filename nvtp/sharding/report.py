@@ -64,10 +64,10 @@ def as_json(sharded: ShardedFusion, path: str | None = None) -> dict[str, Any]:
     }
 
 
-def as_text(sharded: ShardedFusion, path: str | None = None) -> str:
+def as_text(sharded: ShardedFusion, path: str | None = None, backend: str = "") -> str:
     src = sharded.source
     d = sharded.mesh.size
-    lines = [f"{path or src.name}: plan {sharded.plan} on a mesh of {d} device(s)"]
+    lines = [f"{path or src.name}: plan {sharded.plan} on a mesh of {d} device(s){f', for the {backend} backend' if backend else ''}"]
     if _sharded_from(sharded):
         lines.append(f"  a backward fusion: sharded to match its forward ({_sharded_from(sharded)}) under plan {sharded.plan}; "
                      "its inputs take the placements the forward gave their values")

@@ -1,4 +1,4 @@
-"""``ShardedFusion``: what the sharding pipeline (nvtp.sharding.pipeline.shard) hands to every
+"""``ShardedFusion``: what the sharding pipeline (nvtp.sharding.passes.shard) hands to every
 consumer (the printer, the executors, ``nvtp explain``, ``nvtp.jit``)."""
 
 from __future__ import annotations

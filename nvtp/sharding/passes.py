@@ -24,6 +24,7 @@ from nvtp.sharding.propagate import Propagation, ShardingError, check_annotation
 from nvtp.sharding.reshard import hoist_gathers, insert_reshards, plan_reshards
 from nvtp.sharding.rules import factors_of, tensor_operands
 from nvtp.sharding.sharded import ShardedFusion
+from nvtp.sharding.target import Target, as_target
 
 T = TypeVar("T")
 
@@ -52,16 +53,17 @@ class Passes:
         return result
 
 
-def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str = "nvfuser",
+def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: str | Target = "nvfuser",
              overrides: Mapping[str, Placement] | None = None) -> plans_mod.Annotations:
     """Apply ``plan`` (a plan name, an explicit glob plan, or a per-input plan) to ``fusion``, then
     ``overrides`` (input name -> placement); checked against the fusion and mesh.
 
-    The Megatron plans split embedding tables along the vocabulary only for the reference
-    target: a vocabulary-parallel lookup gives a partial sum on an ``index_select``, which
-    nvFuser cannot hold (it keeps partial sums only on reduction axes)."""
+    The Megatron plans split embedding tables along the vocabulary only for a target that holds
+    the partial sum a vocabulary-parallel lookup gives (``Target.vocab_parallel``: the reference
+    backend; nvFuser keeps partial sums only on reduction axes)."""
+    target = as_target(target)
     if plan in ("megatron", "megatron-sp"):
-        ann = plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target == "reference")
+        ann = plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target.vocab_parallel)
     elif plan in ("replicate", "none"):
         ann = plans_mod.Annotations({v.name: REPLICATE for v in fusion.inputs if isinstance(v, TensorValue)})
     else:
@@ -96,35 +98,32 @@ def verify_sharded(fusion: Fusion, source: Fusion, shardings: Mapping[str, tuple
             raise ShardingError(f"output {v.name} is a partial sum; outputs must be resolved")
 
 
-TARGETS = ("reference", "nvfuser")
-
-
 def shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, *,
           annotations: Mapping[str, Placement] | None = None, output_hints: Mapping[str, Placement] | None = None,
-          check: bool = True, target: str = "nvfuser", at_rest: Mapping[str, Placement] | None = None,
+          check: bool = True, target: str | Target = "nvfuser", at_rest: Mapping[str, Placement] | None = None,
           hoist: bool = True, keep_splits: bool = False) -> ShardedFusion:
     """Shard ``fusion`` over ``mesh`` following ``plan``.
 
     ``annotations`` (input name -> placement) override the plan's, e.g. a backward fusion's saved
     inputs placed as their forward values are. Raises ``ShardingError`` before any work when the
-    plan does not fit the fusion or mesh. ``target`` "nvfuser" resolves partial sums where they
-    are produced (nvFuser's representation); "reference" lets them flow through linear ops.
+    plan does not fit the fusion or mesh. ``target`` (a ``Target``, or the name of the backend
+    that owns it) says what the machine holds: nvFuser's resolves partial sums where they are
+    produced; the reference backend's lets them flow through linear ops.
     ``at_rest`` (input name -> placement) places inputs differently from where propagation used
     them, so each gets a ``set`` before its consumers: FSDP's weight all-gather on a dp axis.
     """
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
+    target = as_target(target)
     with paused():  # the collector walking the fusions was 30% of the passes on a deep model
         return _shard(fusion, plan, mesh, annotations, output_hints, check, target, at_rest, hoist, keep_splits)
 
 
 def _shard(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, annotations: Mapping[str, Placement] | None,
-           output_hints: Mapping[str, Placement] | None, check: bool, target: str, at_rest: Mapping[str, Placement] | None,
+           output_hints: Mapping[str, Placement] | None, check: bool, target: Target, at_rest: Mapping[str, Placement] | None,
            hoist: bool, keep_splits: bool) -> ShardedFusion:
     run = Passes()
     ann = run("annotate", annotate, fusion, plan, mesh, target, annotations)
     prop = run("propagate", propagate_shardings, fusion, mesh, ann.placements, {**ann.hints, **(output_hints or {})},
-               partial_pass=target == "reference", keep_splits=keep_splits)
+               partial_pass=target.partial_through_linear, keep_splits=keep_splits)
     if at_rest:
         check_annotations(fusion, mesh, dict(at_rest))
         prop.placements.update(at_rest)
@@ -161,7 +160,7 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
     return inputs, hints
 
 
-def shard_backward(backward: Fusion, forward: ShardedFusion, target: str = "nvfuser") -> ShardedFusion:
+def shard_backward(backward: Fusion, forward: ShardedFusion, target: str | Target = "nvfuser") -> ShardedFusion:
     """Shard a backward fusion consistently with its sharded forward; its ``plan`` is the forward's
     (the backward's inputs take the placements the forward gave their values, not a plan's)."""
     inputs, hints = backward_annotations(backward, forward)
@@ -170,7 +169,7 @@ def shard_backward(backward: Fusion, forward: ShardedFusion, target: str = "nvfu
 
 
 def shard_pair(forward: Fusion, backward: Fusion | None, plan: str | Mapping[str, Any], mesh: DeviceMesh,
-               target: str = "nvfuser") -> tuple[ShardedFusion, ShardedFusion | None]:
+               target: str | Target = "nvfuser") -> tuple[ShardedFusion, ShardedFusion | None]:
     fwd = shard(forward, plan, mesh, target=target)
     bwd = shard_backward(backward, fwd, target) if backward is not None else None
     return fwd, bwd

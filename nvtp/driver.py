@@ -1,0 +1,348 @@
+"""The compile driver: the one place nvtp traces and shards.
+
+    traced = trace(model, (idx, targets))                        # Thunder (or the FX route), on meta tensors
+    program = shard(traced, "megatron", make_mesh(4), "reference")  # a Program: fusions, placements, steps, bytes
+    program = compile(model, idx, targets, plan="megatron", mesh=4)  # the two in one
+    program = compile(dump.load("fwd.py"), plan="megatron-sp", mesh=4)  # a dump, paired with its forward
+
+Every entry point goes through here: ``nvtp.jit`` (its first call), ``nvtp.plan`` and ``nvtp
+explain``, ``nvtp shard`` and ``nvtp replay`` (a dump), ``nvtp dump`` (``trace`` alone), the demo
+and the benchmarks; tests/test_driver.py fails if any other module calls the tracers or the
+sharding passes. So the program a user plans is, by construction, the program that runs: the
+same route, the same plan, the same placements, the same collectives, for the same backend.
+
+Two stages, as in ``jax.stages`` (trace, then lower):
+
+* ``trace`` picks the *route* in one place (``route``): TorchDynamo's graph then Thunder for
+  transformers models (``nvtp.frontend.fx``); ``thunder.jit`` on the module for the rest, a chain
+  of repeated blocks traced once and spliced (``nvtp.frontend.regional``); or a parsed dump. It
+  returns a ``Traced``: the forward and backward fusions and what the module boundary is (which
+  inputs are the caller's arguments, which are the module's weights).
+* ``shard`` runs the passes (``nvtp.sharding.passes``) for each mesh axis by its name
+  (``nvtp.mesh.roles``: the plan on "tp", the data plan on "dp"), for the facts of the backend's
+  target (``nvtp.execute.backends``), and returns a ``Program`` (``nvtp.program``).
+
+A module's boundary is whole on the model-parallel axis: its outputs and its arguments'
+gradients are asked to land whole (the caller holds whole tensors); a dump has no boundary, so
+its outputs stay where the plan puts them.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.mesh import make_mesh, roles
+from nvtp.program import Program, join_parts
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement
+from nvtp.sharding.target import Target, as_target
+
+ROUTES = ("auto", "thunder", "fx")
+
+
+@dataclass
+class Traced:
+    """What tracing gave: the fusions, and how the module's boundary maps onto them."""
+
+    forward: Fusion
+    backward: Fusion | None
+    route: str  # "thunder", "fx" or "dump"
+    how: str = ""  # how the fusions were made (regional's "spliced: ..." / "whole trace: <why>"), or the file
+    captured: Any = None  # nvtp.frontend.capture.Captured (None for a dump)
+    call: Any = None  # the FX route's nvtp.frontend.fx.Program: binds a call's arguments, rebuilds the outputs
+    arguments: list[str] = field(default_factory=list)  # labels of the inputs that are the caller's arguments
+    weights: frozenset[str] | None = None  # labels of the module's parameters (FSDP may split them); None: every parameter input
+    boundary: bool = True  # a module: outputs and argument gradients whole on the model-parallel axis
+    tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first name
+    seconds: float = 0.0
+    split_parts: bool = False  # the FX route split fused projections into their parts
+
+    @property
+    def parts(self) -> dict[str, Any]:
+        """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
+        return self.call.parts if self.call is not None else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# trace
+
+
+def route(module: torch.nn.Module, frontend: str = "auto") -> str:
+    """The route a module is traced by: "fx" for transformers models (or when asked), else "thunder"."""
+    if frontend not in ROUTES:
+        raise ValueError(f"frontend must be one of {', '.join(map(repr, ROUTES))}, not {frontend!r}")
+    if frontend != "auto":
+        return frontend
+    from nvtp.frontend import fx
+
+    return "fx" if fx.wants_fx(module) else "thunder"
+
+
+def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The module with every parameter and buffer on the meta device (nothing copied; ties kept)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def _meta(x: Any, batch: int) -> Any:
+    """A tensor argument as a meta tensor, its leading (batch) dimension ``batch`` times as large."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    shape = (x.shape[0] * batch, *x.shape[1:]) if x.ndim else tuple(x.shape)
+    return torch.empty(shape, dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
+
+
+def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
+          regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
+          like: torch.nn.Module | None = None, boundary: bool = True) -> Traced:
+    """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
+
+    ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
+    be one already, and ``like`` the module it copies), so nothing is computed and its parameters
+    are untouched. ``batch``: each
+    tensor argument's leading dimension is traced ``batch`` times as large (a dp mesh: each rank
+    passes its own batch, the program is the whole step's). ``split_parts``: on the FX route,
+    fused projections with parts of different sizes become one input per part
+    (``nvtp.frontend.fused``). Raises ``InputError`` for arguments that do not fit the module,
+    ``CaptureError`` naming the op and line nvtp cannot trace or fuse. ``boundary=False``: a
+    region of a model (a block whose output is the next block's input), not its whole: outputs
+    and argument gradients stay where the plan places them."""
+    kwargs = dict(kwargs or {})
+    meta = meta_copy(module) if on_meta else module
+    module = like if like is not None else module
+    way = route(module, frontend)
+    meta.train(module.training)
+    margs = tuple(_meta(a, batch) for a in args)
+    mkwargs = {k: _meta(a, batch) for k, a in kwargs.items()}
+    start = time.perf_counter()
+    weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
+    tied = _tied(module)
+    if way == "fx":
+        from nvtp.frontend import fx
+
+        call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
+        return Traced(captured.forward, captured.backward, "fx", "dynamo's graph of the whole forward, traced by Thunder",
+                      captured, call, call.arg_names + list(call.constants), weights, seconds=time.perf_counter() - start,
+                      split_parts=split_parts, tied=tied, boundary=boundary)
+    if kwargs:
+        raise TypeError("on Thunder's route a call's keywords are bound to positions first: driver.bind_call")
+    if regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
+        from nvtp.frontend.regional import capture_regional
+
+        captured = capture_regional(meta, *margs)
+    else:
+        from nvtp.frontend.capture import capture
+
+        captured = capture(meta, *margs)
+    names = _argument_names(module, len(args))
+    return Traced(captured.forward, captured.backward, "thunder", captured.regional or "thunder.jit of the whole module",
+                  captured, None, names, weights, seconds=time.perf_counter() - start, tied=tied, boundary=boundary)
+
+
+def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """A call's arguments as the route traces them: positions on Thunder's route (``model(idx,
+    targets=t)`` binds ``t`` to its position, defaults filled up to the last given); on the FX
+    route keywords stay, with a transformers model's KV cache off (nvtp trains: ``use_cache=False``
+    unless the call asks for it, which is refused)."""
+    from nvtp.errors import InputError
+
+    if way == "fx":
+        from nvtp.frontend import fx
+
+        return tuple(args), fx.without_cache(module, kwargs)
+    if not kwargs:
+        return tuple(args), {}
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(f"{type(module).__name__}.forward: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise InputError(f"{type(module).__name__}.forward: keyword-only arguments ({', '.join(bound.kwargs)}) "
+                         "are not supported on the thunder.jit route; pass them positionally")
+    return tuple(bound.args), {}
+
+
+def _tied(module: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a parameter the module holds under several (a tied weight) -> its first."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _argument_names(module: torch.nn.Module, n: int) -> list[str]:
+    try:
+        return list(inspect.signature(module.forward).parameters)[:n]
+    except (TypeError, ValueError):
+        return [f"arg{i}" for i in range(n)]
+
+
+def of_fusions(forward: Fusion, backward: Fusion | None = None, how: str = "") -> Traced:
+    """Fusions traced already (a dump's, or a block's): no module boundary."""
+    return Traced(forward, backward, "dump", how or forward.name, boundary=False)
+
+
+def trace_dump(dump: Any) -> Traced:
+    """A parsed dump (``nvtp.ir.parser.Dump``) as a ``Traced``: a backward file is paired with the
+    forward its ``nvtp_info`` names (next to it), as a backward is sharded with its forward."""
+    from pathlib import Path
+
+    from nvtp import dump as dumps
+    from nvtp.ir.parser import DumpError
+
+    fusion = dump.fusion
+    if fusion.attrs.get("role") != "backward":
+        return of_fusions(fusion, None, dump.path or fusion.name)
+    fwd_name = fusion.attrs.get("forward")
+    if not fwd_name:
+        raise DumpError("a backward fusion is sharded with its forward, but the file does not name one (nvtp_info 'forward')", dump.path)
+    forward = dumps.load(Path(dump.path or ".").with_name(fwd_name)).fusion
+    return of_fusions(forward, fusion, dump.path or fusion.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# shard
+
+
+def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
+          fsdp: bool = False, placed: Mapping[str, Any] | None = None) -> Program:
+    """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: the plan on the "tp"
+    axis, the data plan on "dp" (``fsdp``: weights split over dp too). ``placed`` (label ->
+    placement): parameters already placed by an earlier compile of the same module stay there.
+    Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
+    from nvtp.gcpause import paused
+
+    target = as_target(backend)
+    axes = roles(mesh)
+    start = time.perf_counter()
+    with paused():
+        if len(axes) == 1:
+            forward, backward, notes = _shard_1d(traced, plan, mesh, target, placed)
+        else:
+            forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
+    parameters = join_parts(_placed_inputs(forward), traced.parts, mesh)
+    return Program(forward, backward, mesh, plan if isinstance(plan, str) else "explicit", target.name, fsdp, traced,
+                   parameters, notes, {"trace": traced.seconds, "shard": time.perf_counter() - start})
+
+
+def _annotations(traced: Traced, placed: Mapping[str, Any] | None, ndim: int) -> dict[str, Any]:
+    """Forward inputs that are parameters placed already (a new call shape of a compiled module)."""
+    out = {}
+    if placed:
+        f = traced.forward
+        for v in f.inputs:
+            label = f.label(v.name)
+            if label in placed:
+                p = placed[label]
+                out[v.name] = p if ndim > 1 or not isinstance(p, tuple) else p[0]
+    return out
+
+
+def _boundary_hints(traced: Traced) -> tuple[dict[str, Placement], dict[str, Placement]]:
+    """(forward output hints, backward output hints): a module's outputs and its arguments'
+    gradients whole on the model-parallel axis; nothing for a dump."""
+    if not traced.boundary:
+        return {}, {}
+    f, b = traced.forward, traced.backward
+    outputs = {v.name: REPLICATE for v in f.outputs if f.role(v.name) == "output"}
+    grads = {} if b is None else {v.name: REPLICATE for v in b.outputs if b.grad_of(v.name) in traced.arguments}
+    return outputs, grads
+
+
+def _shard_1d(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed):
+    from nvtp.sharding.passes import backward_annotations
+    from nvtp.sharding.passes import shard as run_passes
+
+    out_hints, grad_hints = _boundary_hints(traced)
+    forward = run_passes(traced.forward, plan, mesh, annotations=_annotations(traced, placed, 1), output_hints=out_hints,
+                         target=target)
+    backward = None
+    if traced.backward is not None:  # parameters' gradients land where the parameters live
+        inputs, hints = backward_annotations(traced.backward, forward)
+        backward = run_passes(traced.backward, "replicate", mesh, annotations=inputs, output_hints=hints | grad_hints,
+                              target=target)
+        backward.plan = forward.plan
+    return forward, backward, []
+
+
+def _shard_2d(traced: Traced, plan, mesh: DeviceMesh, target: Target, fsdp: bool, placed):
+    from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
+
+    out_hints, grad_hints = _boundary_hints(traced)
+    forward, data = shard_mesh(traced.forward, plan, mesh, fsdp=fsdp, target=target,
+                               batched=set(traced.arguments) if traced.boundary else None,
+                               annotations=_annotations(traced, placed, 2), output_hints=out_hints,
+                               weights=traced.weights)
+    backward = None
+    if traced.backward is not None:  # arguments' gradients whole over tp, split over dp like the arguments
+        backward = shard_backward_mesh(traced.backward, forward, target, output_hints=grad_hints)
+    return forward, backward, list(data.notes)
+
+
+def _placed_inputs(forward) -> list[tuple[str, Any]]:
+    """(label, placement) of each forward input: one placement on a 1-D mesh, one per axis else."""
+    src = forward.source
+    one = forward.mesh.ndim == 1
+    return [(src.label(v.name), forward.placement(v.name) if one else forward.sharding(v.name))
+            for v in src.inputs if isinstance(v, TensorValue)]
+
+
+# ---------------------------------------------------------------------------------------------
+# both
+
+
+def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, backend: str | Target = "reference",
+            fsdp: bool = False, frontend: str = "auto", regional: bool = True, placed: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> Program:
+    """``shard(trace(...))``: ``source`` a module called with ``args``/``kwargs`` (on a dp mesh one
+    rank's batch, as ``nvtp.jit`` takes it), or a parsed dump. ``mesh``: anything ``make_mesh``
+    takes. The plan is checked against the module's names before anything is traced."""
+    from nvtp.ir.parser import Dump
+    from nvtp.sharding.plans import check_plan
+
+    mesh = make_mesh(mesh, fsdp=fsdp)
+    if isinstance(source, Dump):
+        if isinstance(plan, str) and "=" not in plan:  # a plan name; entries naming the file's values are checked by annotate
+            check_plan(plan, [])
+        return shard(trace_dump(source), plan, mesh, backend, fsdp=fsdp)
+    check_plan(plan, plan_names(source), type(source).__name__)
+    way = route(source, frontend)
+    args, kwargs = bind_call(source, way, args, kwargs)
+    axes = roles(mesh)
+    dp = mesh.shape[axes["dp"]] if "dp" in axes else 1
+    split = mesh.ndim == 1 and plan in ("megatron", "megatron-sp")
+    traced = trace(source, args, kwargs, frontend=way, regional=regional, split_parts=split, batch=dp)
+    return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed)
+
+
+def plan_names(module: torch.nn.Module) -> list[str]:
+    """What a plan may name in ``module``: its parameters (tied ones under every name), buffers and arguments."""
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    try:
+        return names + list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a Python signature
+        return names
+
+
+def default_mesh(world: int | None = None) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group (one device without one)."""
+    return make_mesh(None, world=world)
+
+
+__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy", "plan_names",
+           "default_mesh"]

@@ -1,0 +1,166 @@
+"""Meshes: the one place nvtp builds a ``DeviceMesh`` and decides what each of its axes means.
+
+    mesh = make_mesh(4)                                   # 1-D, tensor parallel: ("tp",)
+    mesh = make_mesh("2x2", fsdp=True)                    # (dp, tp), from the CLI's --mesh
+    mesh = make_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    roles(mesh)                                           # {"dp": 0, "tp": 1}
+
+An axis's *name* selects its strategy (``AXES``): "tp" shards by the plan (Megatron's tensor
+and sequence parallelism), "dp" splits the batch (DDP; with ``fsdp`` the weights too). A 1-D
+mesh without names is tensor parallel. A name nvtp does not know, or one whose strategy is not
+built yet, is refused here, before anything is traced, with the names nvtp knows. Every entry
+point (``nvtp.jit``, ``nvtp.plan``, the CLI) builds its mesh with ``make_mesh``; the compile
+driver (``nvtp.driver``) asks ``roles`` which pass runs on which axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nvtp.sharding.placements import DeviceMesh
+from nvtp.sharding.propagate import ShardingError
+
+
+class MeshError(ShardingError):
+    """A mesh nvtp cannot shard over; says what was given and what to pass instead.
+    (A ``ShardingError``, so a ``ValueError`` too: bad input, refused before any work.)"""
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    strategy: str
+    built: bool  # False: the name is reserved for a strategy nvtp does not run yet
+
+
+# One entry per mesh axis name nvtp knows: what sharding along it means.
+AXES: dict[str, Axis] = {a.name: a for a in (
+    Axis("tp", "tensor parallel: the plan (megatron, megatron-sp, explicit) splits weights and activations", True),
+    Axis("dp", "data parallel: each rank passes its own batch; fsdp=True also splits the weights (ZeRO-3)", True),
+    Axis("pp", "pipeline parallel: stages of blocks", False),
+    Axis("cp", "context parallel: the sequence split, attention by ring", False),
+)}
+
+# The meshes the passes compose today (nvtp.sharding.multi): axis names, in any order.
+SUPPORTED = ({"tp"}, {"dp", "tp"})
+
+
+def _known() -> str:
+    return ", ".join(f"{a.name!r} ({a.strategy}{'' if a.built else '; not available yet'})" for a in AXES.values())
+
+
+def roles(mesh: DeviceMesh) -> dict[str, int]:
+    """Each axis name -> its index; raises ``MeshError`` for a name nvtp does not know or does
+    not shard over yet, and for a combination of axes the passes do not compose."""
+    unknown = [n for n in mesh.names if n not in AXES]
+    if unknown:
+        raise MeshError(f"mesh axis name(s) {unknown} mean nothing to nvtp (mesh {list(mesh.names)} of shape {list(mesh.shape)}); "
+                        f"name each axis for its strategy: {_known()}")
+    later = [n for n in mesh.names if not AXES[n].built]
+    if later:
+        raise MeshError(f"mesh axis {later[0]!r} ({AXES[later[0]].strategy}) is not available yet in nvtp; "
+                        f"shard over 'tp' and 'dp' axes: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    if set(mesh.names) not in SUPPORTED:
+        raise MeshError(f"a mesh with axes {list(mesh.names)}: nvtp shards over a 1-D 'tp' mesh or a 2-D mesh with axes "
+                        "('dp', 'tp') (data parallel, tensor parallel): init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    return {n: i for i, n in enumerate(mesh.names)}
+
+
+def parse(text: str) -> tuple[int, ...]:
+    """The CLI's spelling of a mesh: ``4`` (1-D) or ``DPxTP`` (``2x2``)."""
+    parts = str(text).lower().split("x")
+    if not 1 <= len(parts) <= 2 or not all(p.strip().isdigit() for p in parts):
+        raise MeshError(f"--mesh {text!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
+                        "a 1-D mesh is --devices N")
+    shape = tuple(int(p) for p in parts)
+    if any(n < 1 for n in shape):
+        raise MeshError(f"--mesh {text!r}: each mesh axis needs at least 1 device (dp={shape[0]}, tp={shape[-1]})")
+    return shape
+
+
+def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = False, world: int | None = None) -> DeviceMesh:
+    """nvtp's mesh for ``spec``, checked (``roles``):
+
+    * None: ``devices`` (1-D), else ``world`` ranks (1-D), else one device;
+    * an int: a 1-D tensor-parallel mesh of that many devices;
+    * ``"2x2"`` or a pair ``(dp, tp)``: a 2-D (dp, tp) mesh;
+    * nvtp's ``DeviceMesh``, as it is;
+    * torch's ``DeviceMesh`` over the default process group's ranks, in order: its shape and
+      ``mesh_dim_names`` (a 1-D mesh without names is "tp").
+
+    ``fsdp`` needs a "dp" axis. Raises ``MeshError``, saying what to pass instead."""
+    if devices is not None and spec is not None:
+        raise MeshError(f"give either devices={devices} (a 1-D mesh) or mesh={spec!r} (a 2-D (dp, tp) mesh), not both")
+    if spec is None:
+        mesh = DeviceMesh.of_size(devices or world or 1)
+    elif isinstance(spec, DeviceMesh):
+        mesh = spec
+    elif isinstance(spec, bool):
+        raise MeshError(f"mesh={spec!r}: expected a number of devices, (dp, tp), 'DPxTP' or a DeviceMesh")
+    elif isinstance(spec, int):
+        if spec < 1:
+            raise MeshError(f"a mesh needs at least 1 device, got {spec}")
+        mesh = DeviceMesh.of_size(spec)
+    elif isinstance(spec, str):
+        shape = parse(spec)
+        mesh = DeviceMesh.of_size(shape[0]) if len(shape) == 1 else DeviceMesh.of_shape(shape, ("dp", "tp"))
+    elif isinstance(spec, (tuple, list)):
+        if len(spec) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in spec):
+            raise MeshError(f"mesh={spec!r}: expected (dp, tp), two positive integers, or a 2-D DeviceMesh with axes ('dp', 'tp')")
+        mesh = DeviceMesh.of_shape(tuple(spec), ("dp", "tp"))
+    else:
+        mesh = _from_torch(spec)
+    axes = roles(mesh)
+    if fsdp and "dp" not in axes:
+        raise MeshError("fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh, "
+                        "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) (on the command line --mesh DPxTP --fsdp)")
+    return mesh
+
+
+def _from_torch(mesh: Any) -> DeviceMesh:
+    """nvtp's mesh for torch's ``DeviceMesh`` over every rank of the default group, in order."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    if not isinstance(mesh, TorchMesh):
+        raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh, nvtp's DeviceMesh, a number of devices "
+                        f"or (dp, tp), not {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim > 2 or (mesh.ndim == 2 and sorted(names) != ["dp", "tp"]):
+        raise MeshError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
+                        f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
+                        "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")
+    import torch.distributed as dist
+
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    if dist.is_initialized() and ranks != tuple(range(dist.get_world_size())):
+        raise MeshError(f"the mesh holds ranks {list(ranks)}, the process group {dist.get_world_size()} ranks in order; "
+                        "nvtp.jit shards over every rank of the default group: pass init_device_mesh(device, (world_size,)) "
+                        "or a (dp, tp) mesh with dp * tp = world_size")
+    return DeviceMesh(ranks, tuple(mesh.shape), names if mesh.ndim > 1 or names else ())
+
+
+def world_of(comm: Any = None) -> tuple[int, str]:
+    """(ranks, how that was found): ``comm``'s, the default process group's, or 1."""
+    import torch.distributed as dist
+
+    if comm is not None:
+        return comm.size, f"the given comm has {comm.size} rank(s)"
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        return world, f"the process group has {world} rank(s)"
+    return 1, "torch.distributed is not initialized (one process)"
+
+
+def check_world(mesh: DeviceMesh, comm: Any = None) -> None:
+    """The mesh must be the process group (or ``comm``): refuse a mismatch before anything starts."""
+    world, how = world_of(comm)
+    if mesh.size != world:
+        raise MeshError(f"the mesh has {mesh.size} device(s) but {how}; start {mesh.size} processes (torchrun "
+                        f"--nproc-per-node {mesh.size}, or nvtp demo --devices {mesh.size}) and init_process_group in each, "
+                        f"or pass mesh=DeviceMesh.of_size({world})")
+
+
+def text(mesh: DeviceMesh) -> str:
+    """The mesh as headers and ``nvtp_info`` write it: ``4`` (1-D), ``2x2`` (dp x tp)."""
+    return str(mesh.size) if mesh.ndim == 1 else "x".join(map(str, mesh.shape))

@@ -1,0 +1,169 @@
+"""``Program``: what the compile driver returns, and what every backend runs and every report prints.
+
+    program = nvtp.driver.compile(model, idx, targets, plan="megatron", mesh=4)
+    program.parameters["h.0.attn.c_attn.weight"]   # its placement (FusedShard parts, per mesh axis on n-D meshes)
+    program.steps()                                # every reshard step in run order: phase, kind, axis, tensor, bytes
+    print(program.as_text())                       # what nvtp explain prints (nvtp.explain.report_of)
+    program.write_nvfuser("out/")                  # the forward and backward as nvFuser's own Python files
+
+Plain data: the sharded forward and backward fusions (``ShardedFusion``: every value's placement
+per mesh axis, the ``set`` ops with their ``ReshardStep``), the mesh, the plan, the backend whose
+target it was sharded for, the parameters' placements and how the model was traced. A backend
+(``nvtp.execute.backends``) runs exactly these steps; ``nvtp.plan`` reports exactly these; so
+what is planned is what runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from nvtp.ir.graph import TensorValue
+from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
+from nvtp.sharding.propagate import ShardingError
+from nvtp.sharding.sharded import ShardedFusion
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nvtp.driver import Traced
+
+
+@dataclass(frozen=True)
+class Step:
+    """One reshard of a training step, as the program runs it."""
+
+    phase: str  # "forward" or "backward"
+    kind: str  # allreduce, allgather, reduce_scatter (communication); slice, partition (local)
+    axis: str  # the mesh axis's name: its process group runs it
+    value: str  # the value it reshards (the sharded fusion's name)
+    tensor: str  # its label where it has one (a parameter, an argument), else the value's name
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # what each rank sends with ring algorithms (0 for local steps)
+    src: str
+    dst: str
+
+    @property
+    def is_communication(self) -> bool:
+        from nvtp.sharding.reshard import COLLECTIVES
+
+        return self.kind in COLLECTIVES and self.bytes > 0
+
+
+@dataclass
+class Program:
+    forward: ShardedFusion
+    backward: ShardedFusion | None
+    mesh: DeviceMesh
+    plan: str
+    backend: str  # the backend whose target the passes sharded for (nvtp.execute.backends)
+    fsdp: bool
+    traced: "Traced"
+    parameters: dict[str, Any]  # label -> placement of each forward input that is a whole tensor the caller or module holds (parts joined)
+    notes: list[str] = field(default_factory=list)  # the data plan's: weights FSDP leaves whole, and why (the plan's are forward.annotations.notes)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    # -- what it does ---------------------------------------------------------------------
+
+    def phases(self) -> list[tuple[str, ShardedFusion]]:
+        return [("forward", self.forward)] + ([("backward", self.backward)] if self.backward is not None else [])
+
+    def steps(self, communication_only: bool = False) -> list[Step]:
+        """Every reshard step of one training step, in the order the fusions run them."""
+        out = []
+        for phase, sharded in self.phases():
+            order = {op.outputs[0].name: i for i, op in enumerate(sharded.fusion.ops) if op.outputs}
+            for result, step in sorted(sharded.set_steps.items(), key=lambda kv: order.get(kv[0], 0)):
+                if communication_only and not step.is_communication:
+                    continue
+                src = sharded.source
+                v = src.value(step.value) if step.value in src.values else sharded.fusion.value(step.value)
+                label = src.label(step.value) if step.value in src.info else ""
+                out.append(Step(phase, step.kind, self.mesh.names[step.axis], step.value, label or step.value, tuple(v.shape),
+                                v.dtype.value, step.bytes if step.is_communication else 0, str(step.src), str(step.dst)))
+        return out
+
+    def communications(self) -> list[Step]:
+        """The steps that move data between ranks, in run order."""
+        return self.steps(communication_only=True)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters one rank holds (each tied parameter once)."""
+        return sum(n for _, n in self.parameter_shares())
+
+    def parameter_shares(self) -> list[tuple[str, int]]:
+        """(label, bytes this rank holds) of each module parameter, tied ones once."""
+        f = self.forward.source
+        tied = self.traced.tied
+        seen, out = set(), []
+        for v in f.inputs:
+            if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
+                continue
+            label = tied.get(f.label(v.name), f.label(v.name))
+            if label in seen:
+                continue
+            seen.add(label)
+            out.append((label, _numel(local_shape(v.shape, self.forward.shardings[v.name], self.mesh)) * v.dtype.itemsize))
+        return out
+
+    # -- output -----------------------------------------------------------------------------
+
+    def report(self, model: str = ""):
+        """The ``nvtp explain`` report of this program (``nvtp.explain.ModelReport``)."""
+        from nvtp.explain import report_of
+
+        return report_of(self, model)
+
+    def as_text(self) -> str:
+        return self.report().as_text()
+
+    def write_nvfuser(self, directory: str | os.PathLike, name: str = "program") -> list[Path]:
+        """The forward and backward as nvFuser's own Python files in ``directory`` (``<name>_fwd.py``,
+        ``<name>_bwd.py``): what the nvFuser backend builds for every rank, with the device schedule
+        (``set_device_mesh``, splits, ``ParallelType.mesh_x``) and the resharding ``set`` ops; each
+        rank passes its own shards. nvfuser_direct builds them from their text, anywhere."""
+        from nvtp.dump.sharded import write_sharded
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        data = ("fsdp" if self.fsdp else "ddp") if self.mesh.ndim > 1 else None
+        for phase, sharded in self.phases():
+            path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
+            command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
+            paths.append(write_sharded(sharded, path, command, data=data))
+        return paths
+
+
+def join_parts(placed: Sequence[tuple[str, Any]], parts: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+    """label -> placement of each input, the parts of one fused parameter (``parts``: label ->
+    ``nvtp.frontend.fused.Part``) joined into the parameter, placed ``FusedParts``."""
+    out: dict[str, Any] = {}
+    joined: dict[str, list] = {}
+    for label, placement in placed:
+        part = parts.get(label)
+        if part is None:
+            out.setdefault(label, placement)
+            continue
+        split = axis_split(placement) if not isinstance(placement, tuple) else None
+        if isinstance(placement, tuple) or (split is not None and split[0] != 0):
+            raise ShardingError(f"{label}: a part of a fused projection's weight placed {placement}; nvtp holds such parts split "
+                                "along their rows (output features) or whole: plan it colwise or replicated")
+        if part.weight not in joined:
+            joined[part.weight] = []
+            out[part.weight] = None
+        joined[part.weight].append((part.start, part.stop, placement))
+    for weight, pieces in joined.items():
+        out[weight] = FusedParts(0, tuple(sorted(pieces)))
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+__all__ = ["Program", "Step", "join_parts", "Placement"]
