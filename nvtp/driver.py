@@ -202,8 +202,7 @@ def trace_dump(dump: Any) -> Traced:
     forward its ``nvtp_info`` names (next to it), as a backward is sharded with its forward."""
     from pathlib import Path
 
-    from nvtp import dump as dumps
-    from nvtp.ir.parser import DumpError
+    from nvtp.ir.parser import DumpError, load
 
     fusion = dump.fusion
     if fusion.attrs.get("role") != "backward":
@@ -211,7 +210,7 @@ def trace_dump(dump: Any) -> Traced:
     fwd_name = fusion.attrs.get("forward")
     if not fwd_name:
         raise DumpError("a backward fusion is sharded with its forward, but the file does not name one (nvtp_info 'forward')", dump.path)
-    forward = dumps.load(Path(dump.path or ".").with_name(fwd_name)).fusion
+    forward = load(Path(dump.path or ".").with_name(fwd_name)).fusion
     return of_fusions(forward, fusion, dump.path or fusion.name)
 
 

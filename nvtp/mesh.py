@@ -5,66 +5,20 @@
     mesh = make_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     roles(mesh)                                           # {"dp": 0, "tp": 1}
 
-An axis's *name* selects its strategy (``AXES``): "tp" shards by the plan (Megatron's tensor
-and sequence parallelism), "dp" splits the batch (DDP; with ``fsdp`` the weights too). A 1-D
-mesh without names is tensor parallel. A name nvtp does not know, or one whose strategy is not
-built yet, is refused here, before anything is traced, with the names nvtp knows. Every entry
-point (``nvtp.jit``, ``nvtp.plan``, the CLI) builds its mesh with ``make_mesh``; the compile
-driver (``nvtp.driver``) asks ``roles`` which pass runs on which axis.
+An axis's *name* selects its strategy (``nvtp.sharding.axes``): "tp" shards by the plan
+(Megatron's tensor and sequence parallelism), "dp" splits the batch (DDP; with ``fsdp`` the
+weights too). A 1-D mesh without names is tensor parallel. A name nvtp does not know, or one
+whose strategy is not built yet, is refused here, before anything is traced, with the names nvtp
+knows. Every entry point (``nvtp.jit``, ``nvtp.plan``, the CLI) builds its mesh with
+``make_mesh``; the compile driver (``nvtp.driver``) asks ``roles`` which pass runs on which axis.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from nvtp.sharding.axes import AXES, MeshError, roles  # noqa: F401 - what each axis name means lives with the passes
 from nvtp.sharding.placements import DeviceMesh
-from nvtp.sharding.propagate import ShardingError
-
-
-class MeshError(ShardingError):
-    """A mesh nvtp cannot shard over; says what was given and what to pass instead.
-    (A ``ShardingError``, so a ``ValueError`` too: bad input, refused before any work.)"""
-
-
-@dataclass(frozen=True)
-class Axis:
-    name: str
-    strategy: str
-    built: bool  # False: the name is reserved for a strategy nvtp does not run yet
-
-
-# One entry per mesh axis name nvtp knows: what sharding along it means.
-AXES: dict[str, Axis] = {a.name: a for a in (
-    Axis("tp", "tensor parallel: the plan (megatron, megatron-sp, explicit) splits weights and activations", True),
-    Axis("dp", "data parallel: each rank passes its own batch; fsdp=True also splits the weights (ZeRO-3)", True),
-    Axis("pp", "pipeline parallel: stages of blocks", False),
-    Axis("cp", "context parallel: the sequence split, attention by ring", False),
-)}
-
-# The meshes the passes compose today (nvtp.sharding.multi): axis names, in any order.
-SUPPORTED = ({"tp"}, {"dp", "tp"})
-
-
-def _known() -> str:
-    return ", ".join(f"{a.name!r} ({a.strategy}{'' if a.built else '; not available yet'})" for a in AXES.values())
-
-
-def roles(mesh: DeviceMesh) -> dict[str, int]:
-    """Each axis name -> its index; raises ``MeshError`` for a name nvtp does not know or does
-    not shard over yet, and for a combination of axes the passes do not compose."""
-    unknown = [n for n in mesh.names if n not in AXES]
-    if unknown:
-        raise MeshError(f"mesh axis name(s) {unknown} mean nothing to nvtp (mesh {list(mesh.names)} of shape {list(mesh.shape)}); "
-                        f"name each axis for its strategy: {_known()}")
-    later = [n for n in mesh.names if not AXES[n].built]
-    if later:
-        raise MeshError(f"mesh axis {later[0]!r} ({AXES[later[0]].strategy}) is not available yet in nvtp; "
-                        f"shard over 'tp' and 'dp' axes: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
-    if set(mesh.names) not in SUPPORTED:
-        raise MeshError(f"a mesh with axes {list(mesh.names)}: nvtp shards over a 1-D 'tp' mesh or a 2-D mesh with axes "
-                        "('dp', 'tp') (data parallel, tensor parallel): init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
-    return {n: i for i, n in enumerate(mesh.names)}
 
 
 def parse(text: str) -> tuple[int, ...]:

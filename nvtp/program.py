@@ -18,16 +18,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.sharded import ShardedFusion
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nvtp.driver import Traced
-
 
 @dataclass(frozen=True)
 class Step:
@@ -59,7 +55,7 @@ class Program:
     plan: str
     backend: str  # the backend whose target the passes sharded for (nvtp.execute.backends)
     fsdp: bool
-    traced: "Traced"
+    traced: "Traced"  # nvtp.driver.Traced: the fusions before sharding, the route, the module boundary
     parameters: dict[str, Any]  # label -> placement of each forward input that is a whole tensor the caller or module holds (parts joined)
     notes: list[str] = field(default_factory=list)  # the data plan's: weights FSDP leaves whole, and why (the plan's are forward.annotations.notes)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -101,6 +97,9 @@ class Program:
             if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
                 continue
             label = tied.get(f.label(v.name), f.label(v.name))
+            weights = self.traced.weights  # the module's parameters: not its buffers, not folded constants
+            if weights is not None and label not in weights and label.split("[", 1)[0] not in weights:
+                continue
             if label in seen:
                 continue
             seen.add(label)
@@ -110,8 +109,8 @@ class Program:
     # -- output -----------------------------------------------------------------------------
 
     def report(self, model: str = ""):
-        """The ``nvtp explain`` report of this program (``nvtp.explain.ModelReport``)."""
-        from nvtp.explain import report_of
+        """The ``nvtp explain`` report of this program (``nvtp.report.ModelReport``)."""
+        from nvtp.report import report_of
 
         return report_of(self, model)
 

@@ -280,3 +280,71 @@ def test_jit_on_nvfuser_trains_like_eager():
         assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), losses
     for a, b in zip(model.module.parameters(), eager.parameters()):
         assert (a.detach() - b.detach()).abs().max().item() <= 1e-4
+
+
+def _comm_debug_worker(rank, world, init_method, out):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    model = nvtp.jit(_gpt(), plan="megatron")
+    idx, tgt = gpt.example_tokens(GPT_CFG)
+    model(idx, tgt).backward()  # the first step compiles (and checks its arguments)
+    with CommDebugMode() as counted:
+        model(idx, tgt).backward()
+    if rank == 0:
+        torch.save({str(k): v for k, v in counted.get_comm_counts().items()}, out)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_a_training_step_on_processes_issues_the_planned_collectives(tmp_path):
+    """On 2 gloo processes, torch's CommDebugMode counts the collectives of one training step of
+    nvtp.jit's GPT: they are nvtp.plan's, kind by kind."""
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "counts.pt"
+    assert spawn(_comm_debug_worker, 2, str(out)) == [0, 0]
+    counted = torch.load(out)
+    idx, tgt = gpt.example_tokens(GPT_CFG)
+    planned = [c["kind"] for c in nvtp.plan(_gpt(), idx, tgt, plan="megatron", devices=2).communications()]
+    names = {"allreduce": "c10d.allreduce_", "allgather": "c10d.allgather_", "reduce_scatter": "c10d.reduce_scatter_"}
+    want = {names[k]: planned.count(k) for k in set(planned)}
+    assert {k: v for k, v in counted.items() if v} == want, (counted, want)
+
+
+def test_plan_and_jit_refuse_an_undividable_head_count_in_the_same_words():
+    """One driver, one validation: the message a user gets does not depend on the entry point."""
+    from nvtp.execute.collectives import ThreadComm, ThreadGroup
+    from nvtp.sharding.propagate import ShardingError
+
+    cfg = gpt.config("tiny", n_embd=48, n_head=3)
+    model = gpt.GPT(cfg)
+    idx, tgt = gpt.example_tokens(cfg)
+    with pytest.raises(ShardingError) as planned:
+        nvtp.plan(model, idx, tgt, devices=2)
+    with pytest.raises(ShardingError) as jitted:
+        nvtp.jit(model, mesh=DeviceMesh.of_size(2), comm=ThreadComm(ThreadGroup(2), 0)).compile(idx, tgt)
+    assert str(planned.value) == str(jitted.value)
+    assert "2 devices do not divide the outer 3 (attention heads" in str(planned.value)
+
+
+def test_a_misspelt_plan_is_refused_before_anything_is_traced(monkeypatch, capsys):
+    from nvtp import cli, driver, explain
+    from nvtp.sharding.propagate import ShardingError
+
+    def must_not_trace(*a, **k):
+        raise AssertionError("traced before the plan was checked")
+
+    monkeypatch.setattr(driver, "trace", must_not_trace)
+    monkeypatch.setattr(explain, "_trace_gpt", must_not_trace)
+    idx, tgt = gpt.example_tokens(GPT_CFG)
+    with pytest.raises(ShardingError, match="unknown plan 'megatorn'"):
+        nvtp.plan(_gpt(), idx, tgt, plan="megatorn")
+    code = cli.main(["explain", "--model", "nanogpt", "--config", "gpt3", "--layers", "96", "--plan", "megatorn", "--devices", "8"])
+    err = capsys.readouterr().err
+    assert code == 3 and "unknown plan 'megatorn'" in err, err

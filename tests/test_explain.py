@@ -118,7 +118,7 @@ def test_cli_text_folds_the_shardings_of_repeated_blocks(capsys):
     """``--module``'s text lists a parameter of the repeated blocks once, ``h.{0..1}.<name>``, when
     every block places it alike; a block placed otherwise keeps its own line."""
     from nvtp.cli import main
-    from nvtp.explain import _folded
+    from nvtp.report import _folded
 
     assert main(["explain", "--module", "tests.test_explain:tiny_gpt_model", "--plan", "megatron", "--devices", "2"]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  h.")]

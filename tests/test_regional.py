@@ -16,7 +16,7 @@ from nvtp.execute.collectives import ThreadComm, ThreadGroup
 from nvtp.frontend import regional
 from nvtp.frontend.capture import capture, output_value, run_pair
 from nvtp.models import gpt
-from nvtp.parallel import _meta_copy
+from nvtp.driver import meta_copy as _meta_copy
 from nvtp.sharding.placements import DeviceMesh
 
 LAYERS = 4  # one more than the 3 blocks a splice traces, so one block is spliced in
@@ -123,7 +123,7 @@ def test_jit_trains_a_spliced_model_as_eager_does_on_a_simulated_mesh():
     ranks[0].compile(idx, tgt)
     ranks[1].share_compiled(ranks[0])
     compiled = ranks[0].last  # compile() sets it: how the fusions were made is known before any step
-    assert compiled is not None and compiled.captured.regional.startswith("spliced"), compiled and compiled.captured.regional
+    assert compiled is not None and compiled.traced.how.startswith("spliced"), compiled and compiled.traced.how
     assert ranks[1].last is compiled
     fwd, bwd = ([s.kind for s in f.communications].count("allreduce") for f in (compiled.forward, compiled.backward))
     assert (fwd, bwd) == (2 * LAYERS + 1 + 3, 2 * LAYERS + 2)  # 2 + 2 a layer, the embedding's 1, cross-entropy's 3 / 2

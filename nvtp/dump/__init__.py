@@ -18,7 +18,7 @@ import torch
 
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
-from nvtp.ir.parser import Dump, DumpError, parse
+from nvtp.ir.parser import Dump, DumpError, load, parse  # noqa: F401 - load: nvtp.dump.load reads a file
 from nvtp.ir.printer import format_file
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -101,18 +101,6 @@ def dump_model(model: str, config_name: str, out_dir: str | os.PathLike, *, dtyp
         (out / bwd_name).write_text(format_file(bwd, header=header(bwd, command)))
         paths.append(out / bwd_name)
     return paths[0], paths[-1]
-
-
-def load(path: str | os.PathLike) -> Dump:
-    """Parse a dump file; ``DumpError`` names the file and line of anything wrong."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise DumpError("no such file", str(p)) from None
-    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
-        raise DumpError(f"cannot read: {e}", str(p)) from None
-    return parse(text, str(p))
 
 
 # ---------------------------------------------------------------------------------------------

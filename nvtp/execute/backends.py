@@ -22,14 +22,10 @@ definition), never a collective worked out again. Two backends sit behind the se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from nvtp.errors import InputError
-from nvtp.sharding.target import Target
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nvtp.execute.collectives import Comm
-    from nvtp.program import Program
+from nvtp.sharding.target import TARGETS, Target
 
 # One rank's runner of a program: (phase, this rank's inputs of that phase's fusion, seed) -> outputs.
 Runner = Callable[..., list[Any]]
@@ -131,9 +127,9 @@ class NvFuserBackend(Backend):
         return run
 
 
-REFERENCE = ReferenceBackend("reference", Target("reference", partial_through_linear=True, vocab_parallel=True),
+REFERENCE = ReferenceBackend("reference", TARGETS["reference"],
                              "torch ops and torch.distributed collectives (any device, CPU gloo meshes included)")
-NVFUSER = NvFuserBackend("nvfuser", Target("nvfuser", partial_through_linear=False, vocab_parallel=False),
+NVFUSER = NvFuserBackend("nvfuser", TARGETS["nvfuser"],
                          "nvFuser's FusionDefinitions (multidevice on a mesh of GPUs)")
 BACKENDS: dict[str, Backend] = {b.name: b for b in (REFERENCE, NVFUSER)}
 CHOICES = ("auto", *BACKENDS)

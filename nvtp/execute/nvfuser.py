@@ -27,7 +27,7 @@ from nvtp.registry import registrar
 if TYPE_CHECKING:  # pragma: no cover
     import nvfuser_direct
 
-    from nvtp.ir.parser import ScheduleStep
+    from nvtp.ir.graph import ScheduleStep
     from nvtp.sharding.sharded import ShardedFusion
 
 
@@ -278,7 +278,7 @@ def build_from_text(text: str, path: str | None = None) -> "nvfuser_direct.Fusio
 
 
 def _apply_step(step: "ScheduleStep", values: dict[str, Any]) -> None:
-    """One device-schedule call (``nvtp.ir.parser.ScheduleStep``) on the tensor it names."""
+    """One device-schedule call (``nvtp.ir.graph.ScheduleStep``) on the tensor it names."""
     import nvfuser_direct
 
     tv = values.get(step.tensor)

@@ -151,12 +151,27 @@ class Op:
         return replace(self, args=args)
 
     def __str__(self) -> str:
-        from nvtp.ir.printer import format_op
-
-        return format_op(self)
+        return FORMAT["op"](self)
 
 
 INPUT_KINDS = ("define_tensor", "define_scalar")
+
+
+@dataclass
+class ScheduleStep:
+    """A device-schedule call on a tensor: ``("mesh", devices)`` (a flat tuple of device ids, or on
+    a mesh of several axes the ids nested by its shape: ``((0, 1), (2, 3))``), ``("split", axis,
+    factor, inner)`` or ``("parallelize", axis, parallel_type)`` (``mesh_x``, or ``mesh_y``: the mesh
+    axis before the last)."""
+
+    tensor: str
+    kind: str
+    args: tuple
+
+
+# How ops and fusions print (``str(op)``, ``str(fusion)``): nvFuser's Python, as nvtp.ir.printer
+# writes it; the printer registers itself here when nvtp.ir loads, so the graph does not import it.
+FORMAT: dict[str, Callable[[Any], str]] = {"op": lambda op: f"{op.kind}{op.args}", "fusion": lambda f: f"Fusion {f.name}"}
 
 
 def defines_input(op: Op) -> bool:
@@ -251,9 +266,7 @@ class Fusion:
         return replace(self, ops=tuple(ops), outputs=self.outputs if outputs is None else tuple(outputs))
 
     def __str__(self) -> str:
-        from nvtp.ir.printer import format_definition
-
-        return format_definition(self)
+        return FORMAT["fusion"](self)
 
 
 def fresh_names(fusion: Fusion) -> Iterator[str]:

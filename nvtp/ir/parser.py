@@ -13,13 +13,15 @@ and ``fd.execute(inputs)``. Anything else is refused with the file, the line and
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from nvtp.ir import ops as opstable
 from nvtp.ir.build import make_op, normalize
 from nvtp.ir.dtypes import DType
-from nvtp.ir.graph import Fusion, Op, TensorValue, Value, ValueInfo, is_value
+from nvtp.ir.graph import Fusion, Op, ScheduleStep, TensorValue, Value, ValueInfo, is_value
 from nvtp.ir.ops import IRError
 from nvtp.ir.verify import verify
 
@@ -54,18 +56,6 @@ class InputExample:
     dtype: DType | None
     strides: tuple[int, ...] | None = None
     number: Any = None
-
-
-@dataclass
-class ScheduleStep:
-    """A device-schedule call on a tensor: ``("mesh", devices)`` (a flat tuple of device ids, or on
-    a mesh of several axes the ids nested by its shape: ``((0, 1), (2, 3))``), ``("split", axis,
-    factor, inner)`` or ``("parallelize", axis, parallel_type)`` (``mesh_x``, or ``mesh_y``: the mesh
-    axis before the last)."""
-
-    tensor: str
-    kind: str
-    args: tuple
 
 
 @dataclass
@@ -685,3 +675,15 @@ def _apply_info(fusion: Fusion, info: dict, path: str | None) -> Fusion:
             raise DumpError(f"nvtp_info entry for {name!r} has unknown keys {sorted(extra)}", path)
         parsed[name] = ValueInfo(fields["role"], str(fields.get("label", "")), str(fields.get("source", "")))
     return replace(fusion, info=parsed, attrs={str(k): str(v) for k, v in attrs.items()})
+
+
+def load(path: str | os.PathLike) -> Dump:
+    """Parse a dump file; ``DumpError`` names the file and line of anything wrong."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise DumpError("no such file", str(p)) from None
+    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
+        raise DumpError(f"cannot read: {e}", str(p)) from None
+    return parse(text, str(p))

@@ -10,14 +10,11 @@ print at full precision (``repr``), so a printed fusion is exactly the fusion.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from nvtp.ir import ops as opstable
 from nvtp.ir.dtypes import DType, promote
-from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nvtp.ir.parser import ScheduleStep
+from nvtp.ir.graph import FORMAT, Fusion, Op, ScalarValue, ScheduleStep, TensorValue, is_value
 
 INDENT = "    "
 
@@ -228,3 +225,6 @@ def format_file(
 
 def tensor_summary(v: TensorValue) -> str:
     return v.describe()
+
+
+FORMAT["op"], FORMAT["fusion"] = format_op, format_definition

@@ -12,13 +12,11 @@ from nvtp.ir.ops import IRError
 
 
 def _context(fusion: Fusion, index: int, radius: int = 3) -> str:
-    from nvtp.ir.printer import format_op
-
     lo, hi = max(0, index - radius), min(len(fusion.ops), index + radius + 1)
     lines = []
     for i in range(lo, hi):
         mark = ">>" if i == index else "  "
-        lines.append(f"  {mark} {format_op(fusion.ops[i])}")
+        lines.append(f"  {mark} {fusion.ops[i]}")
     return "\n".join(lines)
 
 

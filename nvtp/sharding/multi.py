@@ -35,14 +35,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
 from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.sharding.axes import roles
 from nvtp.sharding.passes import backward_annotations, shard
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, held, is_replicate, local_shape
 from nvtp.sharding.propagate import ShardingError, reshard_bytes
 from nvtp.sharding.reshard import ReshardStep
 from nvtp.sharding.sharded import ShardedFusion
 
-MODEL_AXES = ("tp",)
-DATA_AXES = ("dp",)
 
 
 @dataclass
@@ -56,14 +55,11 @@ class DataPlan:
 
 
 def axis_roles(mesh: DeviceMesh) -> tuple[int, int]:
-    """(tp axis, dp axis) of a 2-D mesh; a clear error for names nvtp does not know."""
-    if mesh.ndim != 2:
-        raise ShardingError(f"nvtp shards over 1-D and 2-D meshes; this one has shape {list(mesh.shape)}")
-    unknown = [n for n in mesh.names if n not in MODEL_AXES + DATA_AXES]
-    if unknown or sorted(mesh.names) != ["dp", "tp"]:
-        raise ShardingError(f"a 2-D mesh needs axes named ('dp', 'tp') (data parallel, tensor parallel); got {list(mesh.names)}: "
-                            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
-    return mesh.names.index("tp"), mesh.names.index("dp")
+    """(tp axis, dp axis) of a (dp, tp) mesh (``nvtp.sharding.axes.roles`` refuses any other)."""
+    axes = roles(mesh)
+    if set(axes) != {"dp", "tp"}:
+        raise ShardingError(f"a mesh of several axes needs axes named ('dp', 'tp'); got {list(mesh.names)}")
+    return axes["tp"], axes["dp"]
 
 
 def _fsdp_dim(v: TensorValue, tp_placement: Placement, dp: int) -> tuple[int | None, str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
 from nvtp.ir.ops import norm_dim, spec
-from nvtp.ir.parser import ScheduleStep
+from nvtp.ir.graph import ScheduleStep
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, make_shard
 from nvtp.sharding.rules import factors_of, tensor_operands
 from nvtp.sharding.sharded import ShardedFusion

@@ -1,0 +1,445 @@
+"""What ``nvtp explain`` prints of a whole model: its shardings, every communication, the memory per rank.
+
+    report = report_of(program, "GPT")          # a Program of the compile driver (nvtp.program)
+    print(report.as_text()); report.as_json()
+
+A model is a list of *regions*, each a forward and a backward fusion sharded on the mesh and run
+``count`` times per step: one region for a program of the whole model (``report_of``), or the
+model without its blocks and one block counted ``layers`` times (``nvtp.explain.explain_gpt``).
+
+Memory per rank (bytes; each tensor's local part under all its mesh axes' placements):
+
+* ``parameters``: each parameter's local shard, in its dtype (a tied parameter once).
+* ``gradients``: one gradient per parameter, local, in the parameter's dtype.
+* ``optimizer``: Adam's two moments in fp32, plus an fp32 master copy when the parameters are
+  16-bit (Megatron's mixed precision): 12 bytes per local element for bf16/fp16, 8 for fp32.
+* ``activations``: what the forward fusions save for backward (their outputs other than the
+  model's result), local: the figure Korthikanti et al. count per layer.
+* ``peak_activations``: the largest live set of the forward pass by liveness of the fusions'
+  values (a value lives from its op to its last use; saved values to the end): all earlier
+  layers' saved values plus the peak inside the region being run.
+"""
+
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.sharding.sharded import ShardedFusion
+from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
+from nvtp.sharding.report import communication_records
+
+
+@dataclass
+class Region:
+    """A part of the model: its sharded forward and backward, run ``count`` times a step."""
+
+    name: str
+    count: int
+    forward: ShardedFusion
+    backward: ShardedFusion | None
+
+
+@dataclass
+class ModelReport:
+    model: str
+    plan: str
+    devices: int
+    regions: list[Region]
+    seconds: dict[str, float] = field(default_factory=dict)
+    shape: dict[str, int] = field(default_factory=dict)  # b, s, h, a, L for the formula (GPT only)
+    mesh: DeviceMesh | None = None  # None: a 1-D mesh of ``devices``; else the (dp, tp) mesh
+    data: str = ""  # on a 2-D mesh: "ddp" or "fsdp"
+    weights: frozenset[str] | None = None  # labels of the parameters FSDP may split (None: every parameter)
+    batch: str = ""  # how the traced batch relates to a rank's (2-D meshes)
+    notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
+    how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
+    backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
+    tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
+
+    # -- communications -------------------------------------------------------------------
+
+    def communications(self) -> list[dict[str, Any]]:
+        """Every collective of one training step, in order: {kind, tensor, shape, dtype, bytes,
+        phase, region, layer}; a repeated region's collectives once per layer."""
+        out = []
+        for phase in ("forward", "backward"):
+            regions = self.regions if phase == "forward" else list(reversed(self.regions))
+            for r in regions:
+                sharded = r.forward if phase == "forward" else r.backward
+                if sharded is None:
+                    continue
+                records = communication_records(sharded)
+                axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
+                layers = range(r.count) if phase == "forward" else reversed(range(r.count))
+                for layer in (layers if r.count > 1 else [None]):
+                    for c, axis in zip(records, axes):
+                        tensor = c["label"] or c["tensor"]
+                        out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
+                                    "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
+                                    "axis": axis, "region": r.name, "layer": layer})
+        return out
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory_per_rank(self) -> dict[str, int]:
+        params = grads = optimizer = 0
+        for r, v, _ in self._parameters():
+            n = _numel(local_shape(v.shape, r.forward.shardings[v.name], r.forward.mesh))
+            params += r.count * n * v.dtype.itemsize
+            grads += r.count * n * v.dtype.itemsize
+            optimizer += r.count * n * (12 if v.dtype.itemsize < 4 else 8)
+        saved = [sum(_saved_bytes(r.forward, r.backward)) for r in self.regions]
+        activations = sum(r.count * s for r, s in zip(self.regions, saved))
+        peak = 0
+        for r, s in zip(self.regions, saved):  # each region's own peak on top of everything else saved
+            others = activations - s
+            peak = max(peak, others + _peak_bytes(r.forward))
+        return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
+                "peak_activations": peak, "total": params + grads + optimizer + peak}
+
+    def _parameters(self):
+        """(region, forward input, label) of each parameter once (a tied weight is one parameter;
+        buffers and folded constants, inputs too, are not parameters where the module's are known)."""
+        seen: set[str] = set()
+        for r in self.regions:
+            f = r.forward.source
+            for v in f.inputs:
+                if not isinstance(v, TensorValue) or f.role(v.name) != "parameter":
+                    continue
+                if not _is_weight(f.label(v.name), self.weights):
+                    continue
+                label = self.tied.get(f.label(v.name), f.label(v.name))
+                if r.count == 1 and label in seen:
+                    continue  # a tied weight is one parameter, under all its names
+                seen.add(label)
+                yield r, v, label
+
+    def dp_traffic(self) -> dict[str, Any] | None:
+        """On a (dp, tp) mesh, the bytes each rank sends per step on dp against DDP's and FSDP's
+        formulas: DDP 2W(dp-1)/dp; FSDP 3Psi(dp-1)/dp for the weights it splits (gathered in
+        forward and again in backward, gradients reduce-scattered) plus 2R(dp-1)/dp for those it
+        leaves whole; W, Psi, R this rank's tp shards of the weights, in their dtype. A split
+        weight the backward does not read (an embedding table, the bias of a residual projection)
+        is not gathered again: it counts 2Psi'(dp-1)/dp (Psi' within ``split_weight_bytes``,
+        outside ``split_read_by_backward_bytes``). ``weights``
+        is the measured dp collectives of the weights and their gradients, each counted in its
+        weight's dtype, so it equals ``formula``; ``gradients_in_fp32`` the extra bytes of 16-bit
+        weights' gradients reduced in fp32 before their cast; ``other`` the rest (the loss's
+        scalars); ``measured`` = weights + gradients_in_fp32 + other; ``deviations`` the weights
+        whose measured bytes differ from their share of the formula (nvtp's GPT on megatron-sp:
+        wpe's gradient is reduced over dp while still split along the sequence by tp, so 1/tp of
+        it; with FSDP it is all-reduced whole before the slice to the rank's shard, not
+        reduce-scattered). None on a 1-D mesh."""
+        if self.mesh is None:
+            return None
+        tp_axis, dp_axis = self.mesh.names.index("tp"), self.mesh.names.index("dp")
+        dp = self.mesh.shape[dp_axis]
+        itemsize, split, once, whole = {}, 0, 0, 0
+        expected: dict[str, float] = {}
+        for r, v, label in self._parameters():
+            if self.weights is not None and label not in self.weights:
+                continue
+            itemsize[label] = v.dtype.itemsize
+            sharding = r.forward.shardings[v.name]
+            tp_part = _numel(local_shape(v.shape, (sharding[tp_axis],), self.mesh.sub(tp_axis))) * v.dtype.itemsize
+            b = r.backward.source if r.backward is not None else None
+            read = b is not None and any(b.role(u.name) == "parameter" and b.label(u.name) == label for u in b.inputs)
+            if axis_split(sharding[dp_axis]) is None:
+                whole += r.count * tp_part
+                times = 2
+            elif read:
+                split += r.count * tp_part
+                times = 3
+            else:  # the backward does not read it (an embedding table, a bias): gathered once a step
+                once += r.count * tp_part
+                times = 2
+            expected[label] = expected.get(label, 0) + times * r.count * tp_part * (dp - 1) / dp
+        measured: dict[str, int] = {}
+        widened = other = 0
+        others: list[str] = []
+        for r in self.regions:
+            for sharded in (r.forward, r.backward):
+                if sharded is None:
+                    continue
+                for result, step in sharded.set_steps.items():
+                    if step.axis != dp_axis or not step.is_communication:
+                        continue
+                    label = _weight_of(sharded, result, step)
+                    v = sharded.fusion.value(result)
+                    if label not in itemsize:
+                        other += r.count * step.bytes
+                        others.append(f"{step.kind} {sharded.source.label(step.value) if step.value in sharded.source.info else step.value} "
+                                      f"{list(v.shape)} {v.dtype.value}")
+                        continue
+                    at_weight = step.bytes * itemsize[label] // v.dtype.itemsize
+                    measured[label] = measured.get(label, 0) + r.count * at_weight
+                    widened += r.count * (step.bytes - at_weight)
+        frac = (dp - 1) / dp
+        formula = round((3 * split + 2 * once + 2 * whole) * frac)
+        weights = sum(measured.values())
+        return {"data": self.data, "dp": dp, "split_weight_bytes": split + once, "split_read_by_backward_bytes": split,
+                "whole_weight_bytes": whole,
+                "formula": formula, "weights": weights, "gradients_in_fp32": widened, "other": other,
+                "other_collectives": others, "measured": weights + widened + other,
+                "deviations": {k: {"measured": measured.get(k, 0), "formula": round(expected[k])}
+                               for k in expected if measured.get(k, 0) != round(expected[k])}}
+
+    def korthikanti_per_layer(self) -> float | None:
+        """Korthikanti et al. (2022): activation bytes per layer per rank, s·b·h·(34 + 5·a·s/h)
+        for 16-bit activations, divided by t with tensor and sequence parallelism (with tensor
+        parallelism alone the 10 bytes of LayerNorm inputs and dropout masks stay whole)."""
+        if not self.shape:
+            return None
+        s, b, h, a, t = (self.shape[k] for k in ("s", "b", "h", "a", "t"))
+        if self.plan == "megatron-sp":
+            return s * b * h * (34 + 5 * a * s / h) / t
+        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+    # -- output ---------------------------------------------------------------------------
+
+    def as_json(self) -> dict[str, Any]:
+        comms = self.communications()
+        return {
+            "model": self.model,
+            "plan": self.plan,
+            "backend": self.backend,
+            "devices": self.devices,
+            "regions": [{"name": r.name, "count": r.count, "forward_ops": len(r.forward.fusion.ops),
+                         "backward_ops": len(r.backward.fusion.ops) if r.backward else 0,
+                         "shardings": _parameter_shardings(r)} for r in self.regions],
+            "communications": comms,
+            "communication_bytes": {p: sum(c["bytes"] for c in comms if c["phase"] == p) for p in ("forward", "backward")},
+            "memory_per_rank": self.memory_per_rank(),
+            "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
+            "seconds": dict(self.seconds),
+        } | ({"traced": self.how} if self.how else {}) | ({} if self.mesh is None else {
+            "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
+            "data": self.data,
+            "batch": self.batch,
+            "notes": list(self.notes),
+            "communication_bytes_per_axis": {a: {p: sum(c["bytes"] for c in comms if c["phase"] == p and c["axis"] == a)
+                                                 for p in ("forward", "backward")} for a in self.mesh.names},
+            "dp_traffic": self.dp_traffic(),
+        })
+
+    def as_text(self) -> str:
+        if self.mesh is None:
+            lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s), for the {self.backend} backend"]
+        else:
+            shape = "x".join(map(str, self.mesh.shape))
+            lines = [f"{self.model}: plan {self.plan} on tp, {self.data.upper()} on dp, on a {shape} mesh "
+                     f"({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; {self.devices} devices), "
+                     f"for the {self.backend} backend"]
+            if self.batch:
+                lines.append(f"  {self.batch}")
+            lines += [f"  {n}" for n in self.notes]
+        for r in self.regions:
+            times = f" x {r.count}" if r.count > 1 else ""
+            n_bwd = len(r.backward.fusion.ops) if r.backward else 0
+            lines.append(f"region {r.name}{times}: forward {len(r.forward.fusion.ops)} ops, backward {n_bwd} ops")
+            for label, placement in _folded(_parameter_shardings(r)):
+                lines.append(f"  {label:40} {placement}")
+        comms = self.communications()
+        lines.append("communications per step (bytes each rank sends with ring algorithms):")
+        groups: dict[tuple, list[dict]] = {}
+        on = self.mesh is not None
+        for c in comms:
+            groups.setdefault((c["phase"], c["region"], c["axis"] if on else "", c["kind"], str(c["shape"]), c["dtype"]), []).append(c)
+        for (phase, region, axis, kind, shape, dtype), cs in groups.items():
+            per = f" ({len(cs) // max(1, self._count(region))} per layer)" if self._count(region) > 1 else ""
+            where = f" on {axis}" if on else ""
+            lines.append(f"  {phase:8} {region:10}{where} {len(cs):5} x {kind:15} {dtype:>8}{shape:20}{per} {_size(sum(c['bytes'] for c in cs)):>12}")
+        for phase in ("forward", "backward"):
+            for axis in (self.mesh.names if on else ("",)):
+                cs = [c for c in comms if c["phase"] == phase and (not on or c["axis"] == axis)]
+                lines.append(f"  {phase}{' on ' + axis if on else ''}: {len(cs)} collectives, {_size(sum(c['bytes'] for c in cs))} per rank")
+        traffic = self.dp_traffic()
+        if traffic is not None:
+            lines += _traffic_text(traffic)
+        mem = self.memory_per_rank()
+        lines.append("memory per rank:")
+        for k in ("parameters", "gradients", "optimizer", "activations", "peak_activations", "total"):
+            lines.append(f"  {k:18} {_size(mem[k]):>12}")
+        formula = self.korthikanti_per_layer()
+        blocks = [r for r in self.regions if r.count > 1 or r.name == "block"]
+        if formula is not None and blocks:
+            mine = sum(_saved_bytes(blocks[0].forward, blocks[0].backward))
+            lines.append(f"activations saved per layer per rank: {_size(mine)}; Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)"
+                         f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {_size(int(formula))} "
+                         f"(ratio {mine / formula:.2f}: with flash attention nvtp keeps no s*s attention scores or probabilities)")
+        if self.seconds:
+            lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + (f" ({self.how})" if self.how else ""))
+        return "\n".join(lines)
+
+    def _count(self, name: str) -> int:
+        return next((r.count for r in self.regions if r.name == name), 1)
+
+
+def _traffic_text(t: dict[str, Any]) -> list[str]:
+    """dp's bytes against DDP's or FSDP's formula, as ``dp_traffic`` counts them."""
+    k = f"(dp-1)/dp = {t['dp'] - 1}/{t['dp']}"
+    if t["data"] == "ddp":
+        formula = f"DDP's 2W{k[:9]} with W = {_size(t['whole_weight_bytes'])} (this rank's tp shards of the weights)"
+    else:
+        once = t["split_weight_bytes"] - t["split_read_by_backward_bytes"]
+        formula = (f"FSDP's 3Psi{k[:9]} + 2Psi'{k[:9]} + 2R{k[:9]} with Psi = {_size(t['split_read_by_backward_bytes'])} "
+                   f"(split weights the backward gathers again), Psi' = {_size(once)} (split weights it does not read), "
+                   f"R = {_size(t['whole_weight_bytes'])} (weights left whole); this rank's tp shards")
+    lines = [f"dp bytes per rank per step: {_size(t['measured'])} measured = {_size(t['weights'])} weights and gradients "
+             f"(in the weights' dtype) + {_size(t['gradients_in_fp32'])} gradients reduced in fp32 before their cast "
+             f"+ {_size(t['other'])} other ({', '.join(t['other_collectives']) or 'none'})",
+             f"  formula: {formula}, {k}: {_size(t['formula'])} ({t['formula']} B; weights measured {t['weights']} B)"]
+    for label, d in t["deviations"].items():
+        lines.append(f"  {label}: {d['measured']} B measured, {d['formula']} B by the formula")
+    return lines
+
+
+def _is_weight(label: str, weights: frozenset[str] | None) -> bool:
+    """Whether an input labelled ``label`` is one of the module's parameters (``weights``; None: any
+    parameter input), or rows of one (a fused projection's part, ``weight[start:stop]``)."""
+    return weights is None or label in weights or label.split("[", 1)[0] in weights
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _size(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _local_bytes(sharded: ShardedFusion, v: TensorValue) -> int:
+    sharding = sharded.shardings.get(v.name)
+    shape = v.shape if sharding is None else local_shape(v.shape, sharding, sharded.mesh)
+    return _numel(shape) * v.dtype.itemsize
+
+
+def _saved_bytes(sharded: ShardedFusion, backward: ShardedFusion | None) -> list[int]:
+    """Local bytes of what the forward keeps for backward: its outputs other than the model's
+    result, and the activation inputs the backward reads (a block's input: inside a whole model
+    an intermediate kept alive for backward like any other)."""
+    src = sharded.source
+    found = [_local_bytes(sharded, out) for s, out in zip(src.outputs, sharded.fusion.outputs)
+             if isinstance(out, TensorValue) and src.role(s.name) != "output"]
+    if backward is not None:
+        b = backward.source
+        sources = {b.info[v.name].source for v in b.inputs if b.role(v.name) == "saved" and v.name in b.info}
+        found += [_local_bytes(sharded, v) for v in src.inputs
+                  if isinstance(v, TensorValue) and src.role(v.name) == "activation" and v.name in sources]
+    return found
+
+
+def _peak_bytes(sharded: ShardedFusion) -> int:
+    """The largest sum of local bytes of values alive at once while the fusion runs (inputs not
+    counted: parameters are counted apart, activations by the region that made them)."""
+    f: Fusion = sharded.fusion
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(f.ops):
+        for v in op.operands:
+            last_use[v.name] = i
+    outputs = {v.name for v in f.outputs}
+    inputs = {v.name for v in f.inputs}
+    live = peak = 0
+    dying: dict[int, int] = {}
+    for i, op in enumerate(f.ops):
+        for v in op.outputs:
+            if isinstance(v, TensorValue) and v.name not in inputs:
+                n = _local_bytes(sharded, v)
+                live += n
+                if v.name not in outputs:
+                    end = last_use.get(v.name, i)
+                    dying[end] = dying.get(end, 0) + n
+        peak = max(peak, live)
+        live -= dying.pop(i, 0)
+    return peak
+
+
+def _parameter_shardings(r: Region) -> dict[str, str]:
+    """Each parameter's placement: on a 1-D mesh ``S(0)`` or ``replicated``; on a 2-D mesh one per
+    axis, ``dp S(1), tp S(0)``."""
+    f = r.forward.source
+    mesh = r.forward.mesh
+    out = {}
+    for v in f.inputs:
+        if isinstance(v, TensorValue) and f.role(v.name) == "parameter":
+            shown = [str(p) if axis_split(p) else "replicated" for p in r.forward.shardings[v.name]]
+            out[f.label(v.name)] = shown[0] if mesh.ndim == 1 else ", ".join(f"{n} {p}" for n, p in zip(mesh.names, shown))
+    return out
+
+
+_BLOCK_LABEL = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+
+
+def _folded(shardings: dict[str, str]) -> list[tuple[str, str]]:
+    """Labels of repeated blocks folded per block: ``layers.{0..31}.q.weight  S(0)`` where blocks 0
+    to 31 place their ``q.weight`` alike (a block placed otherwise keeps its own lines), in the
+    order the labels first appear."""
+    runs: dict[tuple[str, str], list[list]] = {}  # (prefix, rest) -> runs [first, last, placement]
+    order: list[tuple] = []  # ("label", label, placement) or ("block", (prefix, rest))
+    for label, placement in shardings.items():
+        m = _BLOCK_LABEL.match(label)
+        if m is None:
+            order.append(("label", label, placement))
+            continue
+        key, i = (m.group(1), m.group(3)), int(m.group(2))
+        group = runs.get(key)
+        if group is None:
+            runs[key] = group = []
+            order.append(("block", key))
+        if group and group[-1][1] == i - 1 and group[-1][2] == placement:
+            group[-1][1] = i
+        else:
+            group.append([i, i, placement])
+    out = []
+    for item in order:
+        if item[0] == "label":
+            out.append(item[1:])
+            continue
+        (prefix, rest) = item[1]
+        for first, last, placement in runs[item[1]]:
+            blocks = str(first) if first == last else f"{{{first}..{last}}}"
+            out.append((f"{prefix}.{blocks}.{rest}", placement))
+    return out
+
+
+def _weight_of(sharded: ShardedFusion, result: str, step) -> str:
+    """The label of the parameter a collective moves: the parameter itself (FSDP's gathers), or the
+    parameter whose gradient output the reduced value becomes through single-use ops (a cast, a
+    slice to the at-rest shard); "" for anything else."""
+    src = sharded.source
+    if step.value in src.info and src.role(step.value) == "parameter":
+        return src.label(step.value)
+    outputs = {out.name: s.name for s, out in zip(src.outputs, sharded.fusion.outputs)}
+    users = sharded.fusion.consumers()
+    name = result
+    for _ in range(8):
+        if name in outputs:
+            return src.grad_of(outputs[name])
+        ops = users.get(name, [])
+        if len(ops) != 1 or len(ops[0].outputs) != 1:
+            return ""
+        name = ops[0].outputs[0].name
+    return ""
+
+
+def report_of(program, model: str = "", *, batch: str = "") -> ModelReport:
+    """The report of a whole ``nvtp.program.Program``: one region, the model."""
+    mesh = program.mesh
+    two = mesh.ndim > 1
+    return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward)],
+                       dict(program.seconds), mesh=mesh if two else None, data=("fsdp" if program.fsdp else "ddp") if two else "",
+                       weights=program.traced.weights, batch=batch, notes=list(program.notes), how=program.traced.how,
+                       backend=program.backend, tied=dict(program.traced.tied))
