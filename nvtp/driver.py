@@ -219,11 +219,14 @@ def trace_dump(dump: Any) -> Traced:
 
 
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
-          fsdp: bool = False, placed: Mapping[str, Any] | None = None) -> Program:
+          fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True) -> Program:
     """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: the plan on the "tp"
     axis, the data plan on "dp" (``fsdp``: weights split over dp too). ``placed`` (label ->
     placement): parameters already placed by an earlier compile of the same module stay there.
-    Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
+    ``overlap``: schedule the collectives (``nvtp.sharding.overlap``: started as soon as their
+    inputs exist, small ones bucketed, FSDP's gathers prefetched a bucket ahead); False: each
+    blocks where it stands. Raises ``ShardingError`` before any work when the plan or mesh does
+    not fit."""
     from nvtp.gcpause import paused
 
     target = as_target(backend)
@@ -234,9 +237,14 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
             forward, backward, notes = _shard_1d(traced, plan, mesh, target, placed)
         else:
             forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
+        schedules = {}
+        if overlap and mesh.size > 1:
+            from nvtp.sharding.overlap import schedule_collectives
+
+            schedules = {phase: schedule_collectives(s) for phase, s in (("forward", forward), ("backward", backward)) if s is not None}
     parameters = join_parts(_placed_inputs(forward), traced.parts, mesh)
     return Program(forward, backward, mesh, plan if isinstance(plan, str) else "explicit", target.name, fsdp, traced,
-                   parameters, notes, {"trace": traced.seconds, "shard": time.perf_counter() - start})
+                   parameters, schedules, notes, {"trace": traced.seconds, "shard": time.perf_counter() - start})
 
 
 def _annotations(traced: Traced, placed: Mapping[str, Any] | None, ndim: int) -> dict[str, Any]:

@@ -139,7 +139,8 @@ class ShardedModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
-                 frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto"):
+                 frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
+                 overlap: bool = True):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -158,6 +159,7 @@ class ShardedModule(torch.nn.Module):
         check_world(self.mesh, comm)
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
+        self.overlap = overlap
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -250,7 +252,8 @@ class ShardedModule(torch.nn.Module):
         split = self.mesh.ndim == 1 and self.plan in ("megatron", "megatron-sp")
         traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
                               batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module)
-        program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements)
+        program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
+                               overlap=self.overlap)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
@@ -558,7 +561,8 @@ def _callers(sharded: ShardedFusion, name: str, module: "ShardedModule") -> tupl
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
-        frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto") -> ShardedModule:
+        frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
+        overlap: bool = True) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -575,13 +579,15 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (torch ops and torch.distributed; anywhere), or "auto": nvFuser for a CUDA model where
     nvfuser_direct loads, the reference backend otherwise. A backend that cannot run here is
     refused at once. ``model.last`` is the ``nvtp.program.Program`` of the latest call: what
-    ``nvtp.plan`` reports for the same model, mesh and backend.
+    ``nvtp.plan`` reports for the same model, mesh and backend. ``overlap`` (default on): the
+    program's collectives start as soon as their inputs exist and small ones go together
+    (``nvtp.sharding.overlap``); False runs each where it stands, blocking.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
     gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``."""
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend)
+                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

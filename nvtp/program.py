@@ -57,6 +57,7 @@ class Program:
     fsdp: bool
     traced: "Traced"  # nvtp.driver.Traced: the fusions before sharding, the route, the module boundary
     parameters: dict[str, Any]  # label -> placement of each forward input that is a whole tensor the caller or module holds (parts joined)
+    schedules: dict[str, Any] = field(default_factory=dict)  # phase -> nvtp.sharding.overlap.Schedule (empty: collectives block where they stand)
     notes: list[str] = field(default_factory=list)  # the data plan's: weights FSDP leaves whole, and why (the plan's are forward.annotations.notes)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -83,6 +84,11 @@ class Program:
     def communications(self) -> list[Step]:
         """The steps that move data between ranks, in run order."""
         return self.steps(communication_only=True)
+
+    def collectives(self) -> list[dict[str, Any]]:
+        """The collectives one training step issues, in the order it starts them: one per bucket
+        of the schedule (``nvtp.sharding.overlap``), or one per communication step unscheduled."""
+        return issued(self.phases(), self.schedules)
 
     def parameter_bytes(self) -> int:
         """Bytes of parameters one rank holds (each tied parameter once)."""
@@ -133,6 +139,26 @@ class Program:
             command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
             paths.append(write_sharded(sharded, path, command, data=data))
         return paths
+
+
+def issued(phases, schedules: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """(phase, sharded fusion) pairs and their schedules -> the collectives as started:
+    {phase, kind, axis, bytes, tensors, at, waits}, ``at`` the op after which it starts."""
+    out = []
+    for phase, sharded in phases:
+        schedule = schedules.get(phase)
+        names = sharded.mesh.names
+        if schedule is not None:
+            for i in schedule.issues:
+                out.append({"phase": phase, "kind": i.kind, "axis": names[i.axis], "bytes": i.bytes, "tensors": list(i.sets),
+                            "at": i.at, "waits": list(i.waits)})
+            continue
+        order = {op.outputs[0].name: k for k, op in enumerate(sharded.fusion.ops) if op.outputs}
+        for name, step in sorted(sharded.set_steps.items(), key=lambda kv: order.get(kv[0], 0)):
+            if step.is_communication:
+                out.append({"phase": phase, "kind": step.kind, "axis": names[step.axis], "bytes": step.bytes, "tensors": [name],
+                            "at": order[name] - 1, "waits": [order[name]]})
+    return out
 
 
 def join_parts(placed: Sequence[tuple[str, Any]], parts: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class Region:
     count: int
     forward: ShardedFusion
     backward: ShardedFusion | None
+    schedules: dict[str, Any] = field(default_factory=dict)  # phase -> nvtp.sharding.overlap.Schedule (empty: unscheduled)
 
 
 @dataclass
@@ -84,6 +85,24 @@ class ModelReport:
                         out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
                                     "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
                                     "axis": axis, "region": r.name, "layer": layer})
+        return out
+
+    def collectives(self) -> list[dict[str, Any]]:
+        """The collectives one step issues, as started (buckets of the schedule are one each):
+        {phase, kind, axis, bytes, tensors, at, waits, region, layer}; what ``communications``
+        lists per tensor, grouped as the backend runs it."""
+        from nvtp.program import issued
+
+        out = []
+        for phase in ("forward", "backward"):
+            regions = self.regions if phase == "forward" else list(reversed(self.regions))
+            for r in regions:
+                sharded = r.forward if phase == "forward" else r.backward
+                if sharded is None:
+                    continue
+                layers = range(r.count) if phase == "forward" else reversed(range(r.count))
+                for layer in (layers if r.count > 1 else [None]):
+                    out += [c | {"region": r.name, "layer": layer} for c in issued([(phase, sharded)], r.schedules)]
         return out
 
     # -- memory ---------------------------------------------------------------------------
@@ -215,6 +234,8 @@ class ModelReport:
                          "backward_ops": len(r.backward.fusion.ops) if r.backward else 0,
                          "shardings": _parameter_shardings(r)} for r in self.regions],
             "communications": comms,
+            "collectives": self.collectives(),
+            "scheduled": any(r.schedules for r in self.regions),
             "communication_bytes": {p: sum(c["bytes"] for c in comms if c["phase"] == p) for p in ("forward", "backward")},
             "memory_per_rank": self.memory_per_rank(),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
@@ -260,6 +281,13 @@ class ModelReport:
             for axis in (self.mesh.names if on else ("",)):
                 cs = [c for c in comms if c["phase"] == phase and (not on or c["axis"] == axis)]
                 lines.append(f"  {phase}{' on ' + axis if on else ''}: {len(cs)} collectives, {_size(sum(c['bytes'] for c in cs))} per rank")
+        issued = self.collectives()
+        if any(r.schedules for r in self.regions):
+            for phase in ("forward", "backward"):
+                cs = [c for c in issued if c["phase"] == phase]
+                moved = sum(len(c["tensors"]) for c in cs)
+                lines.append(f"  {phase} as issued: {len(cs)} collectives for {moved} tensors (started as soon as their inputs "
+                             f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
         traffic = self.dp_traffic()
         if traffic is not None:
             lines += _traffic_text(traffic)
@@ -439,7 +467,8 @@ def report_of(program, model: str = "", *, batch: str = "") -> ModelReport:
     """The report of a whole ``nvtp.program.Program``: one region, the model."""
     mesh = program.mesh
     two = mesh.ndim > 1
-    return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward)],
+    return ModelReport(model or "model", program.plan, mesh.size,
+                       [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
                        dict(program.seconds), mesh=mesh if two else None, data=("fsdp" if program.fsdp else "ddp") if two else "",
                        weights=program.traced.weights, batch=batch, notes=list(program.notes), how=program.traced.how,
                        backend=program.backend, tied=dict(program.traced.tied))

@@ -144,9 +144,14 @@ def run_and_count(model: torch.nn.Module, mesh: DeviceMesh, plan: str, args: tup
 
 
 def assert_plan_is_run(report, ran, held, program):
-    planned = [(c["kind"], c["axis"], c["bytes"]) for c in report.communications()]
+    """The collectives the step ran, in order, are the plan's as issued (one per bucket of the
+    schedule), and their tensors are the plan's communications, byte for byte."""
+    planned = [(c["kind"], c["axis"], c["bytes"]) for c in report.collectives()]
     assert ran == planned, f"planned {len(planned)} collectives, ran {len(ran)}:\nplanned {planned}\nran     {ran}"
-    assert [(s.kind, s.axis, s.bytes) for s in program.communications()] == planned
+    assert [(c["kind"], c["axis"], c["bytes"]) for c in program.collectives()] == planned
+    per_tensor = sorted((s.kind, s.axis) for s in program.communications())
+    assert sorted((c["kind"], c["axis"]) for c in program.collectives() for _ in c["tensors"]) == per_tensor
+    assert sum(b for _, _, b in ran) == sum(c["bytes"] for c in report.communications())
     assert report.memory_per_rank()["parameters"] == held
     assert len(ran) > 0
 
@@ -311,7 +316,7 @@ def test_a_training_step_on_processes_issues_the_planned_collectives(tmp_path):
     assert spawn(_comm_debug_worker, 2, str(out)) == [0, 0]
     counted = torch.load(out)
     idx, tgt = gpt.example_tokens(GPT_CFG)
-    planned = [c["kind"] for c in nvtp.plan(_gpt(), idx, tgt, plan="megatron", devices=2).communications()]
+    planned = [c["kind"] for c in nvtp.plan(_gpt(), idx, tgt, plan="megatron", devices=2).collectives()]
     names = {"allreduce": "c10d.allreduce_", "allgather": "c10d.allgather_", "reduce_scatter": "c10d.reduce_scatter_"}
     want = {names[k]: planned.count(k) for k in set(planned)}
     assert {k: v for k, v in counted.items() if v} == want, (counted, want)

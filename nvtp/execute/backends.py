@@ -57,7 +57,7 @@ class ReferenceBackend(Backend):
         def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None) -> list[Any]:
             sharded = phases[phase]
             return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
-                                 log=log, steps=sharded.set_steps)
+                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase))
 
         return run
 

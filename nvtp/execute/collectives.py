@@ -8,6 +8,7 @@ GPU); ``ThreadComm`` runs the ranks of one process as threads for the fast simul
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Protocol, Sequence
@@ -194,7 +195,11 @@ def take(t: torch.Tensor, dim: int, index: torch.Tensor | None) -> torch.Tensor:
 
 def gather_axis(t: torch.Tensor, dim: int, split_factor: int, comm: Comm) -> torch.Tensor:
     """All-gather the shards of axis ``dim`` back into the whole axis (any split factor)."""
-    parts = comm.all_gather(t)
+    return joined(comm.all_gather(t), dim, split_factor)
+
+
+def joined(parts: Sequence[torch.Tensor], dim: int, split_factor: int) -> torch.Tensor:
+    """Every rank's shard of axis ``dim`` (in rank order), joined into the whole axis."""
     if split_factor == 1:
         return torch.cat(parts, dim)
     pieces = [p.unflatten(dim, (split_factor, -1)) for p in parts]  # [.., k, c, ..]
@@ -229,3 +234,137 @@ def _from_whole(t: torch.Tensor, dst: Placement, global_size: Sequence[int], com
     if is_partial(dst):  # rank 0 keeps the value and the others hold zeros: their sum is the value, exactly
         return t if comm.rank == 0 else torch.zeros_like(t)
     return t
+
+
+# ---------------------------------------------------------------------------------------------
+# started now, waited for later: the scheduled program's collectives (nvtp.sharding.overlap)
+
+
+class Done:
+    """A collective that completed when it was started: ``wait`` gives its result."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class _Work:
+    """A torch.distributed collective under way (``async_op=True``): ``wait`` blocks until it is done."""
+
+    def __init__(self, work, value):
+        self.work, self.value = work, value
+
+    def wait(self):
+        if self.work is not None:
+            with PROGRESS:
+                self.work.wait()
+            self.work = None
+        return self.value
+
+
+def start(comm: Comm, kind: str, arg, op: str = "sum"):
+    """Start ``comm``'s collective ``kind`` ("all_reduce", "all_gather", "reduce_scatter") on
+    ``arg``; a handle whose ``wait()`` gives what the blocking call returns. A ``Comm`` without an
+    asynchronous form (threads of one process, one rank) completes it here."""
+    method = getattr(comm, f"{kind}_async", None)
+    if method is not None:
+        return method(arg, op) if kind != "all_gather" else method(arg)
+    return Done(getattr(comm, kind)(arg, op) if kind != "all_gather" else getattr(comm, kind)(arg))
+
+
+def _dist_async(self, kind: str, arg, op: str = "sum"):
+    if kind == "all_reduce":
+        t = arg.contiguous().clone()
+        return _Work(self.dist.all_reduce(t, op=self._op(op), group=self.group, async_op=True), t)
+    if kind == "all_gather":
+        t = arg.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        return _Work(self.dist.all_gather(parts, t, group=self.group, async_op=True), parts)
+    chunks = [c.contiguous() for c in arg]
+    out = torch.empty_like(chunks[self.rank])
+    return _Work(self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group, async_op=True), out)
+
+
+DistComm.all_reduce_async = lambda self, t, op: _dist_async(self, "all_reduce", t, op)  # type: ignore[attr-defined]
+DistComm.all_gather_async = lambda self, t: _dist_async(self, "all_gather", t)  # type: ignore[attr-defined]
+DistComm.reduce_scatter_async = lambda self, chunks, op: _dist_async(self, "reduce_scatter", chunks, op)  # type: ignore[attr-defined]
+
+
+class _Shared:
+    """One collective several reshards share: waited for once."""
+
+    def __init__(self, handle):
+        self.handle, self.done, self.value = handle, False, None
+
+    def wait(self):
+        if not self.done:
+            self.value, self.done = self.handle.wait(), True
+        return self.value
+
+
+class _Share:
+    """One reshard's part of a (possibly shared) collective: ``wait`` gives its resharded tensor."""
+
+    def __init__(self, shared: _Shared, finish):
+        self.shared, self.finish = shared, finish
+
+    def wait(self):
+        return self.finish(self.shared.wait())
+
+
+def start_reshards(items: Sequence[tuple], comm: Comm) -> list:
+    """Start the reshards ``items`` ((local tensor, kind, src, dst, global size), all of one kind,
+    reduction and dtype, on one mesh axis) as ONE collective on flattened, concatenated buffers;
+    returns one handle per item whose ``wait()`` gives what ``reshard`` gives for it. Reductions
+    are elementwise, so each element is summed over the same ranks as alone (bitwise equal on
+    two ranks; gloo may order a sum of more ranks differently for another buffer size)."""
+    kind = items[0][1]
+    if kind in ("slice", "partition"):
+        return [Done(_from_whole(t, dst, size, comm)) for t, _, _, dst, size in items]
+    src0 = items[0][2]
+    op = src0.reduce_op if is_partial(src0) else "sum"
+    if kind == "allreduce":
+        flats = [t.reshape(-1) for t, *_ in items]
+        shared = _Shared(start(comm, "all_reduce", torch.cat(flats) if len(flats) > 1 else flats[0], op))
+        out, at = [], 0
+        for (t, _, _, dst, size), flat in zip(items, flats):
+            n = flat.numel()
+            out.append(_Share(shared, lambda whole, at=at, n=n, shape=t.shape, dst=dst, size=size:
+                              _from_whole(whole[at:at + n].view(shape), dst, size, comm)))
+            at += n
+        return out
+    if kind == "allgather":
+        flats = [t.contiguous().reshape(-1) for t, *_ in items]
+        shared = _Shared(start(comm, "all_gather", torch.cat(flats) if len(flats) > 1 else flats[0]))
+        out, at = [], 0
+        for (t, _, src, dst, size), flat in zip(items, flats):
+            n = flat.numel()
+            dim, factor = axis_split(src)
+
+            def finish(parts, at=at, n=n, shape=t.shape, dim=dim, factor=factor, dst=dst, size=size):
+                return _from_whole(joined([p[at:at + n].view(shape) for p in parts], dim, factor), dst, size, comm)
+
+            out.append(_Share(shared, finish))
+            at += n
+        return out
+    if kind == "reduce_scatter":
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(comm.size)]
+        mine = []
+        for t, _, _, dst, size in items:
+            dim, _ = axis_split(dst)
+            for r in range(comm.size):
+                chunk = take(t, dim, local_indices(size[dim], dst, comm.size, r))
+                per_rank[r].append(chunk.contiguous().reshape(-1))
+                if r == comm.rank:
+                    mine.append(chunk.shape)
+        chunks = [torch.cat(c) if len(c) > 1 else c[0] for c in per_rank]
+        shared = _Shared(start(comm, "reduce_scatter", chunks, op))
+        out, at = [], 0
+        for shape in mine:
+            n = math.prod(shape)
+            out.append(_Share(shared, lambda flat, at=at, n=n, shape=shape: flat[at:at + n].view(shape)))
+            at += n
+        return out
+    raise ValueError(f"no reshard step {kind!r}; nvtp.sharding.reshard.reshard_kind names the steps")

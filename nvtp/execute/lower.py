@@ -49,6 +49,11 @@ def value_args(op: Op) -> list[str]:
     return [name for name, a in op.args if _holds_value(a)]
 
 
+def _wait(handles: list[Any], k: int) -> Any:
+    """The result of the ``k``-th collective a start node began: blocks until it is done."""
+    return handles[k].wait()
+
+
 def lower(
     fusion: Fusion,
     call_for: Callable[[Op], Callable[..., Any]],
@@ -56,11 +61,18 @@ def lower(
     *,
     rewrite: Callable[[fx.Graph], Any] | None = None,
     all_values: bool = False,
+    starts: Mapping[int, list[Any]] | None = None,
+    start_for: Callable[[Any, list[Op]], Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """``fusion`` as a GraphModule ``forward(ctx, *inputs)`` returning its outputs; with
     ``all_values``, the same graph run by fx's Interpreter, returning every value by name. Ops
     whose results are all in ``constants`` are left out; ``rewrite(graph)`` runs on the matching
-    form (see the module docstring)."""
+    form (see the module docstring).
+
+    ``starts`` (op index -> the ``nvtp.sharding.overlap.Issue``s started after that op; -1:
+    before the first) schedule collectives: after the op, one node ``start_for(issue, set ops)(ctx,
+    *their operands)`` starts them and gives one handle per ``set``; each ``set`` op becomes a node
+    that waits for its handle where the op stood."""
     g = fx.Graph()
     ctx = g.placeholder("ctx")
     env: dict[str, fx.Node] = {}
@@ -81,8 +93,26 @@ def lower(
             return tuple(arg(e) for e in a)
         return a
 
-    for op in fusion.ops:
+    set_ops = {op.outputs[0].name: op for op in fusion.ops if op.kind == "set" and op.outputs}
+    handles: dict[str, tuple[fx.Node, int]] = {}
+
+    def start(at: int) -> None:
+        for issue in (starts or {}).get(at, ()):
+            ops = [set_ops[name] for name in issue.sets]
+            node = g.call_function(start_for(issue, ops), (ctx, *(env[op.operands[0].name] for op in ops)),
+                                   name=f"start_{issue.sets[0]}")
+            handles.update((name, (node, k)) for k, name in enumerate(issue.sets))
+
+    start(-1)
+    for index, op in enumerate(fusion.ops):
         if op.kind in ("define_tensor", "define_scalar") or all(v.name in constants for v in op.outputs):
+            start(index)
+            continue
+        if op.outputs and op.outputs[0].name in handles:  # a scheduled set: wait for it here
+            node, k = handles[op.outputs[0].name]
+            env[op.outputs[0].name] = g.call_function(_wait, (node, k), name=op.outputs[0].name)
+            env[op.outputs[0].name].meta["value"] = op.outputs[0]
+            start(index)
             continue
         args = tuple(arg(a) for name, a in op.args if name in _POSITIONAL or _holds_value(a))
         if len(op.outputs) == 1:
@@ -94,6 +124,7 @@ def lower(
                 env[v.name] = g.call_function(operator.getitem, (node, i), name=v.name)
                 env[v.name].meta["value"] = v
         node.meta["op"] = op
+        start(index)
     if all_values:
         g.output({name: node for name, node in env.items()})
     else:

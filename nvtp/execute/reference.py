@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nvtp.execute import patterns
-from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, take
+from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, start_reshards, take
 from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
@@ -253,14 +253,22 @@ def _set(ctx: Context, op: Op, a):
     """A reshard: the step the program planned for this ``set`` (``ctx.steps``: its kind and mesh
     axis), run as given. A fusion run without its steps (a bare sharded fusion) takes each axis
     whose placement changes, by ``reshard_kind``, the one place a step's kind is decided."""
-    x = a["arg"]
+    out = a["arg"]
     if set_is_local(ctx, op):
-        return x
+        return out
+    for axis, kind, s, d, size in _reshards(ctx, op):
+        out = reshard(out, kind, s, d, size, on_axis(ctx.comm, axis))
+        ctx.log.append(Communication(kind, op.outputs[0].name, op.outputs[0].nbytes, axis))
+    return out
+
+
+def _reshards(ctx: Context, op: Op) -> list[tuple[int, str, Placement, Placement, list[int]]]:
+    """(mesh axis, kind, src, dst, size as that axis's group sees the value) of each axis a ``set`` changes."""
     v = op.outputs[0]
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(v)
     step = ctx.steps.get(v.name) if ctx.steps is not None else None
     axes = [step.axis] if step is not None else [axis for axis, (s, d) in enumerate(zip(src, dst)) if s != d]
-    out = x
+    out = []
     for axis in axes:
         s, d = src[axis], dst[axis]
         kind = step.kind if step is not None else reshard_kind(s, d)
@@ -272,9 +280,24 @@ def _set(ctx: Context, op: Op, a):
                 if o is not None and any(axis_split(q) and axis_split(q)[0] == dim for q in (s, d)):
                     s, size[dim] = induced(s, v.shape[dim], o, n)
                     d, _ = induced(d, v.shape[dim], o, n)
-        out = reshard(out, kind, s, d, size, on_axis(ctx.comm, axis))
-        ctx.log.append(Communication(kind, v.name, v.nbytes, axis))
+        out.append((axis, kind, s, d, size))
     return out
+
+
+def _start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
+    """How a scheduled program starts the ``set`` ops of one ``Issue`` (nvtp.sharding.overlap): one
+    collective on their concatenated buffers, begun now, waited for where each ``set`` stood."""
+
+    def start(ctx: Context, *xs: Any) -> list[Any]:
+        items = []
+        for op, x in zip(ops, xs):
+            (axis, kind, s, d, size), = _reshards(ctx, op)  # a scheduled set changes one mesh axis
+            items.append((x, kind, s, d, size))
+            ctx.log.append(Communication(kind, op.outputs[0].name, op.outputs[0].nbytes, axis))
+        return start_reshards(items, on_axis(ctx.comm, issue.axis))
+
+    start.__name__ = start.__qualname__ = f"start_{issue.kind}"
+    return start
 
 
 def set_is_local(ctx: Context, op: Op) -> bool:
@@ -859,9 +882,11 @@ class Lowered:
 
 def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] | None = None, mesh: DeviceMesh | None = None,
                  rank: int = 0, size: int = 1, *, compute_dtype: torch.dtype | None = None, strict: bool = False,
-                 fuse: bool = True, all_values: bool = False) -> Lowered:
+                 fuse: bool = True, all_values: bool = False, schedule: Any = None) -> Lowered:
     """Lower ``fusion`` for mesh position ``rank`` of ``size``: constants folded, and with ``fuse``
-    the LayerNorm, tanh-GELU and softmax patterns replaced by torch's kernels (``patterns.py``)."""
+    the LayerNorm, tanh-GELU and softmax patterns replaced by torch's kernels (``patterns.py``).
+    ``schedule`` (``nvtp.sharding.overlap.Schedule``): collectives start where it says, each waited
+    for where its ``set`` stands."""
     ctx = Context(fusion, shardings, mesh, _Position(rank, size), 0, compute_dtype)
     constants = _constants(ctx, fold=not all_values)
     folded = sum(1 for op in fusion.ops if op.kind != "define_scalar" and op.outputs and all(v.name in constants for v in op.outputs))
@@ -870,7 +895,9 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
     def rewrite(graph):
         fused.update(patterns.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype))
 
-    module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values)
+    starts = schedule.by_position() if schedule is not None and size > 1 else None
+    module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values,
+                   starts=starts, start_for=_start_for)
     inputs = [(v, ctx.local_shape(v) if isinstance(v, TensorValue) else (), ctx.dtype(v.dtype)) for v in fusion.inputs]
     return Lowered(module, inputs, ctx.shapes, fused, folded)
 
@@ -889,7 +916,7 @@ _PER_FUSION = 8
 def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] | None, mesh: DeviceMesh | None,
                 rank: int, size: int, **options: Any) -> Lowered:
     """The lowered module of ``fusion`` for this mesh position and options (lowered on first use)."""
-    key = (id(shardings), mesh, rank, size, tuple(sorted(options.items())))
+    key = (id(shardings), mesh, rank, size, tuple(sorted((k, id(v) if k == "schedule" else v) for k, v in options.items())))
     entries = _CACHE.get(id(fusion))
     for e in entries or ():
         if e.fusion() is fusion and e.key == key:
@@ -922,6 +949,7 @@ def run(
     values: dict[str, Any] | None = None,
     compiled: bool = True,
     steps: Mapping[str, Any] | None = None,
+    schedule: Any = None,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -937,11 +965,12 @@ def run(
     PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
     by its own implementation, and so do inputs of other shapes or dtypes than declared.
     ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
+    ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
-    options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None)
+    options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None, schedule=schedule)
     fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):

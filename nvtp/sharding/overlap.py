@@ -1,0 +1,270 @@
+"""Communication scheduling: when each collective of a sharded fusion starts, and which go together.
+
+    plan = schedule_collectives(sharded)           # a Schedule: data, kept in the Program
+    plan.issues                                    # [Issue(after="T41", sets=("T57", "T58"), axis=1, kind="allreduce", ...), ...]
+
+A ``set`` op sits where its value is first needed. Run as written, each collective blocks the
+rank from the moment its input exists to the moment the collective is done. The schedule moves
+the *start* of every collective as early as its input allows and leaves the *wait* where the
+value is needed, so the ops in between run while the data moves (the reference backend starts
+torch.distributed collectives with ``async_op=True``: ``nvtp.execute.collectives.start_reshards``):
+
+* **As soon as the input exists.** A collective starts right after the op that makes its input:
+  gradient reductions start while the rest of the backward runs, as DDP's and FSDP's do.
+* **Prefetch, one bucket ahead.** Gathers of inputs (FSDP's all-gathers of the weights a rank
+  holds a part of) would all start before the first op, holding every weight whole at once; as
+  FSDP2 does, they go in buckets of consecutive uses, and a bucket starts where the previous
+  bucket's first gather is waited for.
+* **Buckets.** Collectives of one kind, mesh axis, dtype and reduction that can start at the same
+  point go as one collective on a concatenated buffer, up to ``bucket_bytes`` (default 25 MiB,
+  DDP's ``bucket_cap_mb``): many small gradient all-reduces become one. A bucket never starts
+  after one of its members is needed, so it waits for no later value than a member would alone.
+
+The schedule is data (``Issue``s) computed from the sharded fusion's ``ReshardStep``s: it changes
+no op and no collective, only when collectives start and how they are grouped, so the scheduled
+program computes what the unscheduled one does (elementwise reductions of concatenated buffers
+sum each element over the same ranks: bitwise on two ranks). ``nvtp.jit(..., overlap=False)``
+runs the fusion as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nvtp.ir.graph import TensorValue
+from nvtp.sharding.placements import is_partial
+from nvtp.sharding.sharded import ShardedFusion
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class Issue:
+    """Collectives started together, right after the op making ``after`` (None: before the first op)."""
+
+    after: str | None
+    at: int  # the index of that op in the fusion (-1: before the first)
+    sets: tuple[str, ...]  # the results of the ``set`` ops it starts, in the order they are waited for
+    waits: tuple[int, ...]  # where each is waited for: its set op's index
+    axis: int
+    kind: str
+    bytes: int  # sent per rank, all of them together
+
+
+@dataclass
+class Schedule:
+    issues: list[Issue] = field(default_factory=list)
+    bucket_bytes: int = BUCKET_BYTES
+
+    def issue_of(self, name: str) -> Issue | None:
+        return next((i for i in self.issues if name in i.sets), None)
+
+    def by_position(self) -> dict[int, list[Issue]]:
+        """Issues by the index of the op after which they start (-1: before the first op)."""
+        out: dict[int, list[Issue]] = {}
+        for i in self.issues:
+            out.setdefault(i.at, []).append(i)
+        return out
+
+
+@dataclass
+class _Comm:
+    name: str  # the set's result
+    ready: int  # index of the op making its input (-1: a fusion input)
+    wait: int  # index of the set op
+    axis: int
+    kind: str
+    key: tuple  # what must agree to share one collective
+    bytes: int
+    tensor_bytes: int
+    gathers_input: bool
+
+
+def _collectives(sharded: ShardedFusion) -> list[_Comm]:
+    f = sharded.fusion
+    index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
+    inputs = {v.name for v in f.inputs}
+    out = []
+    for i, op in enumerate(f.ops):
+        if op.kind != "set" or not op.outputs:
+            continue
+        name = op.outputs[0].name
+        step = sharded.set_steps.get(name)
+        if step is None or not step.is_communication:
+            continue
+        v = op.outputs[0]
+        operand = op.operands[0].name
+        ready = -1 if operand in inputs else index[operand]
+        reduce = step.src.reduce_op if is_partial(step.src) else ""
+        dtype = v.dtype.value if isinstance(v, TensorValue) else ""
+        out.append(_Comm(name, ready, i, step.axis, step.kind, (step.axis, step.kind, dtype, reduce), step.bytes,
+                         step.tensor_bytes, operand in inputs and step.kind == "allgather"))
+    return out
+
+
+def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTES) -> Schedule:
+    """The start point and bucket of every collective of ``sharded`` (see the module docstring).
+    Ensures: every issue starts after its inputs exist and before its first member is waited for;
+    members share kind, mesh axis, dtype and reduction; a bucket holds at most ``bucket_bytes``
+    of tensor (or one collective larger than that)."""
+    comms = _collectives(sharded)
+    f = sharded.fusion
+    names = [op.outputs[0].name if op.outputs else "" for op in f.ops]
+    issues: list[Issue] = []
+
+    # Gathers of inputs: buckets of consecutive uses, each started where the previous one's first is waited for.
+    gathers = sorted((c for c in comms if c.gathers_input), key=lambda c: c.wait)
+    rest = [c for c in comms if not c.gathers_input]
+    previous_first_wait: dict[tuple, int] = {}
+    for bucket in _consecutive_buckets(gathers, bucket_bytes):
+        key = bucket[0].key
+        at = previous_first_wait.get(key, -1)
+        at = min(at, bucket[0].wait - 1)
+        previous_first_wait[key] = bucket[0].wait
+        issues.append(_issue(bucket, at, names))
+
+    # Everything else: as soon as the input exists, in buckets that never start after a member is needed.
+    open_buckets: dict[tuple, list[_Comm]] = {}
+    for c in sorted(rest, key=lambda c: (c.ready, c.wait)):
+        bucket = open_buckets.get(c.key)
+        if bucket is not None:
+            start = max(c.ready, max(b.ready for b in bucket))
+            fits = start < min(c.wait, min(b.wait for b in bucket)) and \
+                sum(b.tensor_bytes for b in bucket) + c.tensor_bytes <= bucket_bytes
+            if fits:
+                bucket.append(c)
+                continue
+            issues.append(_issue(bucket, max(b.ready for b in bucket), names))
+        open_buckets[c.key] = [c]
+    for bucket in open_buckets.values():
+        issues.append(_issue(bucket, max(b.ready for b in bucket), names))
+    issues.sort(key=lambda i: (i.at, min(i.waits)))
+    return Schedule(issues, bucket_bytes)
+
+
+def _consecutive_buckets(comms: list[_Comm], bucket_bytes: int) -> list[list[_Comm]]:
+    """``comms`` (in wait order) cut into runs of one key of at most ``bucket_bytes``."""
+    out: list[list[_Comm]] = []
+    for c in comms:
+        last = out[-1] if out else None
+        if last is not None and last[0].key == c.key and sum(b.tensor_bytes for b in last) + c.tensor_bytes <= bucket_bytes:
+            last.append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def _issue(bucket: list[_Comm], at: int, names: list[str]) -> Issue:
+    bucket = sorted(bucket, key=lambda c: c.wait)
+    return Issue(names[at] if at >= 0 else None, at, tuple(c.name for c in bucket), tuple(c.wait for c in bucket),
+                 bucket[0].axis, bucket[0].kind, sum(c.bytes for c in bucket))
+
+
+# ---------------------------------------------------------------------------------------------
+# what the schedule hides, under a stated machine model
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine for estimates: dense 16-bit matmul rate, memory bandwidth, and per mesh axis the
+    link a collective of that axis runs over (bytes per second each rank sends, and a latency
+    per collective). Estimates, stated with their numbers: nothing here is measured."""
+
+    name: str
+    flops: float  # matmul FLOP/s a GPU sustains (bf16)
+    memory: float  # bytes/s (HBM)
+    links: dict[str, tuple[float, float]]  # mesh axis name -> (bytes/s per rank, seconds of latency per collective)
+    describe: str = ""
+
+
+MACHINES: dict[str, Machine] = {m.name: m for m in (
+    Machine("h100-nvlink", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
+            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 450e9, 10e-6)},
+            describe="8x H100 SXM in one node: 989 TFLOP/s bf16 dense at 60%, 3.35 TB/s HBM at 80%, NVLink 450 GB/s a "
+                     "direction per GPU at 80% for every mesh axis, 10 us a collective"),
+    Machine("h100-ib", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
+            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 50e9, 20e-6)},
+            describe="H100 nodes: tp inside a node over NVLink (450 GB/s at 80%), dp across nodes over 400 Gb/s "
+                     "InfiniBand a GPU (50 GB/s at 80%), 20 us a collective across nodes"),
+)}
+
+
+def op_seconds(op, machine: Machine, local_shape) -> float:
+    """A rough time for one op on one rank: matmul-like ops by FLOPs, the rest by the bytes they
+    write (a fusing backend writes fewer; this is an upper bound for the light ops)."""
+    import math
+
+    outs = [v for v in op.outputs if isinstance(v, TensorValue)]
+    if op.kind in ("linear", "matmul"):
+        a, b = (local_shape(v) for v in op.operands[:2])
+        k = a[-1]
+        n = b[0] if op.kind == "linear" else b[-1]
+        return 2 * math.prod(a) * n / machine.flops if k else 0.0
+    if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
+        q = local_shape(op.arg("query"))
+        kv = local_shape(op.arg("key"))
+        flops = 4 * math.prod(q) * kv[-2] * (2.5 if op.kind == "sdpfa_bwd" else 1.0)
+        return flops / machine.flops
+    return sum(math.prod(local_shape(v)) * v.dtype.itemsize for v in outs) / machine.memory
+
+
+@dataclass
+class Exposure:
+    """One fusion's communication under a machine: ``ideal`` the collectives' own time, ``exposed``
+    what the step waits for them (blocking: all of it), ``compute`` the ops' time."""
+
+    compute: float
+    ideal: float
+    exposed: float
+    blocking_exposed: float
+
+    @property
+    def hidden(self) -> float:
+        """The fraction of the collectives' time the schedule hides behind compute."""
+        return 0.0 if self.ideal == 0 else 1.0 - self.exposed / self.ideal
+
+
+def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine) -> Exposure:
+    """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at
+    a time, in the order they start; a ``set`` waits for its collective. Exposed time is the step
+    time minus the ops' time."""
+    from nvtp.sharding.placements import local_shape as shape_of
+
+    f = sharded.fusion
+
+    def local(v):
+        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
+
+    comms = {c.name: c for c in _collectives(sharded)}
+    names = sharded.mesh.names
+
+    def comm_seconds(axis: int, nbytes: int) -> float:
+        bw, latency = machine.links.get(names[axis], next(iter(machine.links.values())))
+        return latency + nbytes / bw
+
+    ideal = sum(comm_seconds(c.axis, c.bytes) for c in comms.values())
+    compute = sum(op_seconds(op, machine, local) for op in f.ops if op.kind not in ("set", "define_tensor", "define_scalar"))
+    issues = schedule.by_position() if schedule is not None else {}
+    done: dict[str, float] = {}
+    link_free: dict[int, float] = {}
+    now = 0.0
+
+    def launch(issue: Issue) -> None:
+        start = max(now, link_free.get(issue.axis, 0.0))
+        end = start + comm_seconds(issue.axis, issue.bytes)
+        link_free[issue.axis] = end
+        done.update((name, end) for name in issue.sets)
+
+    for issue in issues.get(-1, ()):
+        launch(issue)
+    for i, op in enumerate(f.ops):
+        name = op.outputs[0].name if op.outputs else ""
+        if op.kind == "set" and name in comms:
+            if name not in done:  # unscheduled: it starts here and blocks
+                launch(Issue(None, i, (name,), (i,), comms[name].axis, comms[name].kind, comms[name].bytes))
+            now = max(now, done[name])
+        elif op.kind not in ("define_tensor", "define_scalar"):
+            now += op_seconds(op, machine, local)
+        for issue in issues.get(i, ()):
+            launch(issue)
+    return Exposure(compute, ideal, max(0.0, now - compute), ideal)
