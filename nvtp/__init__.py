@@ -14,6 +14,10 @@ def __getattr__(name):  # keep `import nvtp` light: torch and Thunder load on fi
         from nvtp import parallel
 
         return getattr(parallel, name)
+    if name == "ShardingTransform":  # thunder.jit(model, transforms=[nvtp.ShardingTransform(plan, mesh)])
+        from nvtp.transform import ShardingTransform
+
+        return ShardingTransform
     if name == "plan":
         from nvtp.explain import plan
 

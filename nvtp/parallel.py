@@ -32,9 +32,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -43,54 +41,15 @@ from nvtp import driver
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
+from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
-from nvtp.ir.graph import TensorValue
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
-from nvtp.sharding.passes import ShardedFusion
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
 
-__all__ = ["ShardedModule", "jit", "full_tensor", "InputError"]
-
-
-@dataclass
-class _Compiled:
-    """A compiled call shape: the driver's ``Program`` and this rank's runner of it (the backend's lowering)."""
-
-    program: Program
-    signature: tuple
-    run: Callable[..., list[Any]]
-
-    @property
-    def forward(self) -> ShardedFusion:
-        return self.program.forward
-
-    @property
-    def backward(self) -> ShardedFusion | None:
-        return self.program.backward
-
-    @property
-    def arg_names(self) -> list[str]:
-        return self.program.traced.arguments
-
-    @property
-    def call(self) -> Any:
-        """The FX route's binding of a call's arguments and rebuilding of the outputs (None on Thunder's route)."""
-        return self.program.traced.call
-
-    @property
-    def parts(self) -> dict[str, Any]:
-        """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
-        return self.program.traced.parts
-
-    @cached_property
-    def traced_args(self) -> list[str]:
-        """The arguments the forward fusion reads (tensors; an argument the model ignores is not
-        one): the tensors ``_Run`` takes after the parameters, and returns gradients for."""
-        labels = {self.forward.source.label(v.name) for v in self.forward.source.inputs}
-        return [n for n in self.arg_names if n in labels]
+__all__ = ["ShardedModule", "jit", "full_tensor", "InputError", "retarget", "hold_part", "gather"]
 
 
 # Each parameter of an nvtp.jit module -> (placement, whole shape, comm), for full_tensor; weak,
@@ -111,6 +70,11 @@ def _replace_parameter(root: torch.nn.Module, old: torch.nn.Parameter, new: torc
         for attr, q in list(module._parameters.items()):
             if q is old:
                 module._parameters[attr] = new
+    retarget(old, new)
+
+
+def retarget(old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
+    """An optimizer holding ``old`` steps ``new`` instead (it is pointed at ``new`` before its first step)."""
     _REPLACED[old] = new
     if not _RETARGET_HOOK:  # installed on the first replacement, not on import
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -170,7 +134,7 @@ class ShardedModule(torch.nn.Module):
         self._placements: dict[str, Placement] = {}
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
-        self._compiled: dict[tuple, _Compiled] = {}
+        self._compiled: dict[tuple, RankProgram] = {}
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
 
     # -- state: the wrapped module's own keys ------------------------------------------------
@@ -240,7 +204,7 @@ class ShardedModule(torch.nn.Module):
             sig.append((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a)))
         return tuple(sig)
 
-    def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
+    def _compile(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> RankProgram:
         """The driver's program for this call shape (``nvtp.driver``: the route, the passes for this
         backend's target), this rank's parameters made its shards, and the backend's runner.
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
@@ -257,7 +221,7 @@ class ShardedModule(torch.nn.Module):
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
-        return _Compiled(program, self._signature(args, kwargs), run)
+        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs))
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -286,7 +250,7 @@ class ShardedModule(torch.nn.Module):
                     continue
                 self._placements[label] = placement
                 if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
-                    self._part_rows.update(_part_rows(label, placement, self.mesh.size))
+                    self._part_rows.update(part_rows(label, placement, self.mesh.size))
                 part = p.data if _whole(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
                 if self.uses_dtensor:
                     shape = self._global_shapes[label]
@@ -295,7 +259,7 @@ class ShardedModule(torch.nn.Module):
                 else:
                     with torch.no_grad():
                         p.data = part
-                    _PLACED[p] = (placement, self._global_shapes[label], self.comm)
+                    hold_part(p, placement, self._global_shapes[label], self.comm)
             elif label in buffers and not _whole(placement):
                 raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
 
@@ -317,13 +281,13 @@ class ShardedModule(torch.nn.Module):
         same model with the same plan and mesh on another rank (a simulated mesh, one module per
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
-            self._compiled[key] = _Compiled(compiled.program, compiled.signature,
-                                            backends.BACKENDS[self.backend].lower(compiled.program, self.comm))
+            self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
+                                              self.rank, self._part_rows, compiled.signature)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
 
-    def _compiled_for(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> _Compiled:
+    def _compiled_for(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> RankProgram:
         key = self._signature(args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -367,9 +331,8 @@ class ShardedModule(torch.nn.Module):
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         named = {}
-        for v in compiled.forward.source.inputs:
-            label = compiled.forward.source.label(v.name)
-            label = self._part_rows[label][0] if label in self._part_rows else label  # a part: its parameter goes in
+        for v in compiled.forward_fusion.source.inputs:
+            label = compiled.holder(compiled.forward_fusion.source.label(v.name))  # a part: its parameter goes in
             if label in params:
                 named[label] = params[label]
             elif label in buffers:
@@ -449,67 +412,27 @@ def _describe(sig) -> str:
 
 
 class _Run(torch.autograd.Function):
-    """Forward: the sharded forward fusion. Backward: the sharded backward fusion."""
+    """Forward: the sharded forward fusion. Backward: the sharded backward fusion (``RankProgram``)."""
 
     @staticmethod
-    def forward(ctx, module: ShardedModule, compiled: _Compiled, param_labels: list[str], seed: int, *tensors):
-        fwd = compiled.forward
-        f = fwd.source
+    def forward(ctx, module: ShardedModule, compiled: RankProgram, param_labels: list[str], seed: int, *tensors):
         n_params = len(param_labels)
         named = dict(zip(param_labels, tensors[:n_params])) | dict(zip(compiled.traced_args, tensors[n_params:]))
-        inputs = []
-        for v in f.inputs:
-            label = f.label(v.name)
-            if label in module._part_rows:  # rows of a fused projection's weight: a view of this rank's part
-                weight, lo, hi = module._part_rows[label]
-                t = _dt.local(named[weight])[lo:hi]
-            else:
-                t = _dt.local(named[label])
-            if label in compiled.arg_names and isinstance(v, TensorValue):  # the caller's tensor: take our part
-                t = spmd.shard_tensor(t, _callers(fwd, v.name, module), fwd.mesh, module.rank)
-            inputs.append(t)
-        outputs = compiled.run("forward", inputs, seed=seed)
-        values = {v.name: t for v, t in zip(f.inputs, inputs)}
-        values.update({src.name: t for src, t in zip(f.outputs, outputs)})
+        user_outputs, values = compiled.forward(named, seed)
         ctx.module, ctx.compiled, ctx.values, ctx.named, ctx.n_params = module, compiled, values, named, n_params
         ctx.param_labels = param_labels
-        user_outputs = [t for v, t in zip(f.outputs, outputs) if f.role(v.name) == "output"]
         for t in user_outputs:
             ctx.mark_non_differentiable(t) if not t.is_floating_point() else None
         return tuple(user_outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        compiled: _Compiled = ctx.compiled
-        bwd = compiled.backward
-        if bwd is None:
+        compiled: RankProgram = ctx.compiled
+        if compiled.backward_fusion is None:
             return (None,) * (4 + ctx.n_params + len(compiled.traced_args))
-        b = bwd.source
-        local_grads = []
-        grad_inputs = [v for v in b.inputs if b.role(v.name) == "grad"]
-        f = compiled.forward.source
-        by_output = dict(zip((v.name for v in f.outputs if f.role(v.name) == "output"), grads))
-        if all(b.info[v.name].source in by_output for v in grad_inputs):  # each output's own gradient
-            grads = [by_output[b.info[v.name].source] for v in grad_inputs]
-        for v, g in zip(grad_inputs, grads):
-            g = torch.zeros(v.shape, dtype=v.dtype.torch, device=_device_of(ctx.module.module)) if g is None else g.detach()
-            local = spmd.shard_tensor(g, _callers(bwd, v.name, ctx.module), bwd.mesh, ctx.module.rank)
-            dp = ctx.module._dp_axis()
-            if dp is not None and axis_split(bwd.sharding(v.name)[dp]) is not None:
-                # Each rank's loss is over its own batch and DDP averages gradients over dp: the
-                # whole-batch program's loss is their mean, so a batch-split output's gradient is 1/dp of the rank's.
-                local = local / bwd.mesh.shape[dp]
-            local_grads.append(local)
-        from nvtp.frontend.capture import backward_inputs
-
         params = {label: _dt.local(ctx.named[label]) for label in ctx.param_labels}
-        f = compiled.forward.source  # inputs the backward reads by label that are not parameters (the FX
-        params |= {f.label(v.name): ctx.values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
-        inputs = backward_inputs(b, params, ctx.values, local_grads)
-        outs = compiled.run("backward", inputs, seed=0)
-        by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
+        by_grad = compiled.backward(ctx.values, params, grads, device=_device_of(ctx.module.module))
         result = [None, None, None, None]
-        by_grad |= _joined_grads(ctx.module._part_rows, by_grad, params)
         for label in ctx.param_labels:  # a DTensor parameter's gradient is a DTensor placed like it
             g = by_grad.get(label)
             result.append(_dt.grad_like(ctx.named[label], g) if isinstance(ctx.named[label], _dt.DTensor) else g)
@@ -517,46 +440,9 @@ class _Run(torch.autograd.Function):
         return tuple(result)
 
 
-def _part_rows(weight: str, placement: FusedParts, num_devices: int) -> dict[str, tuple[str, int, int]]:
-    """Each part's label -> (weight, first row, end row) in a rank's tensor of ``weight``."""
-    from nvtp.frontend.fused import part_label
-
-    rows, at = {}, 0
-    for (start, stop, _), n in zip(placement.parts, placement.local_sizes(num_devices)):
-        rows[part_label(weight, start, stop)] = (weight, at, at + n)
-        at += n
-    return rows
-
-
-def _joined_grads(part_rows: Mapping[str, tuple[str, int, int]], by_grad: Mapping[str, Any],
-                  params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A fused projection's weight gradient on this rank: its parts' gradients one after the other
-    (zeros for a part that got none)."""
-    grads: dict[str, list] = {}
-    for label, (weight, lo, hi) in part_rows.items():
-        grads.setdefault(weight, []).append((lo, by_grad.get(label), hi - lo))
-    out = {}
-    for weight, pieces in grads.items():
-        if weight not in params or all(g is None for _, g, _ in pieces):
-            continue
-        like = params[weight]
-        out[weight] = torch.cat([g if g is not None else like.new_zeros((n, *like.shape[1:])) for _, g, n in sorted(pieces, key=lambda t: t[0])])
-    return out
-
-
 def _whole(placement) -> bool:
     """Whether a placement (or a sharding, one per mesh axis) leaves the tensor whole on every rank."""
     return all(is_replicate(p) for p in placement) if isinstance(placement, tuple) else is_replicate(placement)
-
-
-def _callers(sharded: ShardedFusion, name: str, module: "ShardedModule") -> tuple[Placement, ...]:
-    """The sharding of a module argument (or an output's gradient) relative to what the caller
-    holds: whole on one mesh; on a mesh with a dp axis the caller already holds its own batch."""
-    sharding = sharded.sharding(name)
-    dp = module._dp_axis()
-    if dp is None:
-        return sharding
-    return tuple(REPLICATE if a == dp else p for a, p in enumerate(sharding))
 
 
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
@@ -600,7 +486,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         owner = next((o for p, o in list(_PLACED.items()) if p.grad is t), None)
     if owner is None:
         return t
-    placement, shape, comm = owner
+    return gather(t, *owner)
+
+
+def hold_part(p: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm) -> None:
+    """Record that plain tensor ``p`` holds this rank's part (``placement``) of a parameter of
+    ``shape`` on ``comm``'s ranks, so that ``full_tensor`` gathers it (and its gradient) whole."""
+    _PLACED[p] = (placement, tuple(shape), comm)
+
+
+def gather(t: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm) -> torch.Tensor:
+    """The whole tensor of which ``t`` is this rank's part (a collective on ``comm``: every rank calls it)."""
     if axis_split(placement) is None:
         return t.detach().clone()
     parts = comm.all_gather(t.detach().contiguous())
