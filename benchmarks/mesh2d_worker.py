@@ -44,23 +44,21 @@ class Job:
 
 
 def count_bytes(comm, sent: list) -> None:
-    """Make ``comm`` (one mesh axis's DistComm) add the bytes this rank sends to ``sent[0]``."""
+    """Make ``comm`` (one mesh axis's DistComm) add the bytes this rank sends to ``sent[0]``, on the
+    blocking collectives and on the ones the scheduled program starts asynchronously."""
     n = comm.size
-    inner = {k: getattr(comm, k) for k in ("all_reduce", "all_gather", "reduce_scatter")}
+    names = ("all_reduce", "all_gather", "reduce_scatter")
+    size = {"all_reduce": lambda t: 2 * (n - 1) / n * t.nbytes, "all_gather": lambda t: (n - 1) * t.nbytes,
+            "reduce_scatter": lambda chunks: (n - 1) / n * sum(c.nbytes for c in chunks)}
+    for name in names:
+        for method in (name, f"{name}_async"):
+            inner = getattr(comm, method)
 
-    def all_reduce(t, op):
-        sent[0] += 2 * (n - 1) / n * t.numel() * t.element_size()
-        return inner["all_reduce"](t, op)
+            def counted(arg, *rest, inner=inner, name=name):
+                sent[0] += size[name](arg)
+                return inner(arg, *rest)
 
-    def all_gather(t):
-        sent[0] += (n - 1) * t.numel() * t.element_size()
-        return inner["all_gather"](t)
-
-    def reduce_scatter(chunks, op):
-        sent[0] += (n - 1) / n * sum(c.numel() * c.element_size() for c in chunks)
-        return inner["reduce_scatter"](chunks, op)
-
-    comm.all_reduce, comm.all_gather, comm.reduce_scatter = all_reduce, all_gather, reduce_scatter
+            setattr(comm, method, counted)
 
 
 def tokens(job: Job, step: int, dp_rank: int | None = None, dp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,19 @@ class CountingComm:
         self._count("reduce_scatter", sum(c.numel() * c.element_size() for c in chunks), 1.0)
         return self.inner.reduce_scatter(chunks, op)
 
+    # The scheduled program starts its collectives asynchronously (nvtp.sharding.overlap): count those too.
+    def all_reduce_async(self, t, op):
+        self._count("allreduce", t.numel() * t.element_size(), 2.0)
+        return self.inner.all_reduce_async(t, op)
+
+    def all_gather_async(self, t):
+        self._count("allgather", t.numel() * t.element_size() * self.size, 1.0)
+        return self.inner.all_gather_async(t)
+
+    def reduce_scatter_async(self, chunks, op):
+        self._count("reduce_scatter", sum(c.numel() * c.element_size() for c in chunks), 1.0)
+        return self.inner.reduce_scatter_async(chunks, op)
+
 
 def timed_rounds(steps: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Seconds per step of each implementation, taking turns round after round (as
@@ -65,7 +78,7 @@ def timed_rounds(steps: dict, rounds: int, warmup: int) -> dict[str, list[float]
     names = list(steps)
     local = {n: [] for n in names}
     for r in range(warmup + rounds):
-        for n in names[r % 2:] + names[: r % 2]:
+        for n in names[r % len(names):] + names[: r % len(names)]:
             dist.barrier()
             start = time.perf_counter()
             steps[n]()

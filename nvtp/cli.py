@@ -183,6 +183,10 @@ def _explain_model(args) -> int:
             raise Usage(str(e)) from None
         layers = args.layers or cfg.n_layer
         result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, **where)
+    if args.machine is not None:
+        from nvtp.sharding.overlap import MACHINES
+
+        result.machine = MACHINES[args.machine]
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
     return EXIT_OK
 
@@ -307,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
+            c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib"],
+                           help="estimate, on this machine model, what the communication schedule hides per step "
+                                "(h100-nvlink: 8x H100 in one node; h100-ib: dp across nodes over InfiniBand)")
             c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],
                            help="the backend to plan for: auto (default) is the one nvtp.jit would run the model on here "
                                 "(nvfuser with a CUDA GPU and nvFuser, else reference); nvfuser plans for GPUs on any machine")

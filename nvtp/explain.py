@@ -105,12 +105,13 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
     if not regional:
         whole = _shard_gpt(_trace_gpt(cfg, layers, dtype), plan, mesh, backend, fsdp)
         traced = time.perf_counter() - start
-        return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward)],
+        return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward, whole.schedules)],
                            {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
     outer_t, block_t = _trace_gpt(cfg, 0, dtype), _trace_gpt(cfg, None, dtype)
     traced = time.perf_counter() - start
     outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp) for t in (outer_t, block_t))
-    regions = [Region("outer", 1, outer.forward, outer.backward), Region("block", layers, block.forward, block.backward)]
+    regions = [Region("outer", 1, outer.forward, outer.backward, outer.schedules),
+               Region("block", layers, block.forward, block.backward, block.schedules)]
     return ModelReport(name, plan, mesh.size, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape,
                        notes=outer.notes + [f"block: {n}" for n in block.notes], **extra)
 

@@ -151,13 +151,13 @@ def issued(phases, schedules: Mapping[str, Any]) -> list[dict[str, Any]]:
         if schedule is not None:
             for i in schedule.issues:
                 out.append({"phase": phase, "kind": i.kind, "axis": names[i.axis], "bytes": i.bytes, "tensors": list(i.sets),
-                            "at": i.at, "waits": list(i.waits)})
+                            "at": i.at, "waits": list(i.waits), "overlaps_ops": min(i.waits) - i.at - 1})
             continue
         order = {op.outputs[0].name: k for k, op in enumerate(sharded.fusion.ops) if op.outputs}
         for name, step in sorted(sharded.set_steps.items(), key=lambda kv: order.get(kv[0], 0)):
             if step.is_communication:
                 out.append({"phase": phase, "kind": step.kind, "axis": names[step.axis], "bytes": step.bytes, "tensors": [name],
-                            "at": order[name] - 1, "waits": [order[name]]})
+                            "at": order[name] - 1, "waits": [order[name]], "overlaps_ops": 0})
     return out
 
 

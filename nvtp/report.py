@@ -62,6 +62,7 @@ class ModelReport:
     notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
     how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
     backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
+    machine: Any = None  # an nvtp.sharding.overlap.Machine: estimate what the schedule hides on it
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
 
     # -- communications -------------------------------------------------------------------
@@ -103,6 +104,28 @@ class ModelReport:
                 layers = range(r.count) if phase == "forward" else reversed(range(r.count))
                 for layer in (layers if r.count > 1 else [None]):
                     out += [c | {"region": r.name, "layer": layer} for c in issued([(phase, sharded)], r.schedules)]
+        return out
+
+    def schedule_summary(self) -> dict[str, Any]:
+        """Under ``self.machine``: per phase the ops' time, the collectives' own time, and what the
+        step still waits for them, scheduled and blocking (seconds; a repeated region counted
+        ``count`` times), and the fraction the schedule hides."""
+        from nvtp.sharding.overlap import exposure
+
+        out: dict[str, Any] = {"machine": self.machine.name, "describe": self.machine.describe}
+        for phase in ("forward", "backward"):
+            total = {"compute": 0.0, "communication": 0.0, "exposed": 0.0, "exposed_blocking": 0.0}
+            for r in self.regions:
+                sharded = r.forward if phase == "forward" else r.backward
+                if sharded is None:
+                    continue
+                e = exposure(sharded, r.schedules.get(phase), self.machine)
+                total["compute"] += r.count * e.compute
+                total["communication"] += r.count * e.ideal
+                total["exposed"] += r.count * e.exposed
+                total["exposed_blocking"] += r.count * e.blocking_exposed
+            total["hidden"] = 0.0 if not total["communication"] else 1 - total["exposed"] / total["communication"]
+            out[phase] = total
         return out
 
     # -- memory ---------------------------------------------------------------------------
@@ -240,6 +263,7 @@ class ModelReport:
             "memory_per_rank": self.memory_per_rank(),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
+            **({"schedule": self.schedule_summary()} if self.machine is not None else {}),
         } | ({"traced": self.how} if self.how else {}) | ({} if self.mesh is None else {
             "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
             "data": self.data,
@@ -288,6 +312,14 @@ class ModelReport:
                 moved = sum(len(c["tensors"]) for c in cs)
                 lines.append(f"  {phase} as issued: {len(cs)} collectives for {moved} tensors (started as soon as their inputs "
                              f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
+        if self.machine is not None:
+            summary = self.schedule_summary()
+            lines.append(f"schedule on {self.machine.name} ({self.machine.describe}), estimated per step:")
+            for phase in ("forward", "backward"):
+                t = summary[phase]
+                lines.append(f"  {phase:8} ops {t['compute'] * 1e3:9.2f} ms, communication {t['communication'] * 1e3:8.2f} ms, "
+                             f"exposed {t['exposed'] * 1e3:8.2f} ms (blocking: {t['exposed_blocking'] * 1e3:.2f} ms): "
+                             f"{t['hidden']:.0%} hidden")
         traffic = self.dp_traffic()
         if traffic is not None:
             lines += _traffic_text(traffic)
