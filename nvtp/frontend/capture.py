@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from nvtp.frontend.complex import ComplexAsReal
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, ValueInfo
@@ -152,7 +153,8 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     saved_grads = {p: p.grad for p in module.parameters()}
     try:
         with use_runtime(runtime), paused():  # nvtp/gcpause.py: the collector walking Thunder's objects
-            jitted = thunder.jit(module, executors=[executor()])
+            # Complex arithmetic (rotary tables) as real, before Thunder differentiates it (nvtp/frontend/complex.py)
+            jitted = thunder.jit(module, executors=[executor()], transforms=[ComplexAsReal()])
             out = jitted(*args, **kwargs)
             if backward:
                 outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
