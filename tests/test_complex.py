@@ -176,13 +176,12 @@ def test_nvfuser_builds_the_complex_rotary_fusions_from_their_text(megatron_run,
     """The fusions the model trained with, sharded for nvFuser (``nvtp shard``'s target) with plan
     megatron over 2 devices, printed and built by nvfuser_direct from the text (the contract of
     tests/test_nvfuser_text.py): the pairs need no new op."""
+    from nvtp import driver
     from nvtp.dump.sharded import format_sharded
-    from nvtp.sharding.pipeline import shard_pair
     from tests.test_nvfuser_text import check_nvfuser_reads
 
-    captured = megatron_run[2][0].last.captured
-    pair = shard_pair(captured.forward, captured.backward, "megatron", DeviceMesh.of_size(2))
-    for role, sharded in zip(("fwd", "bwd"), pair):
+    program = driver.shard(megatron_run[2][0].last.traced, "megatron", DeviceMesh.of_size(2), "nvfuser")
+    for role, sharded in zip(("fwd", "bwd"), (program.forward, program.backward)):
         path = tmp_path / f"complex_rotary_{role}.py"
         path.write_text(format_sharded(sharded, [f"{role} of tests/complex_rotary.py, plan megatron over 2 devices"]))
         math = check_nvfuser_reads(path)

@@ -118,7 +118,7 @@ def test_the_parts_of_every_block_of_a_spliced_deep_model_are_split():
     """The regional route (one block traced, spliced 4 times) keeps each block's parts."""
     torch.manual_seed(0)
     ranks, ref = _train(_Deep(), steps=2)
-    assert ranks[0].last.captured.regional.startswith("spliced"), ranks[0].last.captured.regional
+    assert ranks[0].last.traced.how.startswith("spliced"), ranks[0].last.traced.how
     for i in range(4):
         assert str(ranks[0].placement(f"blocks.{i}.qkv.weight")) == "parts([0:64] S(0), [64:80] S(0), [80:96] S(0))"
     for r, m in enumerate(ranks):

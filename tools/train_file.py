@@ -101,9 +101,8 @@ def main() -> int:
         seconds = time.perf_counter() - start
         if step == 0:
             c = sharded.last
-            route = "fx" if c.program is not None else "thunder"
-            say(f"   route {route} ({c.captured.regional or 'whole trace'}); forward fusion {len(list(c.forward.source.compute_ops()))} "
-                f"ops, backward {len(list(c.backward.source.compute_ops()))} ops; trace {c.captured.trace_seconds:.1f} s")
+            say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "
+                f"ops, backward {len(list(c.backward.source.compute_ops()))} ops; trace {c.traced.seconds:.1f} s")
         if reference is not None:
             want = loss_of(reference, tokens, targets, args.loss)
             ref_opt.zero_grad()
