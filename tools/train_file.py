@@ -7,7 +7,8 @@ it against the same training in one plain process (the rows of docs/models.md):
 
 The file is imported as it is, from where it lies (its folder goes on ``sys.path``, so its own
 imports work); ``--build`` is a Python expression evaluated in that module's namespace (the
-model's own constructor and config class). Every rank builds the model from the same seed, wraps
+model's own constructor and config class), ``--setup`` statements run on the built ``model``
+(a model that wants its caches set up first), ``--args`` further arguments of each call. Every rank builds the model from the same seed, wraps
 it with ``nvtp.jit`` and trains it with SGD on the same random token batches; rank 0 trains an
 unsharded copy in eager PyTorch beside it, prints both losses, the plan's split weights and the
 worst differences, and exits 1 if a loss differs by more than ``--loss-tolerance`` or a final
@@ -47,11 +48,11 @@ def batch(step: int, vocab: int, size: tuple[int, int]) -> tuple[torch.Tensor, t
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def loss_of(model, tokens: torch.Tensor, targets: torch.Tensor, how: str) -> torch.Tensor:
+def loss_of(model, tokens: torch.Tensor, targets: torch.Tensor, how: str, extra: tuple = ()) -> torch.Tensor:
     if how == "logits":
-        logits = model(tokens)
+        logits = model(tokens, *extra)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-    out = model(tokens, targets)
+    out = model(tokens, targets, *extra)
     if isinstance(out, (tuple, list)):
         out = next(x for x in out if isinstance(x, torch.Tensor) and x.dim() == 0)
     return out
@@ -62,6 +63,8 @@ def main() -> int:
     p.add_argument("file", help="the Python file that defines the model")
     p.add_argument("--build", required=True, help="expression that builds the model, in the file's namespace")
     p.add_argument("--vocab", type=int, required=True, help="token ids are drawn from [0, vocab)")
+    p.add_argument("--setup", default="", help="statements run once after --build, with the model as `model` (e.g. caches)")
+    p.add_argument("--args", default="", help="further positional arguments of each call, an expression (e.g. positions)")
     p.add_argument("--plan", default="megatron")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.1)
@@ -81,7 +84,11 @@ def main() -> int:
         init_group(rank, world, None)
     source = load(args.file)
     torch.manual_seed(0)
-    model = eval(args.build, vars(source))  # noqa: S307 - a developer's own command line, in the file's namespace
+    namespace = {**vars(source), "torch": torch}
+    model = eval(args.build, namespace)  # noqa: S307 - a developer's own command line, in the file's namespace
+    if args.setup:
+        exec(args.setup, {**namespace, "model": model})  # noqa: S102 - as --build
+    extra = tuple(eval(f"({args.args},)", namespace)) if args.args else ()  # noqa: S307 - as --build
     reference = copy.deepcopy(model) if rank == 0 else None
     sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend)
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)
@@ -94,7 +101,7 @@ def main() -> int:
     for step in range(args.steps):
         tokens, targets = batch(step, args.vocab, (args.batch, args.seq))
         start = time.perf_counter()
-        loss = loss_of(sharded, tokens, targets, args.loss)
+        loss = loss_of(sharded, tokens, targets, args.loss, extra)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -104,7 +111,7 @@ def main() -> int:
             say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "
                 f"ops, backward {len(list(c.backward.source.compute_ops()))} ops; trace {c.traced.seconds:.1f} s")
         if reference is not None:
-            want = loss_of(reference, tokens, targets, args.loss)
+            want = loss_of(reference, tokens, targets, args.loss, extra)
             ref_opt.zero_grad()
             want.backward()
             ref_opt.step()
