@@ -87,9 +87,10 @@ def test_each_fused_layout_is_split_by_heads_and_trains_like_eager(layout, kv_he
     assert comms == ["allreduce"], comms  # the row-parallel output projection's, nothing inside the pair
 
 
-def test_multi_query_blocks_split_the_queries_and_keep_the_kv_head_whole():
+@pytest.mark.parametrize("layout", ["blocks", "groups"])  # with one query group the two layouts are one
+def test_multi_query_splits_the_queries_and_keeps_the_kv_head_whole(layout):
     torch.manual_seed(0)
-    model = FusedQKVBlock("blocks", heads=8, kv_heads=1)
+    model = FusedQKVBlock(layout, heads=8, kv_heads=1)
     ranks, ref = _train(model)
     placement = ranks[0].placement("qkv.weight")
     assert str(placement) == "parts([0:64] S(0), [64:72] R, [72:80] R)", placement

@@ -8,7 +8,8 @@ two steps that together give the fusions the FX route gives:
 
 1. ``SplitFusedLinears``, a Thunder transform run before autodiff, writes the ``linear`` as one
    ``linear`` per part on the part's rows of the weight (``W[a:b]``, ``bias[a:b]``), and the reads
-   (slices ``y[..., a:b]``, one ``split``/``chunk`` of the last axis) as the parts' outputs.
+   (slices ``y[..., a:b]``, one ``split``/``chunk`` of the last axis, either after one view that
+   keeps the feature axis or splits it into ``[m, h]``) as the parts' outputs.
    Thunder then differentiates per-part projections: the weight's gradient is the parts'
    gradients padded into place and added.
 2. ``lift_parts`` then makes each part its own fusion input (label ``<weight>[a:b]``, as
@@ -66,26 +67,54 @@ def _same(a: Any, b: TensorProxy) -> bool:
     return isinstance(a, TensorProxy) and a.name == b.name
 
 
-def _range_reads(bsym: BoundSymbol, y: TensorProxy) -> list[tuple[TensorProxy, int, int]] | None:
-    """[(output, start, stop)] when ``bsym`` reads ``y`` only as ranges of its last axis."""
-    n, ndim = y.shape[-1], y.ndim
+def _range_reads(bsym: BoundSymbol, y: TensorProxy, axis: int) -> list[tuple[TensorProxy, int, int]] | None:
+    """[(output, start, stop)] when ``bsym`` reads ``y`` only as ranges of its axis ``axis``."""
+    n, ndim = y.shape[axis], y.ndim
     if bsym.sym.id == ltorch.getitem.id and _same(bsym.args[0], y):
-        r = index_range(bsym.args[1], tuple(y.shape), ndim - 1)
+        r = index_range(bsym.args[1], tuple(y.shape), axis)
         return [(bsym.output, *r)] if r is not None else None
     kinds = {ltorch.split.id: "split", ltorch.chunk.id: "chunk"}
     if bsym.sym.id in kinds and _same(bsym.args[0], y):
         size = bsym.args[1] if len(bsym.args) > 1 else next(iter(bsym.kwargs.values()), None)
         dim = bsym.args[2] if len(bsym.args) > 2 else bsym.kwargs.get("dim", 0)
-        ranges = split_ranges(kinds[bsym.sym.id], size, n) if isinstance(dim, int) and dim % ndim == ndim - 1 else None
+        ranges = split_ranges(kinds[bsym.sym.id], size, n) if isinstance(dim, int) and dim % ndim == axis % ndim else None
         if ranges is not None and len(ranges) == len(bsym.output):
             return [(o, a, b) for o, (a, b) in zip(bsym.output, ranges)]
     return None
 
 
+_VIEWS = {ltorch.view.id, ltorch.reshape.id}
+
+
+def _reads(y: TensorProxy, readers: dict[str, list[BoundSymbol]]) -> tuple[list[BoundSymbol], list[tuple[TensorProxy, int, int]]] | None:
+    """The bound symbols that read the projection's output ``y`` (last axis ``n``) and what they give:
+    [(output, first row, end row)], when they read it only as ranges of its features, directly or
+    through one view that keeps the feature axis (``view(B, T, 1, n)``, a query-group axis of one)
+    or splits it into ``[m, h]`` (ranges of ``m``, each ``h`` rows)."""
+    users = readers.get(y.name, [])
+    direct = [_range_reads(r, y, -1) for r in users]
+    if users and all(r is not None for r in direct):
+        return users, [x for r in direct for x in r]
+    if len(users) != 1 or users[0].sym.id not in _VIEWS or not isinstance(users[0].output, TensorProxy):
+        return None
+    view, n = users[0].output, y.shape[-1]
+    if tuple(view.shape[-1:]) == (n,):
+        axis, h = -1, 1
+    elif view.ndim >= 2 and view.shape[-2] * view.shape[-1] == n and tuple(view.shape[:-2]) == tuple(y.shape[:-1]):
+        axis, h = -2, view.shape[-1]
+    else:
+        return None
+    through = [_range_reads(r, view, axis) for r in readers.get(view.name, [])]
+    if not through or any(r is None for r in through):
+        return None
+    return [users[0], *readers[view.name]], [(o, a * h, b * h) for r in through for o, a, b in r]
+
+
 def split_fused_linears(trace: TraceCtx) -> TraceCtx:
     """``trace`` with each ``linear`` of a weight (and bias) the computation takes and reads nowhere
-    else, whose output is read only as ranges of its last axis of different widths, written as one
-    ``linear`` per range; ``trace`` itself when there is none."""
+    else, whose output is read only as ranges of its features of different widths (``_reads``),
+    written as one ``linear`` per range, each read replaced by its part (viewed as the read's
+    result); ``trace`` itself when there is none."""
     taken = {p.name for p in trace.args if isinstance(p, TensorProxy)}
     readers: dict[str, list[BoundSymbol]] = {}
     for bsym in trace.bound_symbols:
@@ -93,7 +122,7 @@ def split_fused_linears(trace: TraceCtx) -> TraceCtx:
             continue
         for p in bsym.flat_proxy_args:
             readers.setdefault(p.name, []).append(bsym)
-    plans: dict[int, tuple[list[tuple[int, int]], list[BoundSymbol]]] = {}
+    plans: dict[int, tuple[list[BoundSymbol], list[tuple[TensorProxy, int, int]]]] = {}
     for i, bsym in enumerate(trace.bound_symbols):
         if bsym.sym.id != ltorch.linear.id:
             continue
@@ -104,15 +133,12 @@ def split_fused_linears(trace: TraceCtx) -> TraceCtx:
         y = bsym.output
         if not isinstance(y, TensorProxy) or w.ndim != 2 or y.shape[-1] != w.shape[0]:
             continue
-        reads = [_range_reads(r, y) for r in readers.get(y.name, [])]
-        if not reads or any(r is None for r in reads):
-            continue
-        ranges = [(a, c) for r in reads for _, a, c in r]
-        if tiles(ranges, w.shape[0]):
-            plans[i] = (sorted(set(ranges)), readers[y.name])
+        found = _reads(y, readers)
+        if found is not None and tiles([(a, c) for _, a, c in found[1]], w.shape[0]):
+            plans[i] = found
     if not plans:
         return trace
-    dropped = {id(r) for _, rs in plans.values() for r in rs}
+    dropped = {id(r) for users, _ in plans.values() for r in users}
     new = from_trace(trace)
     swap: dict[Any, Any] = {}
     with tracectx(new):
@@ -122,18 +148,19 @@ def split_fused_linears(trace: TraceCtx) -> TraceCtx:
             if i not in plans:
                 new.bound_symbols.append(bsym.from_bsym_swap_proxies(swap) if swap else bsym)
                 continue
-            ranges, reads = plans[i]
             x, w, *rest = bsym.args
             b = rest[0] if rest else bsym.kwargs.get("bias")
             new.push_scope([])
-            part = {(a, c): ltorch.linear(x, ltorch.getitem(w, slice(a, c)), ltorch.getitem(b, slice(a, c)) if b is not None else None)
-                    for a, c in ranges}
+            part = {}
+            for out, a, c in plans[i][1]:
+                if (a, c) not in part:
+                    wb = ltorch.getitem(b, slice(a, c)) if b is not None else None
+                    part[(a, c)] = ltorch.linear(x, ltorch.getitem(w, slice(a, c)), wb)
+                y = part[(a, c)]
+                swap[variableify(out)] = y if tuple(y.shape) == tuple(out.shape) else ltorch.reshape(y, *out.shape)
             made = new.pop_scope()
             new.bound_symbols.extend(m.from_bsym(source_filename=bsym.source_filename, source_positions=bsym.source_positions)
                                      for m in made)
-            for r in reads:
-                for out, a, c in _range_reads(r, bsym.output):
-                    swap[variableify(out)] = part[(a, c)]
     new.set_provenance(TraceProvenance("nvtp: fused projections of unequal parts, one linear per part"))
     return new
 
