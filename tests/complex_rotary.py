@@ -107,7 +107,8 @@ class ComplexRotaryLM(nn.Module):
         h = self.embed(tokens)
         if self.cfg.tables_in_forward:
             hd = self.cfg.dim // self.cfg.heads
-            angles = torch.outer(torch.arange(T, device=h.device).float(), 10000.0 ** (-torch.arange(0, hd, 2, device=h.device).float() / hd))
+            freqs = 10000.0 ** (-torch.arange(0, hd, 2, device=h.device).float() / hd)
+            angles = torch.outer(torch.arange(T, device=h.device).float(), freqs)
             table = torch.polar(torch.ones_like(angles), angles)
         else:
             self.freqs = self.freqs.to(h.device)  # as llama2_model.py does: an attribute set in forward

@@ -19,7 +19,6 @@ holding those heads must hold, Megatron's way.
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -46,7 +46,7 @@ class EveryComplexOp(torch.nn.Module):
         z = z.transpose(0, 1).permute(1, 0, 2).unsqueeze(1).expand(4, 2, 8, 3)[:, 0]
         z = torch.cat([z, a.flatten(1).view(4, 8, 3)], dim=-1)[..., 1:5]  # cat; getitem with an ellipsis
         z = torch.stack([z, z * 2], dim=1).sum(1) + z.mean(-1, keepdim=True)
-        z = z.to(torch.complex128).to(torch.complex64)
+        z = z.to(torch.complex128).to(torch.complex64) + x[..., 2:6].to(torch.complex64)  # complex to complex, real to complex
         z = torch.div((-z).contiguous().clone().reshape(4, 8, 1, 4).squeeze(2).type_as(z), 2.0)  # layout no-ops
         z = torch.resolve_neg(torch.resolve_conj(z.conj_physical())).expand_as(z)
         out = torch.view_as_real(z).sum(-1) + z.real * z.imag + z.abs() + z.angle() + (z - z.conj()).imag

@@ -346,11 +346,12 @@ def _reduce(rw: _Rewrite, bsym: BoundSymbol):
 
 @_rule(ltorch.to, ltorch.type_as)
 def _to(rw: _Rewrite, bsym: BoundSymbol):
-    """A cast: complex to complex converts both parts; complex to real keeps the real part (as torch
-    does, with its warning); moving between devices does nothing (one fusion runs on one device)."""
+    """A cast: complex to complex converts both parts, real to complex adds zeros, complex to real
+    keeps the real part (as torch does, with its warning); moving between devices does nothing (one
+    fusion runs on one device)."""
     a, out = bsym.args[0], bsym.output
-    if not is_complex(a):
-        raise _refuse(bsym, "a cast of a real tensor to a complex dtype")
+    if not is_complex(a):  # real to complex: an imaginary part of zeros
+        return _join(rw.value(a), 0, out)
     if is_complex(out):
         if out.dtype == a.dtype:
             return rw.value(a)  # as _same: `self.freqs_cis = self.freqs_cis.to(h.device)` returns the buffer itself
