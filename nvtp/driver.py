@@ -61,12 +61,18 @@ class Traced:
     boundary: bool = True  # a module: outputs and argument gradients whole on the model-parallel axis
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first name
     seconds: float = 0.0
-    split_parts: bool = False  # the FX route split fused projections into their parts
+    split_parts: bool = False  # fused projections of unequal parts were split into their parts
 
     @property
     def parts(self) -> dict[str, Any]:
         """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
-        return self.call.parts if self.call is not None else {}
+        if self.call is not None:
+            return self.call.parts
+        if not self.split_parts:
+            return {}
+        from nvtp.frontend.parts import parts_of
+
+        return parts_of(self.forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,9 +117,9 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     be one already, and ``like`` the module it copies), so nothing is computed and its parameters
     are untouched. ``batch``: each
     tensor argument's leading dimension is traced ``batch`` times as large (a dp mesh: each rank
-    passes its own batch, the program is the whole step's). ``split_parts``: on the FX route,
+    passes its own batch, the program is the whole step's). ``split_parts``: on either route,
     fused projections with parts of different sizes become one input per part
-    (``nvtp.frontend.fused``). Raises ``InputError`` for arguments that do not fit the module,
+    (``nvtp.frontend.fused``, ``nvtp.frontend.parts``). Raises ``InputError`` for arguments that do not fit the module,
     ``CaptureError`` naming the op and line nvtp cannot trace or fuse. ``boundary=False``: a
     region of a model (a block whose output is the next block's input), not its whole: outputs
     and argument gradients stay where the plan places them."""
@@ -136,17 +142,21 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
                       split_parts=split_parts, tied=tied, boundary=boundary)
     if kwargs:
         raise TypeError("on Thunder's route a call's keywords are bound to positions first: driver.bind_call")
-    if regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
-        from nvtp.frontend.regional import capture_regional
+    from nvtp.frontend.parts import splitting
 
-        captured = capture_regional(meta, *margs)
-    else:
-        from nvtp.frontend.capture import capture
+    with splitting(split_parts):  # the same split on Thunder's route (nvtp/frontend/parts.py)
+        if regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
+            from nvtp.frontend.regional import capture_regional
 
-        captured = capture(meta, *margs)
+            captured = capture_regional(meta, *margs)
+        else:
+            from nvtp.frontend.capture import capture
+
+            captured = capture(meta, *margs)
     names = _argument_names(module, len(args))
     return Traced(captured.forward, captured.backward, "thunder", captured.regional or "thunder.jit of the whole module",
-                  captured, None, names, weights, seconds=time.perf_counter() - start, tied=tied, boundary=boundary)
+                  captured, None, names, weights, seconds=time.perf_counter() - start, split_parts=split_parts, tied=tied,
+                  boundary=boundary)
 
 
 def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from nvtp.ir import ops as opstable
-from nvtp.ir.dtypes import DType, promote
+from nvtp.ir.dtypes import DType, as_input, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.printer import strides_for
 from nvtp.registry import registrar
@@ -318,6 +318,7 @@ def prepare_inputs(fusion: Fusion, inputs: Sequence[Any], device: torch.device |
         if isinstance(v, ScalarValue):
             prepared.append(x.item() if isinstance(x, torch.Tensor) else x)
             continue
+        x = as_input(x, v.shape, v.dtype)  # a complex tensor for a real pair input: its view_as_real
         if not isinstance(x, torch.Tensor):
             raise NvFuserError(f"input {v.describe()} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape) != v.shape or x.dtype != v.dtype.torch:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from nvtp.execute import patterns
 from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, start_reshards, take
 from nvtp.execute.lower import lower, value_args
-from nvtp.ir.dtypes import DType
+from nvtp.ir.dtypes import DType, as_input
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.ops import RANDOM, pad_pairs, slice_bounds
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, held, induced, is_partial, local_indices, local_shape
@@ -970,6 +970,7 @@ def run(
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
+    inputs = [as_input(x, v.shape, v.dtype) if isinstance(v, TensorValue) else x for v, x in zip(fusion.inputs, inputs)]
     options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None, schedule=schedule)
     fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)

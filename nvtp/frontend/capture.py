@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
+from nvtp.frontend import parts
+from nvtp.frontend.complex import ComplexAsReal
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, ValueInfo
@@ -152,7 +154,10 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     saved_grads = {p: p.grad for p in module.parameters()}
     try:
         with use_runtime(runtime), paused():  # nvtp/gcpause.py: the collector walking Thunder's objects
-            jitted = thunder.jit(module, executors=[executor()])
+            # Complex arithmetic (rotary tables) as real, before Thunder differentiates it (nvtp/frontend/complex.py);
+            # fused projections of unequal parts, one per part, when asked (nvtp/frontend/parts.py)
+            transforms = [ComplexAsReal()] + ([parts.SplitFusedLinears()] if parts.enabled() else [])
+            jitted = thunder.jit(module, executors=[executor()], transforms=transforms)
             out = jitted(*args, **kwargs)
             if backward:
                 outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -182,6 +187,8 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
         bwd[0].extra["cotangents"] = _cotangents(bwd_traces[-1])
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
+    if parts.enabled():  # their parts become inputs of their own (nvtp/frontend/parts.py)
+        forward, backward_fusion = parts.lift_parts(forward, backward_fusion)
     return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))
 
 

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 from thunder.core import prims
+from thunder.core.dtypes import is_complex_dtype
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify
 from thunder.core.pytree import tree_flatten
@@ -36,7 +37,7 @@ from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
 
 from nvtp.frontend import attention
-from nvtp.frontend.translate import CHECKS, TRANSLATORS, supports_dtype, to_dtype
+from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
 from nvtp.ir.simplify import common_subexpressions, fold_casts, unpad_gathers
@@ -140,18 +141,20 @@ def _is_bookkeeping(bsym: BoundSymbol) -> bool:
     return not any(isinstance(p, TensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
 
 
-def _tensors_supported(*args) -> bool:
+def _tensors_supported(*args, complex_ok: bool = False) -> bool:
     flat, _ = tree_flatten((args,))
     for x in flat:
         if isinstance(x, TensorProxy):
             if x.device.type not in ("cpu", "cuda", "meta") or not supports_dtype(x.dtype):
                 return False
+            if is_complex_dtype(x.dtype) and not complex_ok:  # complex reaches a fusion only as a pair input
+                return False
     return True
 
 
-def _checker(extra):
+def _checker(extra, complex_ok: bool = False):
     def check(*args, **kwargs) -> bool:
-        return _tensors_supported(args, kwargs) and (extra is None or bool(extra(*args, **kwargs)))
+        return _tensors_supported(args, kwargs, complex_ok=complex_ok) and (extra is None or bool(extra(*args, **kwargs)))
 
     return check
 
@@ -165,7 +168,7 @@ class NvtpExecutor(FusionExecutor):
         super().__init__("nvtp", version=nvtp.__version__)
         for prim_id in TRANSLATORS:
             check = CHECKS.get(prim_id)
-            self.register_supported(prim_id, _checker(check))
+            self.register_supported(prim_id, _checker(check, complex_ok=prim_id in COMPLEX_OK))
         attention.register(self)
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
@@ -260,7 +263,8 @@ def translate_region(name: str, inputs: Sequence[Proxy], outputs: Sequence[Proxy
     env: dict[str, Any] = {}
     for p in inputs:
         if isinstance(p, TensorProxy):
-            env[p.name] = b.define_tensor(p.shape, to_dtype(p.dtype), info=ValueInfo("input", p.name))
+            shape, dtype = input_type(p)  # a complex input is its real pair [*s, 2] (nvtp/frontend/complex.py)
+            env[p.name] = b.define_tensor(shape, dtype, info=ValueInfo("input", p.name))
         elif isinstance(p, NumberProxy):
             env[p.name] = b.define_scalar(None, to_dtype(p.python_type))
         else:

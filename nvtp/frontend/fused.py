@@ -18,9 +18,10 @@ part of the weight and concatenates the parts' gradients into the weight's. On a
 holds each part's own rows one after the other; ``FusedParts`` is that layout (the parameter's
 placement), which ``nvtp.sharding.placements.local_indices`` reads like any other.
 
-Two read patterns are recognised (``y = linear(x, W, b)``, ``y: [..., n]``):
+Three read patterns are recognised (``y = linear(x, W, b)``, ``y: [..., n]``):
 
 * slices of the last axis: ``y[..., a:b]`` (Phi-3);
+* one ``split`` or ``chunk`` of the last axis: ``q, k, v = y.split([64, 32, 32], dim=-1)``;
 * one view splitting the last axis into ``[m, h]``, then slices of ``m``: ``y.view(..., m, h)[..., a:b, :]``
   (Falcon multi-query, after ``[..., [-2], :]`` became ``[..., -2:-1, :]``).
 
@@ -67,7 +68,13 @@ def _axis_range(node: fx.Node, base: fx.Node, shape: tuple[int, ...], axis: int)
     (step 1, every other axis whole), else None."""
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 and node.args[0] is base):
         return None
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return index_range(node.args[1], shape, axis)
+
+
+def index_range(key: Any, shape: tuple[int, ...], axis: int) -> tuple[int, int] | None:
+    """(start, stop) if indexing a tensor of ``shape`` with ``key`` (``x[key]``) selects the range
+    ``start:stop`` of ``axis`` (step 1) and every other axis whole, else None."""
+    index = key if isinstance(key, tuple) else (key,)
     if sum(i is Ellipsis for i in index) > 1 or any(not (i is Ellipsis or isinstance(i, slice)) for i in index):
         return None
     if Ellipsis in index:
@@ -86,16 +93,57 @@ def _axis_range(node: fx.Node, base: fx.Node, shape: tuple[int, ...], axis: int)
     return start, stop
 
 
-def _reads(y: fx.Node, n: int) -> tuple[list[tuple[fx.Node, int, int]], fx.Node | None] | None:
-    """How the projection's output ``y`` (last axis ``n``) is read: [(getitem, first row, end row)]
-    and the view between them (or None), when it is read only as ranges of its features."""
+def split_ranges(kind: str, size: Any, n: int) -> list[tuple[int, int]] | None:
+    """The ranges ``torch.split(y, size, -1)`` (``kind`` "split": an int or a list of sizes) or
+    ``torch.chunk(y, size, -1)`` (``kind`` "chunk") gives of a last axis of ``n``."""
+    if kind == "chunk":
+        if not isinstance(size, int) or size < 1:
+            return None
+        size = -(-n // size)
+    sizes = [size] * -(-n // size) if isinstance(size, int) else list(size)
+    if not sizes or any(not isinstance(k, int) or k < 0 for k in sizes) or (not isinstance(size, int) and sum(sizes) != n):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(a, min(a + k, n)) for a, k in zip(starts, sizes)]
+
+
+_SPLITS = {torch.split: "split", torch.functional.split: "split", torch.Tensor.split: "split", torch.chunk: "chunk",
+           torch.Tensor.chunk: "chunk", "split": "split", "chunk": "chunk"}
+
+
+def _split_reads(node: fx.Node, y: fx.Node, ndim: int, n: int) -> list[tuple[fx.Node, int, int]] | None:
+    """[(getitem, first row, end row)] when ``node`` is ``y.split(sizes, -1)`` / ``y.chunk(k, -1)``
+    read only by indexing its results."""
+    kind = _SPLITS.get(node.target) if node.op in ("call_function", "call_method") else None
+    if kind is None or not node.args or node.args[0] is not y:
+        return None
+    size = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections", node.kwargs.get("chunks"))
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % ndim != ndim - 1:
+        return None
+    ranges = split_ranges(kind, size, n)
+    users = list(node.users)
+    if ranges is None or not users or any(u.op != "call_function" or u.target is not operator.getitem or not isinstance(u.args[1], int)
+                                          for u in users):
+        return None
+    return [(u, *ranges[u.args[1]]) for u in users]
+
+
+def _reads(y: fx.Node, n: int) -> tuple[list[tuple[fx.Node, int, int]], fx.Node | None, bool] | None:
+    """How the projection's output ``y`` (last axis ``n``) is read: [(getitem, first row, end row)],
+    the node between them (a view or a split, or None), and whether that node is a view (each part
+    is then reshaped as the slice of the view it replaces), when it is read only as ranges of its
+    features: slices, one ``split``/``chunk`` of the last axis, or one view splitting the last axis."""
     shape = tuple(_example(y).shape)
     users = list(y.users)
     ranges = [(u, _axis_range(u, y, shape, len(shape) - 1)) for u in users]
     if users and all(r is not None for _, r in ranges):
-        return [(u, a, b) for u, (a, b) in ranges], None
+        return [(u, a, b) for u, (a, b) in ranges], None, False
     if len(users) != 1:
         return None
+    split = _split_reads(users[0], y, len(shape), n)
+    if split is not None:
+        return split, users[0], False
     view = users[0]
     if not (view.op == "call_method" and view.target in _VIEWS) and not (view.op == "call_function" and view.target is torch.reshape):
         return None
@@ -106,10 +154,10 @@ def _reads(y: fx.Node, n: int) -> tuple[list[tuple[fx.Node, int, int]], fx.Node 
     ranges = [(u, _axis_range(u, view, vshape, len(vshape) - 2)) for u in view.users]
     if not ranges or any(r is None for _, r in ranges):
         return None
-    return [(u, a * h, b * h) for u, (a, b) in ranges], view
+    return [(u, a * h, b * h) for u, (a, b) in ranges], view, True
 
 
-def _tiles(rows: list[tuple[int, int]], n: int) -> bool:
+def tiles(rows: list[tuple[int, int]], n: int) -> bool:
     """Whether the distinct ranges cover ``0:n`` exactly, one after the other, in parts of different widths."""
     parts = sorted(set(rows))
     if len(parts) < 2 or parts[0][0] != 0 or parts[-1][1] != n:
@@ -142,9 +190,9 @@ def split_fused_projections(g: fx.Graph, attrs: dict[str, Any]) -> dict[str, Par
             continue
         n = weight.shape[0]
         reads = _reads(node, n)
-        if reads is None or not _tiles([(a, c) for _, a, c in reads[0]], n):
+        if reads is None or not tiles([(a, c) for _, a, c in reads[0]], n):
             continue
-        getitems, view = reads
+        getitems, between, is_view = reads
         parts: dict[tuple[int, int], fx.Node] = {}
         for start, stop in sorted({(a, c) for _, a, c in getitems}):
             with g.inserting_before(node):
@@ -153,13 +201,13 @@ def split_fused_projections(g: fx.Graph, attrs: dict[str, Any]) -> dict[str, Par
                 parts[(start, stop)] = g.call_function(node.target, (x, wp, bp))
         for u, start, stop in getitems:
             new = parts[(start, stop)]
-            if view is not None:  # the part viewed as the slice of the view it replaces: [..., parts, h]
+            if is_view:  # the part viewed as the slice of the view it replaces: [..., parts, h]
                 with g.inserting_after(new):
                     new = g.call_method("reshape", (new, tuple(_example(u).shape)))
             u.replace_all_uses_with(new)
             g.erase_node(u)
-        if view is not None:
-            g.erase_node(view)
+        if between is not None:
+            g.erase_node(between)
         g.erase_node(node)
         for attr in (w, b):
             if attr is not None:

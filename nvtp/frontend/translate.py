@@ -38,6 +38,16 @@ def to_dtype(dtype: Any) -> DType:
         raise TypeError(f"no nvFuser DataType for {dtype}") from None
 
 
+def input_type(p: Any) -> tuple[tuple[int, ...], DType]:
+    """The shape and dtype of a fusion input for tensor proxy ``p``: a complex tensor enters as its
+    real pair ``[*s, 2]`` (``torch.view_as_real``'s layout; the backends feed it so,
+    ``nvtp.ir.dtypes.as_input``), since nvtp writes complex arithmetic as real arithmetic
+    (``nvtp.frontend.complex``)."""
+    if tdtypes.is_complex_dtype(p.dtype):
+        return (*p.shape, 2), to_dtype(tdtypes.corresponding_real_dtype(p.dtype))
+    return tuple(p.shape), to_dtype(p.dtype)
+
+
 def supports_dtype(dtype: Any) -> bool:
     try:
         to_dtype(dtype)
@@ -258,6 +268,23 @@ def _embedding(b, a, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     return b.op("embedding_fwd", a, weight, padding_idx=padding_idx if padding_idx is not None and padding_idx >= 0 else None)
 
 
+# -- complex inputs ----------------------------------------------------------------------------
+#
+# After nvtp.frontend.complex, the one complex op left is `view_as_real` of a complex tensor the
+# computation takes (a rotary table buffer); the fusion defines that input as the pair already.
+
+# Thunder's autodiff swaps the torch symbol ("torch.view_as_real") for the torch executor's
+# operator of the same function ("view_as_real"); both are claimed.
+COMPLEX_OK = {"torch.view_as_real", "view_as_real"}  # the translators that take a complex tensor (a fusion input)
+
+
+@translates(*COMPLEX_OK)
+def _view_as_real(b, a):
+    if not (isinstance(a, TensorValue) and a.shape[-1:] == (2,) and not a.dtype.is_complex):
+        raise AssertionError(f"view_as_real of {a}: nvtp takes it only of a fusion input, defined as its real pair")
+    return a  # the input is defined as its pair (input_type)
+
+
 # -- backward ops Thunder leaves as library calls ---------------------------------------------
 #
 # Thunder computes these two gradients with ATen kernels (scatter-adds). nvtp writes them as a
@@ -291,6 +318,8 @@ def _embedding_backward(b, grad, indices, num_weights, padding_idx, scale_grad_b
     return b.op("matmul", b.op("permute", onehot, dims=[1, 0]), flat_grad)  # [V, e]
 
 
+for _id in COMPLEX_OK:
+    CHECKS[_id] = lambda a: tdtypes.is_complex_dtype(getattr(a, "dtype", None))
 CHECKS[PrimIDs.EMBEDDING_BACKWARD] = lambda grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse: not scale_grad_by_freq and not sparse
 
 

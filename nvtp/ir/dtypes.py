@@ -152,3 +152,18 @@ def scalar_example(dtype: DType) -> bool | int | float | complex:
     if dtype.is_complex:
         return 1j
     return 1.0
+
+
+def as_input(x: object, shape: tuple[int, ...], dtype: DType) -> object:
+    """``x`` as a fusion input declared ``dtype[*shape]`` takes it: a complex tensor fed to a real
+    input with a trailing axis of 2 is its ``torch.view_as_real`` (no copy). nvtp writes complex
+    arithmetic as real arithmetic on such pairs (``nvtp.frontend.complex``), so a complex buffer
+    (a rotary table) enters a fusion as its pair; anything else is returned as it is. Only the
+    rank and the pair axis are compared: a sharded run feeds this rank's part."""
+    if (isinstance(x, torch.Tensor) and x.is_complex() and len(shape) == x.dim() + 1 and shape[-1] == 2
+            and x.dtype == _COMPLEX_OF.get(dtype)):
+        return torch.view_as_real(x.resolve_conj())
+    return x
+
+
+_COMPLEX_OF = {DType.Float: torch.complex64, DType.Double: torch.complex128, DType.Half: torch.complex32}

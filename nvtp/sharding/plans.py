@@ -152,7 +152,9 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     if vocab_parallel:
         vocab = _vocab_parallel_embeddings(fusion, mesh)
         for p in projs:
-            if p.weight not in column and p.weight not in row and _pays_to_split(fusion, mesh, p):
+            # Not KV heads fewer than the devices: they stay whole (split, they would be gathered again)
+            if p.weight not in column and p.weight not in row and not _heads_fewer_than_devices(fusion, mesh, p) \
+                    and _pays_to_split(fusion, mesh, p):
                 column[p.weight] = p
     placements: dict[str, Placement] = {}
     for v in fusion.inputs:
