@@ -980,7 +980,10 @@ def run(
     if log is not None:
         ctx.log = log
     try:
-        out = lowered.module(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
+        # The GraphModule's forward, not its __call__: a fusion is no module of the user's, so module
+        # hooks (torch's CommDebugMode / ModTracker track every module called) must not see it.
+        run = getattr(lowered.module, "forward", lowered.module)
+        out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
     except ExecutionError:
         raise
     except Exception as e:  # a fused kernel: name the fusion, keep the cause
