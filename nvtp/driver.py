@@ -37,6 +37,7 @@ from typing import Any, Mapping
 
 import torch
 
+from nvtp.frontend.tied import aliases, merge_tied
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.mesh import make_mesh, roles
 from nvtp.program import Program, join_parts
@@ -59,7 +60,9 @@ class Traced:
     arguments: list[str] = field(default_factory=list)  # labels of the inputs that are the caller's arguments
     weights: frozenset[str] | None = None  # labels of the module's parameters (FSDP may split them); None: every parameter input
     boundary: bool = True  # a module: outputs and argument gradients whole on the model-parallel axis
-    tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first name
+    # A tied parameter's other names -> its first name (nvtp.frontend.tied.aliases); the fusions
+    # hold it as one input under the first name, its gradient the sum of its uses (merge_tied).
+    tied: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     split_parts: bool = False  # fused projections of unequal parts were split into their parts
 
@@ -91,13 +94,28 @@ def route(module: torch.nn.Module, frontend: str = "auto") -> str:
 
 
 def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The module with every parameter and buffer on the meta device (nothing copied; ties kept)."""
+    """The module with every parameter, buffer and plain tensor attribute (``tensor_attributes``)
+    on the meta device (nothing copied; ties kept)."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    for t in tensor_attributes(module).values():  # module state like a buffer: traced as an input
+        memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return copy.deepcopy(module, memo)
+
+
+def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Path -> tensor of every plain tensor attribute (neither parameter nor buffer) of
+    ``module``'s modules, such as a rotary table kept as ``self.freqs_cis``: the trace names it
+    by that path, and a call passes the module's tensor as it is then."""
+    found = {}
+    for prefix, m in module.named_modules():
+        for name, value in vars(m).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found[f"{prefix}.{name}" if prefix else name] = value
+    return found
 
 
 def _meta(x: Any, batch: int) -> Any:
@@ -132,12 +150,13 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     mkwargs = {k: _meta(a, batch) for k, a in kwargs.items()}
     start = time.perf_counter()
     weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
-    tied = _tied(module)
+    tied = aliases(module)
     if way == "fx":
         from nvtp.frontend import fx
 
         call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
-        return Traced(captured.forward, captured.backward, "fx", "dynamo's graph of the whole forward, traced by Thunder",
+        forward, backward = merge_tied(captured.forward, captured.backward, tied)
+        return Traced(forward, backward, "fx", "dynamo's graph of the whole forward, traced by Thunder",
                       captured, call, call.arg_names + list(call.constants), weights, seconds=time.perf_counter() - start,
                       split_parts=split_parts, tied=tied, boundary=boundary)
     if kwargs:
@@ -154,7 +173,8 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
 
             captured = capture(meta, *margs)
     names = _argument_names(module, len(args))
-    return Traced(captured.forward, captured.backward, "thunder", captured.regional or "thunder.jit of the whole module",
+    forward, backward = merge_tied(captured.forward, captured.backward, tied)  # one input and one gradient per tied weight
+    return Traced(forward, backward, "thunder", captured.regional or "thunder.jit of the whole module",
                   captured, None, names, weights, seconds=time.perf_counter() - start, split_parts=split_parts, tied=tied,
                   boundary=boundary)
 
@@ -181,18 +201,6 @@ def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[st
         raise InputError(f"{type(module).__name__}.forward: keyword-only arguments ({', '.join(bound.kwargs)}) "
                          "are not supported on the thunder.jit route; pass them positionally")
     return tuple(bound.args), {}
-
-
-def _tied(module: torch.nn.Module) -> dict[str, str]:
-    """Each further name of a parameter the module holds under several (a tied weight) -> its first."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
 
 
 def _argument_names(module: torch.nn.Module, n: int) -> list[str]:
@@ -361,5 +369,6 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy", "plan_names",
+__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy", "tensor_attributes",
+           "plan_names",
            "default_mesh"]

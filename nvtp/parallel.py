@@ -43,6 +43,7 @@ from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
+from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
@@ -131,6 +132,7 @@ class ShardedModule(torch.nn.Module):
         # Not a submodule: the meta copy Thunder traces is no part of the model's state.
         object.__setattr__(self, "_meta", driver.meta_copy(module))
         self._global_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        self._tied = aliases(module)  # a tied parameter's other names -> its first (nvtp/frontend/tied.py)
         self._placements: dict[str, Placement] = {}
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
@@ -183,14 +185,15 @@ class ShardedModule(torch.nn.Module):
 
     def placement(self, name: str) -> Placement | tuple[Placement, ...]:
         """Where parameter ``name`` lives (Replicate until the first call has sharded it); on a
-        mesh of several axes, one placement per axis."""
+        mesh of several axes, one placement per axis. A tied parameter has one placement, under each of its names."""
+        name = self._tied.get(name, name)
         return self._placements.get(name, REPLICATE if self.mesh.ndim == 1 else (REPLICATE,) * self.mesh.ndim)
 
     def _dp_axis(self) -> int | None:
         return self.mesh.names.index("dp") if self.mesh.ndim > 1 else None
 
     def global_shape(self, name: str) -> tuple[int, ...]:
-        return self._global_shapes[name]
+        return self._global_shapes[self._tied.get(name, name)]
 
     # -- compile ------------------------------------------------------------------------------
 
@@ -328,15 +331,7 @@ class ShardedModule(torch.nn.Module):
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
         self.last = compiled.program
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        named = {}
-        for v in compiled.forward_fusion.source.inputs:
-            label = compiled.holder(compiled.forward_fusion.source.label(v.name))  # a part: its parameter goes in
-            if label in params:
-                named[label] = params[label]
-            elif label in buffers:
-                named[label] = buffers[label]
+        named = compiled.module_state(self.module)  # parameters (a part: its parameter), buffers, tensor attributes
         call = compiled.call
         user = call.bind(args, kwargs) | call.constants if call else dict(zip(compiled.arg_names, args))
         if self.check_replicas and self.mesh.size > 1:
@@ -344,9 +339,7 @@ class ShardedModule(torch.nn.Module):
         tensors = [named[k] for k in named] + [user[k] for k in compiled.traced_args]
         seed = int(torch.randint(0, 2**62, (1,)).item())
         outs = _Run.apply(self, compiled, list(named), seed, *tensors)
-        if call:
-            return call.rebuild(outs)  # the model's own output object (e.g. CausalLMOutputWithPast)
-        return outs[0] if len(outs) == 1 else outs
+        return compiled.rebuild(outs)  # the model's own output object: (logits, loss), a dict, CausalLMOutputWithPast
 
 
     def _check_replicas(self, named: Mapping[str, torch.Tensor], user: Mapping[str, Any]) -> None:
@@ -423,6 +416,7 @@ class _Run(torch.autograd.Function):
         ctx.param_labels = param_labels
         for t in user_outputs:
             ctx.mark_non_differentiable(t) if not t.is_floating_point() else None
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None (zeros in RankProgram.backward)
         return tuple(user_outputs)
 
     @staticmethod

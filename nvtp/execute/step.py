@@ -110,6 +110,48 @@ class RankProgram:
             out.append(t)
         return out
 
+    def module_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What the forward fusion reads of ``module`` (label -> tensor, in the fusion's order):
+        each parameter (a fused projection's parts as their parameter) and buffer, and each plain
+        tensor attribute (``self.freqs_cis``) as the module holds it now. Raises ``InputError``
+        for an input that is neither the module's nor an argument (naming it)."""
+        from nvtp.driver import tensor_attributes
+        from nvtp.errors import InputError
+
+        f = self.forward_fusion.source
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers())
+        attributes = None
+        named = {}
+        for v in f.inputs:
+            label = self.holder(f.label(v.name))
+            if label in params:
+                named[label] = params[label]
+            elif label in buffers:
+                named[label] = buffers[label]
+            elif label not in self.arg_names:
+                attributes = tensor_attributes(module) if attributes is None else attributes
+                if label not in attributes:
+                    raise InputError(f"the program reads {label} ({v.describe()}), which {type(module).__name__} holds neither as a "
+                                     "parameter, a buffer nor a tensor attribute; register it with self.register_buffer")
+                named[label] = attributes[label]
+        return named
+
+    def rebuild(self, outs: Sequence[Any]) -> Any:
+        """The model's own output object from the module's outputs ``outs`` (in order): the FX
+        route's pytree (e.g. ``CausalLMOutputWithPast``), or on Thunder's route the tuple, dict or
+        dataclass the forward returned, with None and numbers where it had them
+        (``nvtp.frontend.outputs``), each tensor found by its output's label."""
+        if self.call is not None:
+            return self.call.rebuild(outs)
+        tree = getattr(self.program.traced.captured, "output_tree", None)
+        if tree is None:
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        from nvtp.frontend.outputs import rebuild
+
+        f = self.forward_fusion.source
+        return rebuild(tree, {f.label(v.name): t for v, t in zip(self.output_values(), outs)})
+
     def forward(self, named: Mapping[str, torch.Tensor], seed: int) -> tuple[list[Any], dict[str, Any]]:
         """Run the forward fusion: (the module's outputs, whole; every forward value by name, this
         rank's: what ``backward`` reads)."""
@@ -139,9 +181,7 @@ class RankProgram:
             return {}
         b = bwd.source
         grad_inputs = [v for v in b.inputs if b.role(v.name) == "grad"]
-        by_output = dict(zip((v.name for v in self.output_values()), grads))
-        if all(b.info[v.name].source in by_output for v in grad_inputs):  # each output's own gradient
-            grads = [by_output[b.info[v.name].source] for v in grad_inputs]
+        grads = self._grads_by_output(grad_inputs, grads)
         local_grads = []
         dp = self.dp_axis
         for v, g in zip(grad_inputs, grads):
@@ -162,6 +202,23 @@ class RankProgram:
         by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         by_grad |= joined_grads(self.part_rows, by_grad, params)
         return by_grad
+
+    def _grads_by_output(self, grad_inputs: list[TensorValue], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The backward's incoming gradients in the order it reads them, each the gradient of its
+        own forward output (its ``source``), from ``grads`` (one per module output, in order; None
+        for an output the loss does not use). Never by position among several outputs: a
+        gradient in another output's slot would train silently wrong."""
+        b = self.backward_fusion.source
+        user = [v.name for v in self.output_values()]
+        by_output = dict(zip(user, grads))
+        sources = [b.info[v.name].source for v in grad_inputs]
+        if all(s in by_output for s in sources):
+            return [by_output[s] for s in sources]
+        if len(grad_inputs) == len(user) == 1:
+            return list(grads)
+        unknown = ", ".join(f"{v.name} (source {s!r})" for v, s in zip(grad_inputs, sources) if s not in by_output)
+        raise RuntimeError(f"nvtp cannot tell whose gradient the backward's input {unknown} is: the forward's outputs are "
+                           f"{', '.join(user)}; a bug in nvtp's capture (the gradient would land in another output's slot)")
 
     def gradient_labels(self) -> set[str]:
         """Labels the backward gives a gradient for (a fused projection's parts as their parameter)."""

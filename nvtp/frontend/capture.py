@@ -22,8 +22,10 @@ import torch
 from nvtp.frontend import parts
 from nvtp.frontend.complex import ComplexAsReal
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
+from nvtp.frontend.outputs import Leaf, structure as output_structure, tensors as output_tensors
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, ValueInfo
+from nvtp.ir.verify import verify
 
 
 class CaptureError(RuntimeError):
@@ -41,6 +43,11 @@ class Captured:
     trace_seconds: float
     unclaimed: list[Unclaimed]
     regional: str = ""  # how nvtp.frontend.regional built the fusions ("spliced: ..." or "whole trace: <why>"); "" when not asked
+    # Labels of the forward inputs (parameters, arguments) Thunder's backward gives a gradient: each
+    # has one output of ``backward`` (``check_gradients``).
+    differentiable: tuple[str, ...] = ()
+    # The model's output object with each tensor a ``Leaf`` naming its forward output (nvtp.frontend.outputs).
+    output_tree: Any = None
 
 
 def fusion_callables(trace) -> list[FusionCallable]:
@@ -55,23 +62,44 @@ def fusion_callables(trace) -> list[FusionCallable]:
 
 
 def parameter_names(jitted) -> dict[str, str]:
-    """Thunder proxy name -> module parameter (or buffer) name, from the prologue trace."""
+    """Thunder proxy name -> module parameter (or buffer) name, from the prologue trace.
+
+    A plain tensor attribute the forward reads (``self.freqs``, reassigned in ``forward`` as
+    ``self.freqs = self.freqs.to(h.device)``) is module state like a buffer: it is named by its
+    path too (``layers.0.freqs``), and ``nvtp.jit`` passes the module's tensor at each call."""
     import thunder
     from thunder.core.prims import PrimIDs
+    from thunder.core.proxies import TensorProxy
 
     names: dict[str, str] = {}
+    modules: dict[str, str] = {}  # proxy of a (sub)module -> its path ("" for the module traced)
     for trace in thunder.last_prologue_traces(jitted)[-1:]:
         for bsym in trace.bound_symbols:
             if bsym.sym.id in (PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_BUFFER) and len(bsym.args) > 1:
                 names[bsym.output.name] = str(bsym.args[1])
+            elif bsym.sym.id == PrimIDs.UNPACK_THUNDER_MODULE:
+                modules[bsym.output.name] = ""
+            elif bsym.sym.id in (PrimIDs.UNPACK_SUBMODULE, PrimIDs.UNPACK_ATTR) and len(bsym.args) > 1:
+                base = modules.get(getattr(bsym.args[0], "name", None))
+                if base is None:
+                    continue
+                path = f"{base}.{bsym.args[1]}" if base else str(bsym.args[1])
+                if bsym.sym.id == PrimIDs.UNPACK_SUBMODULE:
+                    modules[bsym.output.name] = path
+                elif isinstance(bsym.output, TensorProxy):
+                    names.setdefault(bsym.output.name, path)
     return names
 
 
 def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, params: dict[str, str]) -> tuple[Fusion, Fusion | None]:
-    """Attach roles and names to the inputs and outputs of a forward/backward pair."""
+    """Attach roles and names to the inputs and outputs of a forward/backward pair.
+
+    Every forward input Thunder gives a gradient gets a backward output of its own, labelled
+    ``grad_of`` it, even where gradients coincide as values (``_own_gradient_outputs``)."""
     ret = fwd_trace.bound_symbols[-1]
     result = ret.args[0]
-    flat_args = [a.name for a in result.get("flat_args", []) if hasattr(a, "name")] if isinstance(result, dict) else []
+    # One entry per flat argument, aligned with the backward's return (None for a non-tensor).
+    flat_args = [getattr(a, "name", None) for a in result.get("flat_args", [])] if isinstance(result, dict) else []
     from thunder.core.pytree import tree_flatten
 
     # A trace with a backward returns {"output": ..., "flat_args": ...}; without one (nothing
@@ -95,30 +123,112 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
 
     backward = None
     if bwd is not None:
-        b = bwd.fusion
+        returned = tree_flatten(bwd_trace_return(bwd))[0]  # one entry per forward flat arg; None where no gradient
+        if len(returned) != len(flat_args):
+            raise CaptureError(f"Thunder's backward returns {len(returned)} gradients for {len(flat_args)} forward arguments; "
+                               "nvtp cannot tell which gradient is whose")
+        wanted = [(p, params.get(arg, arg)) for p, arg in zip(returned, flat_args) if arg is not None and hasattr(p, "name")]
+        b, input_proxies, grad_of = _own_gradient_outputs(bwd.fusion, list(bwd.input_proxies), list(bwd.output_proxies), wanted)
         binfo: dict[str, ValueInfo] = {}
         # Cotangent i is the gradient of the forward's i-th tensor output: its source says which
         # forward value that is, so a model with several outputs (loss, logits) gets each its own.
         cotangents = bwd.extra.get("cotangents", [])
         cotangent_of = dict(zip(cotangents, (proxy_to_fwd_value.get(p, "") for p in tensor_outputs))) \
             if len(cotangents) == len(tensor_outputs) else {}
-        for v, proxy in zip(b.inputs, bwd.input_proxies):
+        for v, proxy in zip(b.inputs, input_proxies):
             if proxy in params:
                 binfo[v.name] = ValueInfo("parameter", params[proxy])
             elif proxy in proxy_to_fwd_value:
                 binfo[v.name] = ValueInfo("saved", "", proxy_to_fwd_value[proxy])
             else:
                 binfo[v.name] = ValueInfo("grad", "grad(y)", cotangent_of.get(proxy, ""))
-        bret = _flat(bwd_trace_return(bwd))  # one entry per forward flat arg; None where no gradient
-        grads_of = {}
-        for proxy_name, arg in zip(bret, flat_args):
-            if proxy_name is not None:
-                grads_of[proxy_name] = params.get(arg, arg)
-        for v, proxy in zip(b.outputs, bwd.output_proxies):
-            of = grads_of.get(proxy, "")
+        for v in b.outputs:
+            of = grad_of.get(v.name, "")
             binfo.setdefault(v.name, ValueInfo("grad", f"grad({of})" if of else "", grad_of=of))
         backward = replace(b, info=binfo, attrs={**b.attrs, "role": "backward"})
     return forward, backward
+
+
+def _own_gradient_outputs(b: Fusion, input_proxies: list[str], output_proxies: list[str],
+                          wanted: list[tuple[Any, str]]) -> tuple[Fusion, list[str], dict[str, str]]:
+    """The backward fusion with one output per gradient in ``wanted`` ((Thunder proxy, label of
+    the forward input it is the gradient of), in the order of the forward's arguments).
+
+    Thunder returns a gradient as a proxy, and one proxy may be the gradient of several inputs
+    (the biases of two projections added into one residual), or an input of the backward passed
+    straight through (a bias as large as the output gets the incoming gradient itself); nvtp's
+    simplification may also merge two equal outputs into one value. Labels live on values, so
+    each such gradient gets its own value: a ``set`` (a copy) of the shared one, a new input where
+    the fusion did not read the proxy. Returns the fusion, its input proxies (with any new one)
+    and value name -> label for the gradient outputs."""
+    from nvtp.ir.build import make_op
+    from nvtp.ir.graph import defines_input, fresh_names
+    from nvtp.frontend.translate import to_dtype
+
+    ops, outputs = list(b.ops), list(b.outputs)
+    names = fresh_names(b)
+
+    def copy(v) -> Any:
+        op = make_op("set", (v,), {}, [next(names)])
+        ops.append(op)
+        return op.outputs[0]
+
+    inputs = dict(zip(input_proxies, b.inputs))
+
+    def input_value(proxy) -> Any:
+        """The backward's input for ``proxy``: one it has, or a new one (an incoming gradient or a
+        saved value the fusion itself did not read)."""
+        if proxy.name not in inputs:
+            shape = tuple(int(n) for n in proxy.shape)
+            op = make_op("define_tensor", (), dict(shape=shape, contiguity=tuple(None if n == 1 else True for n in shape),
+                                                dtype=to_dtype(proxy.dtype), is_cpu=False,
+                                                stride_order=tuple(range(len(shape) - 1, -1, -1))), [next(names)])
+            last = max((i for i, o in enumerate(ops) if defines_input(o)), default=-1)
+            ops.insert(last + 1, op)  # after the fusion's other inputs, in the order of input_proxies
+            inputs[proxy.name] = op.outputs[0]
+            input_proxies.append(proxy.name)
+        return inputs[proxy.name]
+
+    seen: set[str] = set()
+    for i, v in enumerate(outputs):  # one value output twice (two proxies merged by common_subexpressions): a copy
+        if v.name in seen:
+            outputs[i] = copy(v)
+        seen.add(outputs[i].name)
+    first = {}
+    for i, p in enumerate(output_proxies):
+        first.setdefault(p, i)
+    grad_of: dict[str, str] = {}
+    for proxy, label in wanted:
+        i = first.get(proxy.name)
+        if i is not None and outputs[i].name not in grad_of:  # the first gradient a value is: that output
+            grad_of[outputs[i].name] = label
+            continue
+        if i is None and not hasattr(proxy, "shape"):
+            continue  # a number: no tensor gradient
+        # A value that is already a gradient (one proxy for two inputs) or an input of the backward: a copy of its own.
+        v = copy(outputs[i] if i is not None else input_value(proxy))
+        outputs.append(v)
+        grad_of[v.name] = label
+    if len(ops) == len(b.ops) and outputs == list(b.outputs):
+        return b, input_proxies, grad_of
+    return verify(b.with_ops(tuple(ops), tuple(outputs))), input_proxies, grad_of
+
+
+def check_gradients(backward: Fusion | None, differentiable: Sequence[str], where: str = "") -> None:
+    """Every label in ``differentiable`` (the forward inputs Thunder's backward gives a gradient)
+    has exactly one output of ``backward``: never a silently missing gradient (``p.grad`` None
+    where eager PyTorch gives one) or two values claiming one parameter. A fused projection's
+    parts (``nvtp.frontend.parts``) each have an output, which together are their weight's."""
+    outs = [backward.grad_of(v.name) for v in backward.outputs] if backward is not None else []
+    whole = {parts.owner(label) for label in outs}
+    missing = [label for label in differentiable if label not in whole]
+    twice = sorted({label for label in outs if label and outs.count(label) > 1})
+    if missing or twice:
+        what = (f"no gradient output for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "") + \
+            ("; " if missing and twice else "") + (f"two gradient outputs for {', '.join(twice[:5])}" if twice else "")
+        raise CaptureError(f"nvtp's backward fusion{' (' + where + ')' if where else ''} has {what}, though the traced backward "
+                           "differentiates them: a bug in nvtp's capture; trace with nvtp.jit(..., regional=False) to see "
+                           "whether the splice is at fault, and report the model")
 
 
 def _cotangents(trace) -> list[str]:
@@ -149,7 +259,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     """
     import thunder
 
-    runtime = Runtime()
+    runtime = _Recording()
     start = time.perf_counter()
     saved_grads = {p: p.grad for p in module.parameters()}
     try:
@@ -159,8 +269,8 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
             transforms = [ComplexAsReal()] + ([parts.SplitFusedLinears()] if parts.enabled() else [])
             jitted = thunder.jit(module, executors=[executor()], transforms=transforms)
             out = jitted(*args, **kwargs)
-            if backward:
-                outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if backward:  # every tensor of the output object (a tuple, dict, dataclass) that needs a gradient
+                outs = [o for _, o in output_tensors(out) if o.requires_grad]
                 if outs:
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     except Exception as e:  # Thunder's own exceptions: say whose fault it is (the arguments, or the module)
@@ -183,13 +293,81 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         )
     if not fwd:
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
+    if bwd_traces and not bwd and any(g is not None for g in _flat(bwd_traces[-1].bound_symbols[-1].args[0])):
+        # Gradients with no computation (``x + bias``: each is the incoming gradient itself): an
+        # empty fusion, which label_fusions gives an output per gradient.
+        bwd = [FusionCallable(Fusion((), (), "nvtpFusion1"), (), (), runtime)]
     if bwd:
         bwd[0].extra["trace_return"] = bwd_traces[-1].bound_symbols[-1].args[0]
         bwd[0].extra["cotangents"] = _cotangents(bwd_traces[-1])
-    forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, parameter_names(jitted))
+    params = parameter_names(jitted)
+    forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, params)
+    forward, backward_fusion, tree = label_outputs(type(module).__name__, out, runtime.returned.get(id(fwd[0]), ()), forward,
+                                                   backward_fusion)
+    differentiable = differentiable_inputs(fwd_trace, bwd[0] if bwd else None, params)
+    check_gradients(backward_fusion, differentiable, "as traced")
     if parts.enabled():  # their parts become inputs of their own (nvtp/frontend/parts.py)
         forward, backward_fusion = parts.lift_parts(forward, backward_fusion)
-    return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed))
+    return Captured(forward, backward_fusion, jitted, runtime, fwd[0], bwd[0] if bwd else None, seconds, list(runtime.unclaimed),
+                    differentiable=differentiable, output_tree=tree)
+
+
+class _Recording(Runtime):
+    """The reference runtime, keeping what each fusion callable last returned (by the callable's
+    id): the forward's output tensors, which the model's output object holds by identity."""
+
+    def __init__(self):
+        super().__init__()
+        self.returned: dict[int, tuple] = {}
+
+    def run(self, fc: FusionCallable, args: Sequence[Any]) -> tuple:
+        outs = super().run(fc, args)
+        self.returned[id(fc)] = outs
+        return outs
+
+
+def label_outputs(model: str, out: Any, returned: Sequence[torch.Tensor], forward: Fusion,
+                  backward: Fusion | None) -> tuple[Fusion, Fusion | None, Any]:
+    """Label each of the forward's user outputs by its place in the model's output object ``out``
+    (``y``, ``y[0]``, ``y['loss']``; nvtp.frontend.outputs), and each incoming gradient of the
+    backward ``grad(<place>)``; returns the fusions and the object's structure (``Leaf`` per tensor).
+    ``returned``: the tensors the forward fusion returned, one per output, in order."""
+    position = {id(t): i for i, t in enumerate(returned)}
+    labels: dict[str, str] = {}  # forward value -> its place
+
+    def leaf(place: str, t: torch.Tensor) -> Leaf:
+        i = position.get(id(t))
+        if i is None or i >= len(forward.outputs) or forward.role(forward.outputs[i].name) != "output":
+            raise CaptureError(f"{model}.forward returns {place}, a tensor nvtp's forward fusion does not compute (an argument, "
+                               "a buffer or a parameter returned as it is); return a value the model computes from it "
+                               "(e.g. x.clone()) or leave it out of the output")
+        return Leaf(labels.setdefault(forward.outputs[i].name, place))
+
+    tree = output_structure(out, leaf)
+    info = dict(forward.info)
+    for name, place in labels.items():
+        info[name] = replace(info[name], label=place)
+    forward = replace(forward, info=info)
+    if backward is not None:
+        binfo = dict(backward.info)
+        for name, i in backward.info.items():
+            if i.role == "grad" and i.source in labels:
+                binfo[name] = replace(i, label=f"grad({labels[i.source]})")
+        backward = replace(backward, info=binfo)
+    return forward, backward, tree
+
+
+def differentiable_inputs(fwd_trace, bwd: FusionCallable | None, params: dict[str, str]) -> tuple[str, ...]:
+    """Labels of the forward's arguments (parameters by module name) whose gradient Thunder's
+    backward returns as a tensor: what eager autograd would give a ``.grad``."""
+    result = fwd_trace.bound_symbols[-1].args[0]
+    if bwd is None or not isinstance(result, dict):
+        return ()
+    from thunder.core.pytree import tree_flatten
+
+    args = [getattr(a, "name", None) for a in result.get("flat_args", [])]
+    returned = tree_flatten(bwd_trace_return(bwd))[0]
+    return tuple(dict.fromkeys(params.get(a, a) for a, g in zip(args, returned) if a is not None and hasattr(g, "shape")))
 
 
 # -- when Thunder cannot trace ---------------------------------------------------------------------

@@ -314,6 +314,12 @@ def lift_parts(forward: Fusion, backward: Fusion | None) -> tuple[Fusion, Fusion
 _PART = re.compile(r"^(?P<weight>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
 
+def owner(label: str) -> str:
+    """The parameter a part's label (``w[0:64]``) is rows of; any other label itself."""
+    m = _PART.match(label)
+    return m.group("weight") if m else label
+
+
 def parts_of(fusion: Fusion) -> dict[str, Part]:
     """The inputs of ``fusion`` that are parts of a parameter (label -> ``Part``), read from their labels."""
     found = {}

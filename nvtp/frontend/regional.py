@@ -143,6 +143,18 @@ def _relabel(label: str, prefix: str, index: int) -> str:
     return f"grad({inner})" if label.startswith("grad(") else inner
 
 
+def _every_block(labels: tuple[str, ...], prefix: str, count: int) -> tuple[str, ...]:
+    """``labels`` with each label of a block (``h.1.mlp.c_fc.weight``) repeated for all ``count``
+    blocks: what a model of ``count`` blocks differentiates, from a trace of fewer."""
+    out: dict[str, None] = {}
+    for label in labels:
+        if _block_index(label, prefix) is None:
+            out[label] = None
+        else:
+            out.update(dict.fromkeys(_relabel(label, prefix, i) for i in range(count)))
+    return tuple(out)
+
+
 def _walk_values(args: Any) -> list[Value]:
     out: list[Value] = []
     for _, a in args:
@@ -751,7 +763,9 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
             bops.append(op)
             old = skeleton_bwd.info.get(op.outputs[0].name)
             if old is not None:
-                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.role == "saved" else old
+                # A saved input's forward value, and an incoming gradient's forward output (the model's
+                # outputs, e.g. logits and loss, each its own), by their names in the spliced forward.
+                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.source else old
     for i in range(layers):
         for op in bb_inputs:
             v = op.outputs[0]
@@ -816,7 +830,11 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
         block = capture(module.get_submodule(f"{rep.prefix}.0"), carry)
     except Exception as e:  # noqa: BLE001 - a block that does not trace alone: the other splice decides
         raise NotRepeatable(f"block 0 of {rep.prefix} did not trace alone ({type(e).__name__})") from e
-    return skel, splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count)
+    params = [block.forward.label(v.name) for v in block.forward.inputs if block.forward.role(v.name) == "parameter"]
+    differentiable = skel.differentiable + _every_block(tuple(f"{rep.prefix}.0.{label}" for label in block.differentiable
+                                                             if label in params), rep.prefix, rep.count)
+    return (replace(skel, differentiable=differentiable),
+            splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count))
 
 
 # -- capture ---------------------------------------------------------------------------------------
@@ -832,7 +850,7 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
 
 
 def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced: int, template: bool):
-    from nvtp.frontend.capture import capture
+    from nvtp.frontend.capture import capture, check_gradients
 
     try:
         rep = find_repeated(module)
@@ -849,6 +867,7 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
             verify(fwd)
             if bwd is not None:
                 verify(bwd)
+            check_gradients(bwd, skel.differentiable, "spliced from one block")
             seconds = time.perf_counter() - start
             return replace(skel, forward=fwd, backward=bwd, trace_seconds=seconds,
                            regional=f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s)")
@@ -874,10 +893,12 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
             verify(fwd)  # a splice that broke the graph is nvtp's bug: say so here, not in a pass later
             if bwd is not None:
                 verify(bwd)
+            differentiable = _every_block(part.differentiable, rep.prefix, rep.count)
+            check_gradients(bwd, differentiable, f"spliced from {blocks} blocks")
             seconds = time.perf_counter() - start
             kept = "; block 0's backward kept whole" if first_in_tail else ""
             why = f"; not from one traced block: {reasons[0]}" if template and reasons else ""
-            return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds,
+            return replace(part, forward=fwd, backward=bwd, trace_seconds=seconds, differentiable=differentiable,
                            regional=f"spliced: {rep.count} blocks of {rep.prefix} from a trace of {blocks}{kept} ({seconds:.1f} s){why}")
     reason = "whole trace: " + "; ".join(reasons)
     return replace(capture(module, *args, **kwargs), regional=reason)

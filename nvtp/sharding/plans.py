@@ -494,6 +494,8 @@ def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annot
     (``*.c_fc``: colwise/rowwise then set its weight and bias as torch's styles do). Inputs no
     glob names are replicated; globs that match nothing are an error."""
     labels = {fusion.label(v.name): v for v in fusion.inputs if isinstance(v, TensorValue)}
+    tied = _tied_aliases(fusion)  # a tied parameter's other names (lm_head.weight for wte.weight): the same input
+    labels |= {alias: labels[name] for alias, name in tied.items() if name in labels}
     by_value = {v.name: v for v in fusion.inputs if isinstance(v, TensorValue)}
     projs = {p.weight: p for p in projections(fusion)}
     placements: dict[str, Placement] = {v.name: REPLICATE for v in by_value.values()}
@@ -502,8 +504,15 @@ def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annot
 
     def place(v: TensorValue, placement: Placement, pattern: str) -> None:
         other = placed_by.get(v.name)
+        label = fusion.label(v.name)
+        if other is not None and placements[v.name] != placement and label in tied.values():
+            # One tensor under two names, each placed its own way: the weight has one placement (the
+            # first entry's), the other use gets it by a reshard; said in the notes, never a broken tie.
+            also = ", ".join(a for a, n in tied.items() if n == label)
+            notes.append(f"tied weight {label} (also {also}): entries {other!r} and {pattern!r} place it {placements[v.name]} and "
+                         f"{placement}; kept {placements[v.name]} ({other!r}), the other use reshards")
+            return
         if other is not None and placements[v.name] != placement:
-            label = fusion.label(v.name)
             raise ShardingError(f"plan entries {other!r} and {pattern!r} both place {label} ({v.describe()}), as {placements[v.name]} "
                                 f"and as {placement}; make the globs disjoint or give them the same placement")
         placements[v.name], placed_by[v.name] = placement, pattern
@@ -527,6 +536,12 @@ def explicit(fusion: Fusion, mesh: DeviceMesh, plan: Mapping[str, Any]) -> Annot
                     place(v, _resolve(style, v, fusion, projs, is_bias=suffix == "bias"), pattern)
         notes.append(f"{pattern} -> {raw if isinstance(raw, str) else type(raw).__name__ if not isinstance(raw, (Shard, _StridedShard, Replicate)) else raw}")
     return Annotations(placements, notes)
+
+
+def _tied_aliases(fusion: Fusion) -> dict[str, str]:
+    """A tied parameter's other names -> the name its fusion input has (``nvtp.frontend.tied``)."""
+    text = str(fusion.attrs.get("tied", ""))
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
 
 
 def _resolve(style: str | Placement, v: TensorValue, fusion: Fusion, projs: Mapping[str, Projection], *, is_bias: bool) -> Placement:
