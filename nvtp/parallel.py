@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import types
 from typing import Any, Mapping
 
 import torch
@@ -138,6 +139,7 @@ class ShardedModule(torch.nn.Module):
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, RankProgram] = {}
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
+        self._ready = True  # from here on, setting an attribute only the model has sets it on the model
 
     # -- state: the wrapped module's own keys ------------------------------------------------
 
@@ -147,6 +149,47 @@ class ShardedModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's contract for a module whose state dict leaves out a child's
+        prefix (ours: the wrapped module's keys, as DDP's and FSDP's are): each top-level name of
+        the wrapped module lives under ``module``. So ``get_model_state_dict(sharded)`` and
+        ``set_model_state_dict`` work on the object ``nvtp.jit`` returns."""
+        inner = self.module
+        return {n: "module" for n in (*inner._modules, *inner._parameters, *inner._buffers)}
+
+    # -- the wrapped model's own interface ----------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapped model has and this wrapper has not (``model.config``, ``model.generate``),
+        as DDP users reach through ``.module``. A method of the model comes bound to this wrapper,
+        so a ``self(idx)`` inside it (nanoGPT's ``generate``) runs the sharded program, and what it
+        reads of ``self`` comes from the model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as e:
+            missing = e
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is None or name.startswith("__"):
+            raise missing
+        try:
+            value = getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, nor has the model it wraps "
+                                 f"({type(inner).__name__})") from None
+        if inspect.ismethod(value) and value.__self__ is inner:
+            return types.MethodType(value.__func__, self)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute the wrapped model has (and this wrapper not) is set on the model, so a model's
+        method bound here (``init_weights`` setting ``self.freqs_cis``) changes the model."""
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (inner is not None and self.__dict__.get("_ready") and name not in self.__dict__ and not hasattr(type(self), name)
+                and name not in self._parameters and name not in self._buffers and name not in self._modules and hasattr(inner, name)):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
 
     # -- where things are ---------------------------------------------------------------------
 
@@ -197,12 +240,17 @@ class ShardedModule(torch.nn.Module):
 
     # -- compile ------------------------------------------------------------------------------
 
+    def _mode(self) -> tuple[bool, bool]:
+        """What a program depends on besides the arguments: training mode (dropout) and whether
+        autograd records (a backward is traced only then: ``torch.no_grad()`` inference has none)."""
+        return (self.module.training, torch.is_grad_enabled())
+
     def _signature(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> tuple:
         if self._fx:
             from nvtp.frontend import fx
 
-            return (self.module.training, *fx.call_structure(args, kwargs or {}))
-        sig = [self.module.training]
+            return (self._mode(), *fx.call_structure(args, kwargs or {}))
+        sig = [self._mode()]
         for a in args:
             sig.append((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a)))
         return tuple(sig)
@@ -305,8 +353,8 @@ class ShardedModule(torch.nn.Module):
         if self._fx:
             from nvtp.frontend import fx
 
-            fx.check_call(type(self.module).__name__, device, args, kwargs or {},
-                          None if self.dynamic or not self._compiled else next(iter(self._compiled.values())).signature[1:])
+            have = self._compiled_alike(self._signature(args, kwargs))
+            fx.check_call(type(self.module).__name__, device, args, kwargs or {}, None if have is None else have.signature[1:])
             return
         names = list(inspect.signature(self.module.forward).parameters)
         if len(args) > len(names):
@@ -314,16 +362,29 @@ class ShardedModule(torch.nn.Module):
         for name, a in zip(names, args):
             if isinstance(a, torch.Tensor) and a.device.type != device:
                 raise InputError(f"argument {name} is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
-        if self._compiled and not self.dynamic:
-            have = next(iter(self._compiled.values()))
+        have = self._compiled_alike(self._signature(args, kwargs))
+        if have is not None:
             for name, a, old in zip(names, args, have.signature[1:]):
                 new = (tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else ("value", repr(a))
                 if new != old:
                     raise InputError(f"argument {name}: the module was compiled for {_describe(old)}, got {_describe(new)}; "
                                      "pass the same shapes and dtypes, or nvtp.jit(..., dynamic=True) to compile each new one")
-            if have.signature[0] != self.module.training:
-                raise InputError("the module was compiled in " + ("training" if have.signature[0] else "eval")
-                                 + " mode; switch back, or nvtp.jit(..., dynamic=True) to compile each mode")
+
+    def _compiled_alike(self, signature: tuple) -> RankProgram | None:
+        """A program compiled for calls of the same kind as ``signature`` (mode, and which optional
+        arguments are given), whose shapes a training call must match unless ``dynamic``; None when
+        a new program is expected: the first of its kind (``model.eval()``, ``model(idx)`` without
+        targets), or inference (``torch.no_grad()``: a forward-only program per shape, as
+        ``generate`` calls the model on ever longer prompts)."""
+        if self.dynamic or not signature[0][1]:
+            return None
+
+        def kind(sig: tuple) -> tuple:
+            if self._fx:  # the mode and the call's tree of arguments (keys, Nones)
+                return sig[:2]
+            return (sig[0], len(sig), tuple(i for i, a in enumerate(sig) if a == ("value", "None")))
+
+        return next((c for c in self._compiled.values() if kind(c.signature) == kind(signature)), None)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._call(args, kwargs)
