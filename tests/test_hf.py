@@ -310,13 +310,14 @@ def test_torchrun_training_matches_one_process_for_20_steps(family):
     print(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("index", [(Ellipsis, [-2], slice(None)), (Ellipsis, [-1], slice(None)), ([0], slice(1, 3)), (Ellipsis, [1, 2])])
+@pytest.mark.parametrize("index", [(Ellipsis, [-2], slice(None)), (Ellipsis, [-1], slice(None)), ([0], slice(1, 3)), (Ellipsis, [1, 2]),
+                                   ([0], [1]), [2]])  # two lists pair up: no slices
 def test_one_element_list_indices_become_slices_with_the_same_values(index):
     """Falcon's ``fused_qkv[..., [-2], :]``: a slice for Thunder, not a gather from a new tensor."""
-    from nvtp.frontend.fx import _one_index_as_slice
+    from nvtp.frontend.executor import one_index_as_slice
 
     x = torch.randn(3, 4, 5)
-    assert torch.equal(x[_one_index_as_slice(index)], x[index])
+    assert torch.equal(x[one_index_as_slice(index)], x[index])
 
 
 def test_nvtp_models_keep_the_thunder_route_and_take_keyword_arguments():

@@ -170,6 +170,8 @@ class NvtpExecutor(FusionExecutor):
             check = CHECKS.get(prim_id)
             self.register_supported(prim_id, _checker(check, complex_ok=prim_id in COMPLEX_OK))
         attention.register(self)
+        # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
+        self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
         # Thunder asks this before using an executor's grad transform; for ops claimed with a
@@ -334,6 +336,27 @@ def _match_dtype(b: FusionBuilder, value: Any, proxy: Proxy) -> Any:
         if value.dtype != want:
             return b.op("cast", value, dtype=want)
     return value
+
+
+def one_index_as_slice(index: Any) -> Any:
+    """``x[:, [k], :]``, a list of one int as the only advanced index: the slice ``k:k+1`` (the same
+    values, the axis kept; nanoGPT's ``x[:, [-1], :]``), which Thunder traces as a slice, not as a
+    gather from an index tensor it makes. Any other index is returned as it is (with two lists,
+    ``x[[0], [1]]``, indexing pairs them up, which slices would not)."""
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = [i for i in items if isinstance(i, (list, torch.Tensor, TensorProxy))]
+    if len(advanced) != 1 or not isinstance(advanced[0], list) or len(advanced[0]) != 1 or type(advanced[0][0]) is not int:
+        return index
+    k = advanced[0][0]
+    one = slice(k, k + 1 if k != -1 else None)
+    return tuple(one if i is advanced[0] else i for i in items) if isinstance(index, tuple) else one
+
+
+def _getitem(a: Any, key: Any) -> Any:
+    """``a[key]`` as Thunder's own ``getitem``, a one-element list index written as a slice first."""
+    import thunder.torch as ltorch
+
+    return ltorch.getitem(a, one_index_as_slice(key))
 
 
 _EXECUTOR: NvtpExecutor | None = None

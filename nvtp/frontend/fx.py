@@ -51,6 +51,7 @@ import torch.utils._pytree as pytree
 
 from nvtp.errors import InputError
 from nvtp.frontend.capture import CaptureError, Captured, capture
+from nvtp.frontend.executor import one_index_as_slice
 from nvtp.frontend.fused import split_fused_projections
 
 
@@ -159,20 +160,6 @@ def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm}
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm}
-
-
-def _one_index_as_slice(index: Any) -> Any:
-    """``x[..., [k], :]``: a one-element list index is the slice ``k:k+1`` (the same values, the
-    axis kept), which Thunder traces as a slice instead of a gather from a new tensor."""
-    def one(i):
-        if isinstance(i, list) and len(i) == 1 and type(i[0]) is int:
-            k = i[0]
-            return slice(k, k + 1 if k != -1 else None)
-        return i
-
-    if isinstance(index, tuple) and not any(isinstance(i, list) and not (len(i) == 1 and type(i[0]) is int) for i in index):
-        return tuple(one(i) for i in index)
-    return index
 
 
 # -- in-place updates, written out of place ----------------------------------------------------------
@@ -370,7 +357,7 @@ def _linears(g: fx.Graph, attrs: dict[str, Any]) -> int:
 def _decompose(g: fx.Graph) -> None:
     for node in g.nodes:
         if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
-            node.args = (node.args[0], _one_index_as_slice(node.args[1]))
+            node.args = (node.args[0], one_index_as_slice(node.args[1]))  # x[..., [k], :] a slice, as on the Thunder route
         if node.op == "call_function" and node.target in DECOMPOSITIONS:
             node.target = DECOMPOSITIONS[node.target]
         elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
