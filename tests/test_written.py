@@ -206,6 +206,47 @@ def test_an_explicit_plan_may_name_a_tied_weight_by_either_name_and_one_placemen
     assert any("tied weight model.transformer.wte.weight (also model.lm_head.weight)" in n and "kept S(0)" in n for n in notes), notes
 
 
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class _SharedBlocks(nn.Module):
+    """One block applied three times (ALBERT's cross-layer sharing): ``h.1.fc.weight`` is
+    ``h.0.fc.weight``, and its gradient the sum over the three uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([_Residual()] * 3)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return self.out(x).pow(2).mean()
+
+
+def test_one_block_shared_by_every_layer_gets_the_sum_of_its_gradients():
+    torch.manual_seed(0)
+    model = _SharedBlocks()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 16)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))
+    loss = jitted(x)
+    loss.backward()
+    want = ref(x)
+    want.backward()
+    assert relative_error(loss, want)[0] <= 1e-6
+    assert jitted.last.traced.how.startswith("whole trace: the blocks of h are not each called once")  # one module, 3 calls
+    assert [n for n, _ in model.named_parameters()] == ["h.0.ln.weight", "h.0.ln.bias", "h.0.fc.weight", "h.0.fc.bias", "out.weight", "out.bias"]
+    _check_like_eager(_grads(model), _grads(ref))
+
 # -- 3. any pytree of outputs ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("tie,regional", [(False, True), (True, True), (False, False)])
@@ -261,6 +302,7 @@ class _Outputs(nn.Module):
 
 
 from dataclasses import dataclass  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 
 @dataclass
@@ -307,9 +349,48 @@ class _ReturnsItsInput(nn.Module):
 
 
 def test_an_output_the_fusion_does_not_compute_is_named_with_its_place():
-    with pytest.raises(CaptureError, match=r"_ReturnsItsInput.forward returns y\[1\], a tensor nvtp's forward fusion does not compute"):
+    with pytest.raises(CaptureError, match=r"_ReturnsItsInput.forward \(.*test_written.py:\d+\) returns y\[1\], a tensor nvtp's "
+                                           r"forward fusion does not compute .*return a value the model computes from it"):
         nvtp.jit(_ReturnsItsInput(), plan="replicate", mesh=DeviceMesh.of_size(1))(torch.randn(4, 8))
 
+
+class _ReturnsANamedTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return LogitsAndLoss(y, y.pow(2).mean())
+
+
+class LogitsAndLoss(NamedTuple):
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+def test_a_named_tuple_output_thunder_cannot_rebuild_is_named_with_what_to_return_instead():
+    with pytest.raises(CaptureError, match=r"returns a NamedTuple \(LogitsAndLoss\), which Thunder cannot rebuild: return a tuple, "
+                                           r"a dict or a dataclass instead"):
+        nvtp.jit(_ReturnsANamedTuple(), plan="replicate", mesh=DeviceMesh.of_size(1))(torch.randn(4, 8))
+
+
+
+def test_the_fx_route_takes_a_tied_head_logits_and_loss_and_equal_gradients():
+    """The same constructs through TorchDynamo's graph (frontend="fx", the route transformers models
+    take): a tied head, (logits, loss) with ignored targets, two biases with one gradient."""
+    cfg = GPTConfig(tie=True, parallel_residual=True, n_layer=1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    idx, targets = tokens(cfg, ignored=2)
+    logits, loss = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(idx, targets)
+    loss.backward()
+    want_logits, want = ref(idx, targets)
+    want.backward()
+    assert relative_error(loss, want)[0] <= 1e-5 and relative_error(logits, want_logits)[0] <= 1e-5
+    _check_like_eager(_grads(model), _grads(ref))
+    assert model.lm_head.weight is model.transformer.wte.weight
 
 # -- 4. attributes reassigned in forward; cross entropy's ignore_index ------------------------------
 
@@ -354,3 +435,168 @@ def test_cross_entropy_ignores_targets_of_minus_one_as_eager(plan):
     idx, targets = tokens(cfg, ignored=5)
     assert (targets == -1).sum() == 10
     _train_on_simulated_mesh(TinyGPT(cfg), (idx, targets), 2, plan, loss_of=lambda out: out[1])
+
+
+# -- 5. the model's own interface on the object nvtp.jit returns ------------------------------------
+
+def test_eval_inference_traces_no_backward_and_training_afterwards_gets_its_own_program():
+    cfg = GPTConfig(tie=True, dropout=0.1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))
+    idx, targets = tokens(cfg)
+    jitted.eval()
+    ref.eval()
+    with torch.no_grad():
+        logits, loss = jitted(idx)  # targets=None: the last position's logits, loss None
+        want, _ = ref(idx)
+    assert loss is None and logits.shape == (2, 1, cfg.vocab_size) and relative_error(logits, want)[0] <= 1e-5
+    assert jitted.last.backward is None  # nothing traced for a backward nobody runs
+    jitted.train()
+    with torch.no_grad():  # training mode, no autograd: a forward-only program...
+        jitted(idx, targets)
+    assert jitted.last.backward is None
+    _, loss = jitted(idx, targets)  # ...which the same call with autograd on does not reuse
+    assert jitted.last.backward is not None
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_models_own_methods_run_on_the_sharded_model_generate_gives_eagers_tokens():
+    """nanoGPT's ``model.generate(idx, n, top_k=1)`` calls ``self(idx_cond)`` on ever longer
+    prompts: through the object nvtp.jit returns it runs the sharded program, a forward-only
+    program per length (under no_grad new shapes need no dynamic=True)."""
+    cfg = GPTConfig(tie=True, n_layer=1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))
+    assert jitted.config is model.config and jitted.transformer is model.transformer  # the model's attributes
+    with pytest.raises(AttributeError, match=r"'ShardedModule' object has no attribute 'no_such_thing', nor has the model it wraps \(TinyGPT\)"):
+        jitted.no_such_thing
+    prompt = tokens(cfg)[0][:, : cfg.block_size - 1]
+    jitted.eval()
+    ref.eval()
+    got = jitted.generate(prompt, 3, top_k=1)  # lengths 15, 16, then cropped to 16
+    assert torch.equal(got, ref.generate(prompt, 3, top_k=1))
+    assert len(jitted._compiled) == 2 and all(c.backward_fusion is None for c in jitted._compiled.values())
+
+
+def test_configure_optimizers_through_the_sharded_model_trains_as_eager():
+    # No biases: the key projection's bias has a gradient of zero in exact arithmetic (softmax does
+    # not see a constant added to every key), rounding noise there, and AdamW scales noise to lr.
+    cfg = GPTConfig(tie=True, bias=False)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))
+    opt = jitted.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    ref_opt = ref.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    idx, targets = tokens(cfg)
+    for _ in range(2):
+        for m, o in ((jitted, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(idx, targets)[1].backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(p, q)[0] <= 1e-4, n
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_state_dict_helpers_take_the_object_nvtp_jit_returns(one_process_group):
+    """``get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))`` gives the
+    model's own keys, as on a DDP- or FSDP-wrapped model; ``set_model_state_dict`` loads them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict
+
+    cfg = GPTConfig(tie=True, n_layer=1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    fresh = copy.deepcopy(model)
+    jitted = nvtp.jit(model, plan="megatron")
+    opt = jitted.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    idx, targets = tokens(cfg)
+    jitted(idx, targets)[1].backward()
+    opt.step()
+    full = StateDictOptions(full_state_dict=True)
+    got = get_model_state_dict(jitted, options=full)
+    assert list(got) == list(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], nvtp.full_tensor(v)), k
+    _, optim = get_state_dict(jitted, opt, options=full)
+    assert len(optim["state"]) == len(list(model.parameters()))
+    set_model_state_dict(jitted, fresh.state_dict(), options=full)
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(nvtp.full_tensor(p), q), n
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def _nanogpt_like_worker(rank, world, init_method, out):
+    """One rank of ``test_a_tied_gpt_trains_generates_and_checkpoints_on_two_processes``."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    cfg = GPTConfig(tie=True, bias=False)
+    torch.manual_seed(0)
+    model = nvtp.jit(TinyGPT(cfg), plan="megatron")
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")  # before the first call, as nanoGPT's train.py does
+    idx, targets = tokens(cfg, ignored=3)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        logits, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    inner = model.module
+    split = isinstance(inner.lm_head.weight, DTensor) and inner.lm_head.weight.to_local().shape[0] == cfg.vocab_size // world
+    model.eval()
+    generated = model.generate(idx[:, : cfg.block_size - 1], 2, top_k=1)
+    if rank == 0:
+        torch.save({"losses": losses, "state": state, "split": split, "tied": inner.lm_head.weight is inner.transformer.wte.weight,
+                    "generated": generated, "keys": list(state)}, out)
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_a_tied_gpt_trains_generates_and_checkpoints_on_two_processes(tmp_path):
+    """On 2 processes with DTensor parameters: nanoGPT's way of training (configure_optimizers'
+    AdamW, ``(logits, loss)``, ignore_index), the tied head split once, generate, and
+    ``get_model_state_dict`` on the object nvtp.jit returns; all as one plain process."""
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "r.pt"
+    assert spawn(_nanogpt_like_worker, 2, str(out)) == [0, 0]
+    got = torch.load(out, weights_only=False)
+    cfg = GPTConfig(tie=True, bias=False)
+    torch.manual_seed(0)
+    ref = TinyGPT(cfg)
+    opt = ref.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    idx, targets = tokens(cfg, ignored=3)
+    for step in range(3):
+        opt.zero_grad()
+        _, loss = ref(idx, targets)
+        loss.backward()
+        opt.step()
+        assert abs(got["losses"][step] - loss.item()) <= 1e-5 * loss.item(), (step, got["losses"][step], loss.item())
+    assert got["split"] and got["tied"] and got["keys"] == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert relative_error(got["state"][k], v)[0] <= 1e-4, k
+    ref.eval()
+    assert torch.equal(got["generated"], ref.generate(idx[:, : cfg.block_size - 1], 2, top_k=1))

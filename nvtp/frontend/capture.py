@@ -303,7 +303,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     params = parameter_names(jitted)
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, params)
     forward, backward_fusion, tree = label_outputs(type(module).__name__, out, runtime.returned.get(id(fwd[0]), ()), forward,
-                                                   backward_fusion)
+                                                   backward_fusion, _forward_location(module))
     differentiable = differentiable_inputs(fwd_trace, bwd[0] if bwd else None, params)
     check_gradients(backward_fusion, differentiable, "as traced")
     if parts.enabled():  # their parts become inputs of their own (nvtp/frontend/parts.py)
@@ -327,18 +327,20 @@ class _Recording(Runtime):
 
 
 def label_outputs(model: str, out: Any, returned: Sequence[torch.Tensor], forward: Fusion,
-                  backward: Fusion | None) -> tuple[Fusion, Fusion | None, Any]:
+                  backward: Fusion | None, where: str = "") -> tuple[Fusion, Fusion | None, Any]:
     """Label each of the forward's user outputs by its place in the model's output object ``out``
     (``y``, ``y[0]``, ``y['loss']``; nvtp.frontend.outputs), and each incoming gradient of the
     backward ``grad(<place>)``; returns the fusions and the object's structure (``Leaf`` per tensor).
-    ``returned``: the tensors the forward fusion returned, one per output, in order."""
+    ``returned``: the tensors the forward fusion returned, one per output, in order; ``where``: the
+    forward's file:line, for the error."""
     position = {id(t): i for i, t in enumerate(returned)}
     labels: dict[str, str] = {}  # forward value -> its place
 
     def leaf(place: str, t: torch.Tensor) -> Leaf:
         i = position.get(id(t))
         if i is None or i >= len(forward.outputs) or forward.role(forward.outputs[i].name) != "output":
-            raise CaptureError(f"{model}.forward returns {place}, a tensor nvtp's forward fusion does not compute (an argument, "
+            raise CaptureError(f"{model}.forward{' (' + where + ')' if where else ''} returns {place}, a tensor nvtp's forward fusion "
+                               "does not compute (an argument, "
                                "a buffer or a parameter returned as it is); return a value the model computes from it "
                                "(e.g. x.clone()) or leave it out of the output")
         return Leaf(labels.setdefault(forward.outputs[i].name, place))
@@ -455,10 +457,10 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     given = _describe_args(module, args, kwargs)
     try:
         with torch.no_grad():
-            module(*args, **kwargs)
+            output = module(*args, **kwargs)
         eager = None
     except Exception as e:  # noqa: BLE001 - any failure of eager PyTorch says the arguments do not fit
-        eager = e
+        eager, output = e, None
     if eager is not None and not (isinstance(eager, NotImplementedError) or "meta" in str(eager).lower()):
         at = _where(traceback.extract_tb(eager.__traceback__), library)
         return InputError(f"{name}.forward does not accept {given}: eager PyTorch fails too{' at ' + at if at else ''}: "
@@ -470,6 +472,11 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
         return InputError(f"{name}.forward does not accept {given}: Thunder's check{where} refused them: {_first_line(error)}; "
                           "pass arguments of the shapes and dtypes the module expects")
     hint = "rewrite that part of the model with operations Thunder supports"
+    named_tuple = next((type(x).__name__ for x in _containers(output) if isinstance(x, tuple) and hasattr(type(x), "_fields")), None)
+    if named_tuple is not None and "__new__()" in str(error):
+        at = _forward_location(module)
+        hint = (f"the forward{' (' + at + ')' if at else ''} returns a NamedTuple ({named_tuple}), which Thunder cannot rebuild: "
+                "return a tuple, a dict or a dataclass instead")
     mha = [n or "(the module itself)" for n, m in module.named_modules() if isinstance(m, torch.nn.MultiheadAttention)]
     if mha and ("multi_head_attention" in str(error) or any(f.filename.endswith(os.path.join("modules", "activation.py")) for f in frames)):
         hint = (f"nn.MultiheadAttention ({', '.join(mha)}) is such a part: write the attention with your own q, k, v and output "
@@ -477,6 +484,24 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     return CaptureError(f"Thunder cannot trace {name}.forward{where}: {type(error).__name__}: {_first_line(error)}. Eager PyTorch "
                         f"runs the module with these arguments ({given}), so it is the module nvtp cannot take, not the arguments: "
                         f"{hint}")
+
+
+def _containers(x: Any) -> list[Any]:
+    """``x`` and every tuple, list, dict or dataclass inside it."""
+    from nvtp.frontend.outputs import _children
+
+    children = _children(x)
+    return [x] + [c for _, child in (children or []) for c in _containers(child)] if children is not None else []
+
+
+def _forward_location(module: torch.nn.Module) -> str:
+    """``file:line`` of the module's ``forward``, or "" when Python cannot tell."""
+    try:
+        forward = type(module).forward
+        path = inspect.getsourcefile(forward)
+        return f"{path}:{inspect.getsourcelines(forward)[1]}" if path else ""
+    except (TypeError, OSError):
+        return ""
 
 
 def forward_inputs(fusion: Fusion, named: dict[str, torch.Tensor]) -> list[torch.Tensor]:
