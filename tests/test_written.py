@@ -283,6 +283,23 @@ def test_a_loss_of_both_outputs_sends_each_its_own_gradient():
     _check_like_eager(_grads(model), _grads(ref))
 
 
+
+def test_a_call_without_targets_returns_logits_and_none_and_trains():
+    """``model(idx)``: nanoGPT's ``(logits[:, [-1], :], None)``; the list index is a slice to nvtp,
+    and a loss made outside from those logits trains as eager."""
+    cfg = GPTConfig(tie=True, n_layer=1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    idx, _ = tokens(cfg)
+    logits, loss = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))(idx)
+    want, _ = ref(idx)
+    assert loss is None and logits.shape == want.shape == (2, 1, cfg.vocab_size)
+    assert relative_error(logits, want)[0] <= 1e-5
+    logits.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    _check_like_eager(_grads(model), _grads(ref))
+
 class _Outputs(nn.Module):
     """One linear, its output returned in the container ``kind`` with None and a number beside it."""
 
