@@ -311,8 +311,8 @@ class ShardedModule(torch.nn.Module):
                     with torch.no_grad():
                         p.data = part
                     hold_part(p, placement, self._global_shapes[label], self.comm)
-            elif label in buffers and not _whole(placement):
-                raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers whole")
+            elif not _whole(placement) and (label in buffers or label in driver.tensor_attributes(self.module)):
+                raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers (and tensor attributes) whole")
 
     # -- run ----------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
 from nvtp.execute.step import RankProgram, part_rows
+from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
 from nvtp.program import Program
 from nvtp.sharding.placements import FusedParts, Placement, is_replicate, local_shape
@@ -82,7 +83,8 @@ class _Call:
 
     args: tuple
     kwargs: dict[str, Any]
-    sources: list[tuple[str, Any]]  # per computation input: ("parameter" | "buffer", name), ("arg", position), ("kwarg", key), ("other", None)
+    # Per computation input: ("parameter" | "buffer" | "attribute", name), ("arg", position), ("kwarg", key), ("other", None)
+    sources: list[tuple[str, Any]]
 
 
 class ShardingTransform(Transform):
@@ -292,7 +294,7 @@ class ShardingTransform(Transform):
         by_label: dict[str, Any] = {}
         names = rp.arg_names
         for (kind, key), proxy in zip(call.sources, computation_trace.args):
-            if kind in ("parameter", "buffer"):
+            if kind in ("parameter", "buffer", "attribute"):
                 by_label.setdefault(tied.get(key, key), proxy)
             elif kind == "arg" and key < len(names):
                 by_label.setdefault(names[key], proxy)
@@ -420,7 +422,7 @@ def _call_of(prologue_trace, computation_trace) -> _Call:
     """The call the prologue unpacks: positional and keyword arguments (tensors as meta tensors,
     numbers and strings as they are, an argument the prologue never reads as None) and where each
     computation input comes from."""
-    args_proxy = kwargs_proxy = module_proxy = None
+    args_proxy = kwargs_proxy = None
     n_args = 0
     positional: dict[int, Any] = {}
     keywords: dict[str, Any] = {}
@@ -434,10 +436,6 @@ def _call_of(prologue_trace, computation_trace) -> _Call:
                 kwargs_proxy = bsym.output
         elif sid == PrimIDs.CHECK_LEN and bsym.args[0] is args_proxy:
             n_args = int(bsym.args[1])
-        elif sid == PrimIDs.UNPACK_THUNDER_MODULE:
-            module_proxy = bsym.output
-        elif sid in (PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_BUFFER) and bsym.args[0] is module_proxy:
-            origin[bsym.output.name] = ("parameter" if sid == PrimIDs.UNPACK_PARAMETER else "buffer", str(bsym.args[1]))
         elif sid == PrimIDs.UNPACK_GETITEM and bsym.args[0] is args_proxy and args_proxy is not None:
             positional[int(bsym.args[1])] = _value(bsym.output)
             if isinstance(bsym.output, Proxy):
@@ -446,6 +444,8 @@ def _call_of(prologue_trace, computation_trace) -> _Call:
             keywords[str(bsym.args[1])] = _value(bsym.output)
             if isinstance(bsym.output, Proxy):
                 origin[bsym.output.name] = ("kwarg", str(bsym.args[1]))
+    for name, source in module_state(prologue_trace).items():  # parameters, buffers, tensor attributes by path
+        origin.setdefault(name, source)
     sources = []
     for proxy in computation_trace.args:
         source = origin.get(proxy.name, ("other", None)) if isinstance(proxy, Proxy) else ("other", None)

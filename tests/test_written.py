@@ -443,6 +443,57 @@ def test_a_llama_reassigning_its_rotary_table_trains_sharded_as_eager():
     assert ranks[0].placement("layers.0.attention.wq.weight") != ranks[0].placement("norm.weight")  # it did split
 
 
+def _gpt_fast_like():
+    from tests.written import LlamaArgs, TinyGptFast
+
+    args = LlamaArgs()
+    torch.manual_seed(0)
+    model = TinyGptFast(args)
+    model.setup_caches(args.max_seq_len)
+    return model, args
+
+
+def test_tensor_attributes_set_up_before_the_call_train_sharded_as_eager():
+    """gpt-fast's ``self.freqs_cis`` and ``self.causal_mask``, plain attributes made by
+    ``setup_caches`` and only read in forward (before: ``KeyError: 't_causal_mask'`` from
+    nvtp/execute/step.py): module state, named by their paths, passed from the module."""
+    model, args = _gpt_fast_like()
+    idx, targets = tokens(args)
+    ranks = _train_on_simulated_mesh(model, (idx,), 2, "megatron",
+                                     loss_of=lambda logits: nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    f = ranks[0].last.traced.forward
+    assert {"freqs_cis", "causal_mask"} <= {f.label(v.name) for v in f.inputs}
+    assert ranks[0].placement("layers.0.attention.wq.weight") != ranks[0].placement("norm.weight")  # it did split
+
+
+def test_tensor_attributes_set_up_before_the_call_train_under_the_thunder_transform():
+    import thunder
+
+    model, args = _gpt_fast_like()
+    ref = copy.deepcopy(model)
+    idx, _ = tokens(args)
+    jm = thunder.jit(model, transforms=[nvtp.ShardingTransform(plan="megatron", mesh=1)])
+    out = jm(idx)
+    out.pow(2).mean().backward()
+    want = ref(idx)
+    want.pow(2).mean().backward()
+    assert relative_error(out, want)[0] <= 1e-5
+    _check_like_eager({n: p.grad for n, p in jm.named_parameters()}, _grads(ref))
+
+
+def test_a_tensor_attribute_the_program_reads_gone_from_the_module_is_named():
+    from nvtp.errors import InputError
+
+    model, args = _gpt_fast_like()
+    idx, _ = tokens(args)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1))
+    jitted(idx)
+    model.causal_mask = None
+    with pytest.raises(InputError, match=r"the program reads causal_mask \(.*\), which TinyGptFast holds neither as a parameter, "
+                                         r"a buffer nor a tensor attribute"):
+        jitted(idx)
+
+
 @pytest.mark.parametrize("plan", ["replicate", "megatron"])
 def test_cross_entropy_ignores_targets_of_minus_one_as_eager(plan):
     """nanoGPT's ``F.cross_entropy(..., ignore_index=-1)``: the mean over the other targets, and no

@@ -196,13 +196,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, mask=None):
         bsz, seqlen, _ = x.shape
         xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         xq, xk = apply_rotary(xq, freqs), apply_rotary(xk, freqs)
-        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)  # (B, nh, T, hs)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
 
 
@@ -226,8 +228,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, freqs):
-        h = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x, freqs, mask=None):
+        h = x + self.attention(self.attention_norm(x), freqs, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -259,6 +261,30 @@ class TinyLlama(nn.Module):
         freqs = self.freqs[0:seqlen]
         for layer in self.layers:
             h = layer(h, freqs)
+        return self.output(self.norm(h)).float()
+
+
+class TinyGptFast(TinyLlama):
+    """gpt-fast's way (``model.py``): the rotary table and the causal mask are made by
+    ``setup_caches`` and kept as plain tensor attributes (neither parameters nor buffers), read in
+    ``forward`` and never reassigned there."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__(args)
+        self.freqs_cis: torch.Tensor | None = None
+        self.causal_mask: torch.Tensor | None = None
+
+    def setup_caches(self, max_seq_length: int) -> None:
+        self.freqs_cis = precompute_freqs(self.args.dim // self.args.n_heads, max_seq_length)
+        self.causal_mask = torch.tril(torch.ones(max_seq_length, max_seq_length, dtype=torch.bool))
+
+    def forward(self, tokens):
+        seqlen = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs = self.freqs_cis[:seqlen]
+        mask = self.causal_mask[None, None, :seqlen, :seqlen]
+        for layer in self.layers:
+            h = layer(h, freqs, mask)
         return self.output(self.norm(h)).float()
 
 

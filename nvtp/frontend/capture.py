@@ -62,33 +62,41 @@ def fusion_callables(trace) -> list[FusionCallable]:
 
 
 def parameter_names(jitted) -> dict[str, str]:
-    """Thunder proxy name -> module parameter (or buffer) name, from the prologue trace.
-
-    A plain tensor attribute the forward reads (``self.freqs``, reassigned in ``forward`` as
-    ``self.freqs = self.freqs.to(h.device)``) is module state like a buffer: it is named by its
-    path too (``layers.0.freqs``), and ``nvtp.jit`` passes the module's tensor at each call."""
+    """Thunder proxy name -> the module's name for it (a parameter, a buffer or a plain tensor
+    attribute), from the last prologue trace (``module_state``)."""
     import thunder
+
+    return {proxy: path for trace in thunder.last_prologue_traces(jitted)[-1:] for proxy, (_, path) in module_state(trace).items()}
+
+
+def module_state(prologue_trace) -> dict[str, tuple[str, str]]:
+    """Thunder proxy name -> (kind, path) of each tensor a prologue takes from the module: kind
+    "parameter", "buffer" or "attribute", path the module's name for it (``h.0.attn.c_attn.weight``).
+
+    A plain tensor attribute the forward reads (``self.freqs_cis``, kept as an attribute or
+    reassigned in ``forward`` as ``self.freqs = self.freqs.to(h.device)``) is module state like a
+    buffer: it is named by its path too (``layers.0.freqs``), and the caller passes the module's
+    tensor at each call (``nvtp.jit``: ``RankProgram.module_state``; ``ShardingTransform``: Thunder's prologue)."""
     from thunder.core.prims import PrimIDs
     from thunder.core.proxies import TensorProxy
 
-    names: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}
     modules: dict[str, str] = {}  # proxy of a (sub)module -> its path ("" for the module traced)
-    for trace in thunder.last_prologue_traces(jitted)[-1:]:
-        for bsym in trace.bound_symbols:
-            if bsym.sym.id in (PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_BUFFER) and len(bsym.args) > 1:
-                names[bsym.output.name] = str(bsym.args[1])
-            elif bsym.sym.id == PrimIDs.UNPACK_THUNDER_MODULE:
-                modules[bsym.output.name] = ""
-            elif bsym.sym.id in (PrimIDs.UNPACK_SUBMODULE, PrimIDs.UNPACK_ATTR) and len(bsym.args) > 1:
-                base = modules.get(getattr(bsym.args[0], "name", None))
-                if base is None:
-                    continue
-                path = f"{base}.{bsym.args[1]}" if base else str(bsym.args[1])
-                if bsym.sym.id == PrimIDs.UNPACK_SUBMODULE:
-                    modules[bsym.output.name] = path
-                elif isinstance(bsym.output, TensorProxy):
-                    names.setdefault(bsym.output.name, path)
-    return names
+    for bsym in prologue_trace.bound_symbols:
+        if bsym.sym.id in (PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_BUFFER) and len(bsym.args) > 1:
+            found[bsym.output.name] = ("parameter" if bsym.sym.id == PrimIDs.UNPACK_PARAMETER else "buffer", str(bsym.args[1]))
+        elif bsym.sym.id == PrimIDs.UNPACK_THUNDER_MODULE:
+            modules[bsym.output.name] = ""
+        elif bsym.sym.id in (PrimIDs.UNPACK_SUBMODULE, PrimIDs.UNPACK_ATTR) and len(bsym.args) > 1:
+            base = modules.get(getattr(bsym.args[0], "name", None))
+            if base is None:
+                continue
+            path = f"{base}.{bsym.args[1]}" if base else str(bsym.args[1])
+            if bsym.sym.id == PrimIDs.UNPACK_SUBMODULE:
+                modules[bsym.output.name] = path
+            elif isinstance(bsym.output, TensorProxy):
+                found.setdefault(bsym.output.name, ("attribute", path))
+    return found
 
 
 def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, params: dict[str, str]) -> tuple[Fusion, Fusion | None]:
