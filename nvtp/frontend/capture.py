@@ -228,7 +228,7 @@ def check_gradients(backward: Fusion | None, differentiable: Sequence[str], wher
     where eager PyTorch gives one) or two values claiming one parameter. A fused projection's
     parts (``nvtp.frontend.parts``) each have an output, which together are their weight's."""
     outs = [backward.grad_of(v.name) for v in backward.outputs] if backward is not None else []
-    whole = {parts.owner(label) for label in outs}
+    whole = set(outs) | {parts.owner(label) for label in outs}  # a part's gradient, and its weight's
     missing = [label for label in differentiable if label not in whole]
     twice = sorted({label for label in outs if label and outs.count(label) > 1})
     if missing or twice:
