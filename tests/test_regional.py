@@ -269,6 +269,63 @@ def test_a_backward_that_recomputes_the_residual_stream_is_spliced_from_one_bloc
         assert torch.allclose(grads[f"grad({name})"], p.grad, rtol=1e-5, atol=1e-7), name
 
 
+class _PreNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(16)
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class _BlocksFirst(torch.nn.Module):
+    """A chain of blocks reading a floating argument straight away (no embedding), then an optional head."""
+
+    def __init__(self, head: bool):
+        super().__init__()
+        self.h = torch.nn.ModuleList(_PreNorm() for _ in range(5))
+        self.head = torch.nn.Linear(16, 4) if head else None
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return (self.head(x) if self.head is not None else x).pow(2).mean()
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_a_chain_with_nothing_before_it_needing_a_gradient_is_spliced_and_every_block_gets_its_gradients(head):
+    """Only the blocks (and perhaps a head) have parameters: nothing before the chain needs a gradient,
+    so the model without its blocks has no backward reaching them. Before, the template splice gave
+    no backward at all, every ``.grad`` None, silently (head=False), or the model was traced whole
+    (head=True). The skeleton is traced with its floating argument needing a gradient, which the
+    splice then drops (eager computes none): every parameter's gradient is the whole trace's, bit
+    for bit, and nvtp.jit trains it as eager does."""
+    torch.manual_seed(0)
+    net, x = _BlocksFirst(head), torch.randn(2, 8, 16)
+    got = regional.capture_regional(_meta_copy(net), x.to("meta"))
+    assert got.regional.startswith("spliced: 5 blocks of h from one traced block"), got.regional
+    whole = capture(_meta_copy(net), x.to("meta"))
+    assert sorted(got.backward.grad_of(v.name) for v in got.backward.outputs) == sorted(n for n, _ in net.named_parameters())
+    named = dict(net.named_parameters()) | {"x": x}
+    run = lambda f, inputs: reference.run(f, inputs)  # noqa: E731
+    values, grads = run_pair(whole.forward, whole.backward, named, torch.ones(()), run)
+    my_values, my_grads = run_pair(got.forward, got.backward, named, torch.ones(()), run)
+    assert torch.equal(my_values[output_value(got.forward)], values[output_value(whole.forward)])
+    assert sorted(my_grads) == sorted(grads)
+    for label, g in grads.items():
+        assert torch.equal(my_grads[label], g), label
+
+    ref = copy.deepcopy(net)
+    loss = nvtp.jit(net, plan="replicate", mesh=DeviceMesh.of_size(1))(x)
+    loss.backward()
+    want = ref(x)
+    want.backward()
+    assert torch.allclose(loss, want, rtol=1e-6)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
 @pytest.mark.parametrize("template", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: traces of 3 and 4 blocks, 25 s
 def test_a_llama_whose_block_0_backward_differs_is_spliced_and_matches_eager(template):
     """Thunder recomputes the embedding for block 0's backward (RMSNorm's input) and saves the

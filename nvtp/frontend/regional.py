@@ -54,6 +54,7 @@ that reads ``len(self.h)`` would see 1 in the skeleton, 3 in the cut model).
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -61,6 +62,7 @@ from typing import Any, Callable
 import torch
 
 from nvtp.ir.graph import Fusion, Op, ScalarValue, Value, ValueInfo, defines_input, is_value, renamed_value
+from nvtp.ir.simplify import dead_code
 from nvtp.ir.verify import verify
 
 TRACED = 3  # blocks traced: a head, two units to match against each other, and a tail
@@ -734,10 +736,11 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     if recomputed and read[leaving] not in outs:
         outs[read[leaving]] = values[read[leaving]]
         info[read[leaving]] = ValueInfo("saved")
+    inputs = {op.outputs[0].name for op in ops if defines_input(op)}
     for i in range(layers):
         for s in saved_sources:
             name = fname(s, i)
-            if name not in outs:
+            if name not in outs and name not in inputs:  # block 0's carry may be an argument: the backward reads it as it is
                 outs[name] = values[name]
                 info[name] = ValueInfo("saved")
     fwd, frename = _canonical(skeleton_fwd.name, ops, list(outs.values()), {n: i for n, i in info.items() if n in values}, skeleton_fwd)
@@ -823,6 +826,16 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
     parent._modules[rep.prefix.rpartition(".")[2]] = torch.nn.ModuleList([_Boundary()])
     try:
         skel = capture(skeleton, *args, **kwargs)
+        lent: list[str] = []
+        reaches = skel.backward is not None and _markers(skel.backward, chain.carry, False)
+        if not reaches and _has_parameters(module.get_submodule(f"{rep.prefix}.0")):
+            # Nothing before the blocks needs a gradient (no embedding: the chain starts at a
+            # floating argument), so the skeleton's backward, if any, stops short of the chain and
+            # cannot bring the loss's gradient to the blocks. Trace it with its floating arguments
+            # needing a gradient, so it reaches the chain, and drop their gradients after the splice.
+            args, kwargs, lent = _needing_grad(module, args, kwargs)
+            if lent:
+                skel = capture(skeleton, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - a forward that needs its blocks (indexes them, reads their attributes)
         raise NotRepeatable(f"the model without its blocks did not trace ({type(e).__name__})") from e
     carry = torch.empty_like(chain.carry, device="meta").requires_grad_(skel.backward is not None)
@@ -830,11 +843,42 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
         block = capture(module.get_submodule(f"{rep.prefix}.0"), carry)
     except Exception as e:  # noqa: BLE001 - a block that does not trace alone: the other splice decides
         raise NotRepeatable(f"block 0 of {rep.prefix} did not trace alone ({type(e).__name__})") from e
+    if skel.backward is None and block.backward is not None:
+        # A splice into no backward would give the blocks' parameters no gradient at all.
+        raise NotRepeatable("the model without its blocks has no backward (only the blocks have parameters, and no "
+                            "floating argument carries a gradient to them), so it cannot carry the blocks' gradients")
     params = [block.forward.label(v.name) for v in block.forward.inputs if block.forward.role(v.name) == "parameter"]
     differentiable = skel.differentiable + _every_block(tuple(f"{rep.prefix}.0.{label}" for label in block.differentiable
                                                              if label in params), rep.prefix, rep.count)
-    return (replace(skel, differentiable=differentiable),
-            splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count))
+    fwd, bwd = splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count)
+    if lent and bwd is not None:  # the arguments' gradients were only lent to the trace: eager computes none
+        bwd = dead_code(bwd.with_ops(bwd.ops, tuple(v for v in bwd.outputs if bwd.grad_of(v.name) not in lent)))
+        differentiable = tuple(label for label in differentiable if label not in lent)
+    return replace(skel, differentiable=differentiable), (fwd, bwd)
+
+
+def _has_parameters(block: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in block.parameters())
+
+
+def _needing_grad(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+    """``args``/``kwargs`` with each floating tensor that needs no gradient replaced by a meta
+    tensor that does, and the argument names (the fusions' labels) of those replaced."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs, []
+    lent: list[str] = []
+
+    def lend(name: str, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and not a.requires_grad:
+            lent.append(name)
+            return torch.empty_like(a, device="meta").requires_grad_()
+        return a
+
+    args = tuple(lend(n, a) for n, a in zip(names, args)) + tuple(args[len(names):])
+    kwargs = {k: lend(k, a) for k, a in kwargs.items()}
+    return args, kwargs, lent
 
 
 # -- capture ---------------------------------------------------------------------------------------

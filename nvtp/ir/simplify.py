@@ -7,6 +7,8 @@ passes do the same on nvtp's IR and never change a result bit.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nvtp.ir.build import make_op
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, Value, defines_input, fresh_names, is_value
@@ -55,7 +57,8 @@ def fold_casts(fusion: Fusion) -> Fusion:
 
 
 def dead_code(fusion: Fusion) -> Fusion:
-    """Drop ops none of whose results reach an output. Inputs and their order stay.
+    """Drop ops none of whose results reach an output, and the info of the values they defined.
+    Inputs and their order stay.
 
     Requires: a verified fusion. Ensures: the same inputs and outputs.
     """
@@ -65,7 +68,9 @@ def dead_code(fusion: Fusion) -> Fusion:
         if defines_input(op) or any(v.name in live for v in op.outputs):
             keep.append(op)
             live.update(v.name for v in op.operands)
-    return fusion.with_ops(tuple(reversed(keep)))
+    dropped = {v.name for op in fusion.ops for v in op.outputs} - {v.name for op in keep for v in op.outputs}
+    out = fusion.with_ops(tuple(reversed(keep)))
+    return replace(out, info={n: i for n, i in fusion.info.items() if n not in dropped}) if dropped & set(fusion.info) else out
 
 
 def _key(x):
