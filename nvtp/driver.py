@@ -369,6 +369,5 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy", "tensor_attributes",
-           "plan_names",
-           "default_mesh"]
+__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy",
+           "tensor_attributes", "plan_names", "default_mesh"]

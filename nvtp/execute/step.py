@@ -133,7 +133,8 @@ class RankProgram:
                 attributes = tensor_attributes(module) if attributes is None else attributes
                 if label not in attributes:
                     raise InputError(f"the program reads {label} ({v.describe()}), which {type(module).__name__} holds neither as a "
-                                     "parameter, a buffer nor a tensor attribute; register it with self.register_buffer")
+                                     "parameter, a buffer nor a tensor attribute; keep it on the module at every call (or register it with "
+                                     "self.register_buffer)")
                 named[label] = attributes[label]
         return named
 

@@ -5,13 +5,15 @@ self.wte.weight``): one ``nn.Parameter`` owned by two modules. Thunder unpacks i
 name, so a trace has two inputs (``wte.weight``, ``lm_head.weight``) and two gradients for one
 tensor. ``merge_tied`` makes them what the model means: one forward input (labelled with the
 name ``named_parameters()`` gives, the first), read by both uses; one backward output, the sum
-of both uses' gradients (what eager autograd accumulates into ``.grad``). ``nvtp.driver.trace`` applies it
-to whatever a route traced (the FX route already reads the weight once, under its first name;
-the ``attrs["tied"]`` record is then all it adds), with ``aliases`` of the module, which the
-``Traced`` keeps as ``tied``: one tie mechanism for every route. The sharding plan then
+of both uses' gradients (what eager autograd accumulates into ``.grad``). The sharding plan then
 places the one value once, so the tie cannot break: a placement another use wants is a reshard
 inside the fusion, not a second copy of the weight. The other names are kept in the fusion's
 ``attrs["tied"]`` (``alias=name,...``) so an explicit plan may name the weight by any of them.
+
+One tie mechanism for every route: ``nvtp.driver.trace`` takes ``aliases`` of the module (kept
+as ``Traced.tied``, which reports and ``ShardingTransform`` read) and applies ``merge_tied`` to
+whatever the route traced (the FX route already reads the weight once, under its first name;
+there the ``attrs["tied"]`` record is all it adds).
 """
 
 from __future__ import annotations
