@@ -284,6 +284,25 @@ def test_a_loss_of_both_outputs_sends_each_its_own_gradient():
 
 
 
+def test_the_thunder_transform_runs_a_tied_model_returning_logits_and_loss_as_eager():
+    """``thunder.jit(model, transforms=[nvtp.ShardingTransform(...)])`` runs the same per-rank step
+    (RankProgram): the tied head is one weight, each output gets its own gradient."""
+    import thunder
+
+    cfg = GPTConfig(tie=True, n_layer=2)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref = copy.deepcopy(model)
+    idx, targets = tokens(cfg)
+    jm = thunder.jit(model, transforms=[nvtp.ShardingTransform(plan="megatron", mesh=1)])
+    logits, loss = jm(idx, targets)
+    (3 * loss + logits.pow(2).mean()).backward()
+    want_logits, want = ref(idx, targets)
+    (3 * want + want_logits.pow(2).mean()).backward()
+    assert relative_error(loss, want)[0] <= 1e-5 and relative_error(logits, want_logits)[0] <= 1e-5
+    _check_like_eager({n: p.grad for n, p in jm.named_parameters()}, _grads(ref))
+
+
 def test_a_call_without_targets_returns_logits_and_none_and_trains():
     """``model(idx)``: nanoGPT's ``(logits[:, [-1], :], None)``; the list index is a slice to nvtp,
     and a loss made outside from those logits trains as eager."""
