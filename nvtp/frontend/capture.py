@@ -14,7 +14,7 @@ import os
 import re
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -39,6 +39,7 @@ class Captured:
     trace_seconds: float
     unclaimed: list[Unclaimed]
     regional: str = ""  # how nvtp.frontend.regional built the fusions ("spliced: ..." or "whole trace: <why>"); "" when not asked
+    layers: dict[str, int] = field(default_factory=dict)  # spliced: each forward value a block's copy computes -> its block
 
 
 def fusion_callables(trace) -> list[FusionCallable]:

@@ -446,6 +446,19 @@ def _splice(ch: _Chain, prefix: str, source_key: Callable[[str, int], Any] | Non
     return ops, outs, info, where, tid
 
 
+def _live(ops: list[Op], outputs) -> list[Op]:
+    """``ops`` without those none of whose results reaches an output (inputs stay): what the
+    skeleton's backward recomputed only for the boundary it no longer has (the embedding, when
+    Thunder rematerialises the boundary's input), which would otherwise be planned and not run."""
+    live = set(outputs)
+    keep: list[Op] = []
+    for op in reversed(ops):
+        if defines_input(op) or any(v.name in live for v in op.outputs):
+            keep.append(op)
+            live.update(v.name for v in op.operands)
+    return keep[::-1]
+
+
 def _canonical(name: str, ops: list[Op], outputs: list[Value], info: dict[str, ValueInfo], base: Fusion) -> tuple[Fusion, dict[str, str]]:
     """The fusion with inputs first and values renamed T0, T1, S2, ... in op order."""
     ordered = [op for op in ops if defines_input(op)] + [op for op in ops if not defines_input(op)]
@@ -665,16 +678,44 @@ def _outputs_read(f: Fusion, values: dict[str, Value], read: dict[str, str], inf
     return outs
 
 
+@dataclass
+class Spliced:
+    """The L-layer fusions ``splice_blocks`` built, and where the skeleton's outputs went."""
+
+    forward: Fusion
+    backward: Fusion | None
+    renamed: dict[str, str]  # a skeleton forward output kept -> its name in ``forward``
+    layer: dict[str, int]  # each value of ``forward`` a copy of the block computes (or its parameter) -> the copy's index
+
+
 def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
-                    carry: torch.Tensor, prefix: str, layers: int) -> tuple[Fusion, Fusion | None]:
+                  carry: torch.Tensor, prefix: str, layers: int, *, carry_label: str | None = None,
+                  reads: dict[str, str] | None = None, shared: dict[str, str] | None = None,
+                  extras: frozenset[str] | set[str] = frozenset()) -> Spliced:
     """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
     replaced by ``_Boundary``), with the boundary replaced by L copies of the block's own fusions,
-    chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``."""
+    chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``.
+
+    For blocks that read more than their carry (the FX route, ``nvtp.frontend.fx_regional``):
+    ``carry_label`` labels the block's carry input (default: its
+    one input that is not a parameter); ``reads``: each other such input's label -> the skeleton
+    forward's value every copy reads in its place (an *invariant*: rotary tables, a mask);
+    ``shared``: each other input's label (a parameter's too) -> the label of one input that every
+    copy reads in its place, not one per layer (a constant: the block folded it, or the skeleton
+    gives it but does not read it itself); ``extras``: skeleton forward outputs that are
+    there only for the blocks (the invariants), dropped but where a block's backward saves them."""
+    reads, shared = dict(reads or {}), dict(shared or {})
     fb_inputs = [op for op in block_fwd.ops if defines_input(op)]
     acts = [op.outputs[0] for op in fb_inputs if block_fwd.role(op.outputs[0].name) != "parameter"]
-    if len(acts) != 1:
-        raise NotRepeatable(f"the block's forward reads {len(acts)} inputs that are not its parameters, not 1 (the carry)")
-    x = acts[0].name
+    carried = [v for v in acts if (block_fwd.label(v.name) == carry_label if carry_label else True)]
+    if len(carried) != 1:
+        raise NotRepeatable(f"the block's forward reads {len(carried)} inputs that are not its parameters, not 1 (the carry)")
+    x = carried[0].name
+    unread = [block_fwd.label(v.name) for v in acts if v.name != x and block_fwd.label(v.name) not in reads | shared]
+    if unread:
+        raise NotRepeatable(f"the block's forward reads {', '.join(unread)}, which the skeleton does not give")
+    invariant = {v.name: reads[block_fwd.label(v.name)] for v in acts if block_fwd.label(v.name) in reads}  # block input -> skeleton value
+    common = {op.outputs[0].name for op in fb_inputs if block_fwd.label(op.outputs[0].name) in shared}
     ys = [v for v in block_fwd.outputs if block_fwd.role(v.name) == "output"]
     if len(ys) != 1:
         raise NotRepeatable(f"the block's forward has {len(ys)} outputs, not 1")
@@ -687,33 +728,58 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     drop, entering, leaving = _marker(skeleton_fwd, carry, True)
     ops: list[Op] = [op for op in skeleton_fwd.ops if defines_input(op)]
     info: dict[str, ValueInfo] = {n: i for n, i in skeleton_fwd.info.items()}
+    for op in fb_inputs:  # one input for all copies
+        v = op.outputs[0]
+        if v.name in common:
+            ops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#shared"),)))
+            info[f"{v.name}#shared"] = ValueInfo("parameter", shared[block_fwd.label(v.name)])
     for i in range(layers):
         for op in fb_inputs:
             v = op.outputs[0]
-            if v.name != x:
+            if v.name != x and v.name not in invariant and v.name not in common:
                 ops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
                 info[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_fwd, v.name, i))
+    inputs = {v.name for op in ops for v in op.outputs}
     read: dict[str, str] = {}
     carries = []  # the carry entering each copy (forward names)
+    layer_of = {f"{op.outputs[0].name}#{i}": i for i in range(layers) for op in fb_inputs}
 
     def fname(name: str, i: int) -> str:
-        return carries[i] if name == x else f"{name}#{i}"
+        if name == x:
+            return carries[i]
+        if name in invariant:
+            return invariant[name]
+        return f"{name}#shared" if name in common else f"{name}#{i}"
 
     for j, op in enumerate(skeleton_fwd.ops):
         if defines_input(op):
             continue
         if j in drop:
             if j == min(drop):
+                defined = {v.name for o in ops for v in o.outputs}
+                late = sorted(set(invariant.values()) - defined)
+                if late:
+                    raise NotRepeatable(f"the skeleton's forward computes {', '.join(late)}, which the blocks read, after them")
                 carry_in = read.get(entering, entering)
                 for i in range(layers):
                     carries.append(carry_in)
-                    ops += _copied(block_fwd, lambda name, i=i: fname(name, i))
+                    copy_ops = _copied(block_fwd, lambda name, i=i: fname(name, i))
+                    layer_of.update((v.name, i) for op in copy_ops for v in op.outputs)
+                    ops += copy_ops
                     carry_in = fname(y, i)
                 read[leaving] = carry_in
             continue
         ops.append(_reading(op, read))
     values = {v.name: v for op in ops for v in op.outputs}
     outs = _outputs_read(skeleton_fwd, values, read, info, "saved")
+    skeleton_saved = {i.source for i in skeleton_bwd.info.values() if i.role == "saved"} if skeleton_bwd is not None else set()
+    for name in extras:
+        if name in outs and name not in inputs:
+            if name in skeleton_saved:
+                info[name] = ValueInfo("saved")
+            else:
+                del outs[name]
+                info.pop(name, None)
     saved_sources = [block_bwd.info[op.outputs[0].name].source for op in block_bwd.ops
                      if defines_input(op) and block_bwd.role(op.outputs[0].name) == "saved"] if block_bwd is not None else []
     # A backward that recomputes the boundary (Thunder rematerialising ``x * 1.0`` from the head's
@@ -725,12 +791,16 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     for i in range(layers):
         for s in saved_sources:
             name = fname(s, i)
-            if name not in outs:
+            if name not in outs and name not in inputs:
                 outs[name] = values[name]
                 info[name] = ValueInfo("saved")
-    fwd, frename = _canonical(skeleton_fwd.name, ops, list(outs.values()), {n: i for n, i in info.items() if n in values}, skeleton_fwd)
+    kept = {v.name: read.get(v.name, v.name) for v in skeleton_fwd.outputs if read.get(v.name, v.name) in outs}
+    fwd, frename = _canonical(skeleton_fwd.name, _live(ops, outs), list(outs.values()), {n: i for n, i in info.items() if n in values},
+                              skeleton_fwd)
+    renamed = {old: frename[new] for old, new in kept.items()}
+    layer = {frename[n]: i for n, i in layer_of.items() if n in frename}
     if skeleton_bwd is None or block_bwd is None:
-        return fwd, None
+        return Spliced(fwd, None, renamed, layer)
 
     # Backward: the copies in reverse, the incoming gradient of each the outgoing one of the copy after.
     bb_inputs = [op for op in block_bwd.ops if defines_input(op)]
@@ -751,12 +821,24 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
             bops.append(op)
             old = skeleton_bwd.info.get(op.outputs[0].name)
             if old is not None:
-                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.role == "saved" else old
+                # a saved value, or an incoming gradient (of which forward output): named as the spliced forward names it
+                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.role in ("saved", "grad") and old.source else old
+    # A block's backward input that is the same for every copy: a shared constant, or a saved invariant.
+    bcommon = {op.outputs[0].name for op in bb_inputs if
+               (block_bwd.role(op.outputs[0].name) == "parameter" and block_bwd.label(op.outputs[0].name) in shared)
+               or (block_bwd.role(op.outputs[0].name) == "saved" and block_bwd.info[op.outputs[0].name].source in common | set(invariant))}
+    for op in bb_inputs:
+        v = op.outputs[0]
+        if v.name in bcommon:
+            bops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#shared"),)))
+            old = block_bwd.info[v.name]
+            binfo[f"{v.name}#shared"] = ValueInfo("parameter", shared[old.label]) if old.role == "parameter" else \
+                ValueInfo("saved", "", frename[fname(old.source, 0)])
     for i in range(layers):
         for op in bb_inputs:
             v = op.outputs[0]
             role = block_bwd.role(v.name)
-            if v.name == gy:
+            if v.name == gy or v.name in bcommon:
                 continue
             bops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
             binfo[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_bwd, v.name, i)) if role == "parameter" else \
@@ -781,7 +863,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
                 g = bread.get(bentering, bentering)
                 for i in reversed(range(layers)):
                     def bname(name: str, i: int = i, g: str = g) -> str:
-                        return g if name == gy else f"{name}#{i}"
+                        return g if name == gy else f"{name}#shared" if name in bcommon else f"{name}#{i}"
                     bops += _copied(block_bwd, bname)
                     grads += [(bname(v.name), f"{prefix}.{i}.{block_bwd.grad_of(v.name)}") for v in block_bwd.outputs if v.name != gx]
                     g = bname(gx)
@@ -793,8 +875,9 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     for name, of in sorted(grads, key=lambda g: g[1]):
         bouts[name] = bvalues[name]
         binfo[name] = ValueInfo("grad", f"grad({of})", grad_of=of)
-    bwd, _ = _canonical(skeleton_bwd.name, bops, list(bouts.values()), {n: i for n, i in binfo.items() if n in bvalues}, skeleton_bwd)
-    return fwd, bwd
+    bwd, _ = _canonical(skeleton_bwd.name, _live(bops, bouts), list(bouts.values()), {n: i for n, i in binfo.items() if n in bvalues},
+                        skeleton_bwd)
+    return Spliced(fwd, bwd, renamed, layer)
 
 
 def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwargs: Any):
@@ -842,15 +925,15 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
     reasons = []
     if template:
         try:
-            skel, (fwd, bwd) = capture_template(module, rep, *args, **kwargs)
+            skel, spliced = capture_template(module, rep, *args, **kwargs)
         except NotRepeatable as e:
             reasons.append(str(e))
         else:
-            verify(fwd)
-            if bwd is not None:
-                verify(bwd)
+            verify(spliced.forward)
+            if spliced.backward is not None:
+                verify(spliced.backward)
             seconds = time.perf_counter() - start
-            return replace(skel, forward=fwd, backward=bwd, trace_seconds=seconds,
+            return replace(skel, forward=spliced.forward, backward=spliced.backward, trace_seconds=seconds, layers=spliced.layer,
                            regional=f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s)")
     if rep.count <= traced:
         reasons.append(f"{rep.count} blocks in {rep.prefix}, no more than the {traced} a splice of several traced blocks traces")
