@@ -35,9 +35,12 @@ def build(family: str = "llama", layers: int = LAYERS, dtype: torch.dtype = torc
         cfg = t.GPT2Config(n_embd=64, n_head=4, n_layer=layers, vocab_size=256, n_positions=64, use_cache=False, resid_pdrop=0.0,
                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **extra)
         return t.GPT2LMHeadModel(cfg).to(dtype)
+    if family == "bloom":
+        cfg = t.BloomConfig(hidden_size=64, n_head=4, n_layer=layers, vocab_size=256, use_cache=False, **extra)
+        return t.BloomForCausalLM(cfg).to(dtype)
     config, model = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
                      "phi3": (t.Phi3Config, t.Phi3ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
-                     "gemma": (t.GemmaConfig, t.GemmaForCausalLM)}[family]
+                     "gemma": (t.GemmaConfig, t.GemmaForCausalLM), "granite": (t.GraniteConfig, t.GraniteForCausalLM)}[family]
     kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
                   intermediate_size=128, use_cache=False, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     kwargs |= {"head_dim": 16} if family == "gemma" else {}
@@ -70,13 +73,17 @@ def run(model: torch.nn.Module, traced: driver.Traced) -> tuple[object, dict[str
     return call.rebuild([values[v.name] for v in f.outputs if f.role(v.name) == "output"]), got
 
 
-def assert_bit_for_bit(model: torch.nn.Module, spliced: driver.Traced, whole: driver.Traced) -> None:
+def assert_bit_for_bit(model: torch.nn.Module, spliced: driver.Traced, whole: driver.Traced, rounded: tuple[str, ...] = ()) -> None:
+    """Loss, logits and every gradient equal; ``rounded``: gradients allowed to differ in their last bits."""
     out, grads = run(model, spliced)
     want, want_grads = run(model, whole)
     assert torch.equal(out.loss, want.loss) and torch.equal(out.logits, want.logits)
     assert sorted(grads) == sorted(want_grads) and len(grads) >= len(list(model.parameters()))
     for label, g in want_grads.items():
-        assert torch.equal(grads[label], g), label
+        if label in rounded:
+            torch.testing.assert_close(grads[label], g, rtol=1e-6, atol=1e-6 * g.abs().max().item(), msg=label)
+        else:
+            assert torch.equal(grads[label], g), label
 
 
 @pytest.fixture
@@ -110,18 +117,24 @@ def test_a_llama_spliced_from_one_traced_layer_computes_the_whole_trace_bit_for_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "qwen2", "phi3", "gemma"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "phi3", "gemma", "bloom", "granite"])
 def test_other_families_spliced_compute_the_whole_trace_bit_for_bit(family):
     """GPT-2 (Conv1D, learned positions, tied embedding), Qwen2 (q/k/v biases), Phi-3 (a fused
-    qkv_proj of unequal parts, split per layer), Gemma (a scaled embedding, tied)."""
+    qkv_proj of unequal parts, split per layer), Gemma (a scaled embedding, tied), BLOOM (ALiBi
+    biases every layer reads; a GeLU written as an autograd.Function, a subgraph per layer),
+    Granite (its embedding multiplier 1.0: an ``x * 1.0`` the boundary marker must not be taken for).
+    BLOOM's tied embedding gradient alone differs in its last bits: the whole trace's backward
+    recomputes the embedding LayerNorm's output (Thunder's choice with the layers there), the
+    spliced one reads it as the forward saved it (as block 0's trace saves its input)."""
     model = build(family)
     split = family == "phi3"
     spliced = trace(model, split_parts=split)
-    prefix = "transformer.h" if family == "gpt2" else "model.layers"
+    prefix = "transformer.h" if family in ("gpt2", "bloom") else "model.layers"
     assert spliced.how.startswith(f"spliced: {LAYERS} blocks of {prefix} from one traced block"), spliced.how
     if split:
         assert {p.weight for p in spliced.parts.values()} == {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(LAYERS)}
-    assert_bit_for_bit(model, spliced, trace(model, regional=False, split_parts=split))
+    rounded = ("grad(transformer.word_embeddings.weight)",) if family == "bloom" else ()
+    assert_bit_for_bit(model, spliced, trace(model, regional=False, split_parts=split), rounded)
 
 
 def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):

@@ -22,7 +22,7 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
    *invariant*: the rotary tables ``cos`` and ``sin``, an attention mask); and nothing but block 1
    reads block 0, nothing but the rest of the model reads block 1's output.
 4. From that graph two graph modules: the *skeleton*, the model with the two blocks replaced by
-   ``carry * 1.0`` (``regional``'s boundary marker) that also returns the invariants; and the
+   ``carry * MARK`` (``regional``'s boundary marker) that also returns the invariants; and the
    *block*, block 0's nodes reading the carry and the invariants as arguments and its parameters
    by their names in the block. Each has its constants folded (``fx._fold_constants``) and, when
    asked, its fused projections split (``fx._split_parts``; a block's parts are named per layer).
@@ -54,10 +54,13 @@ import torch.utils._pytree as pytree
 from nvtp.frontend import fx as fxroute
 from nvtp.frontend.capture import CaptureError, Captured, capture, parameter_names
 from nvtp.frontend.fused import Part
-from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
+from nvtp.frontend.regional import NotRepeatable, Repeated, _block_index, find_repeated, splice_template, truncated
 from nvtp.ir.verify import verify
 
 CARRY = "nvtp_carry"  # the block graph's first argument; its others are nvtp_invariant_<k>
+# The skeleton's boundary ``carry * MARK``: a factor no model multiplies its residual stream by
+# (Granite's embedding multiplier is 1.0 in small configs: ``x * 1.0`` would be found twice).
+MARK = 1.0009765625
 
 
 # -- 1. blocks alike -------------------------------------------------------------------------------
@@ -152,11 +155,19 @@ def _shape(arg: Any, own: dict[fx.Node, int], outside: Any) -> Any:
     return fx.node.map_aggregate(arg, lambda a: (_In(own[a]) if a in own else outside(a)) if isinstance(a, fx.Node) else a)
 
 
-def cut(g: fx.Graph, prefix: str) -> Cut:
-    """Blocks 0 and 1 of ``g`` and how they read the rest (step 3 of the module docstring)."""
+def cut(g: fx.Graph, prefix: str, attrs: dict[str, Any] | None = None) -> Cut:
+    """Blocks 0 and 1 of ``g`` and how they read the rest (step 3 of the module docstring).
+    ``attrs``: the graph's get_attr values; a subgraph of a higher-order op (an autograd.Function's
+    ``fwd_body_0``) belongs to the block whose nodes alone read it."""
+    attrs = attrs or {}
+    of = {node: _block_of(node, prefix) for node in g.nodes}
+    for node in g.nodes:
+        if node.op == "get_attr" and of[node] is None and isinstance(attrs.get(node.target), torch.nn.Module):
+            readers = {of[u] for u in node.users}
+            of[node] = readers.pop() if len(readers) == 1 else None
     blocks: list[list[fx.Node]] = [[], []]
     for node in g.nodes:
-        b = _block_of(node, prefix)
+        b = of[node]
         if b is not None:
             if b > 1:
                 raise NotRepeatable(f"the graph of the model cut to 2 blocks has nodes of {prefix}.{b}")
@@ -197,10 +208,14 @@ def cut(g: fx.Graph, prefix: str) -> Cut:
         elif type(x) is not type(y) or x != y:
             raise NotRepeatable(f"block 1 of {prefix} differs from block 0 at `{where.format_node()}`")
 
-    depth = len(prefix.split(".")) + 1  # a parameter's name in its block: past <prefix>.<i>.
+    def same_attr(a: fx.Node, b: fx.Node) -> bool:
+        x, y = attrs.get(a.target), attrs.get(b.target)
+        if isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule):  # a subgraph: the same code
+            return x.code == y.code
+        return _in_block(a.target, prefix) == _in_block(b.target, prefix)  # a parameter: the same name in the block
+
     for a, b in zip(*blocks):
-        if a.op != b.op or (a.op == "get_attr" and a.target.split(".", depth)[-1] != b.target.split(".", depth)[-1]) \
-                or (a.op != "get_attr" and a.target != b.target):
+        if a.op != b.op or (a.op == "get_attr" and not same_attr(a, b)) or (a.op != "get_attr" and a.target != b.target):
             raise NotRepeatable(f"block 1 of {prefix} differs from block 0 at `{a.format_node()}`")
         compare(_shape((a.args, a.kwargs), own[0], _Model),
                 _shape((b.args, b.kwargs), own[1], lambda n: _Out() if n is outputs[0] else _Model(n)), a)
@@ -219,7 +234,7 @@ def _example(node: fx.Node) -> Any:
 
 
 def skeleton_graph(g: fx.Graph, c: Cut) -> fx.Graph:
-    """The model's graph with both blocks replaced by ``carry * 1.0``, returning the invariants after its outputs."""
+    """The model's graph with both blocks replaced by ``carry * MARK``, returning the invariants after its outputs."""
     new = fx.Graph()
     new._codegen = fx.graph.CodeGen()
     env: dict[fx.Node, fx.Node] = {}
@@ -229,12 +244,18 @@ def skeleton_graph(g: fx.Graph, c: Cut) -> fx.Graph:
             outs = fx.node.map_arg(node.args[0], lambda n: env[n])
             new.output(type(outs)(list(outs) + [env[n] for n in c.invariants]))
         elif node is c.outputs[1]:
-            marker = new.call_function(operator.mul, (env[c.carry], 1.0))
+            marker = new.call_function(operator.mul, (env[c.carry], MARK))
             marker.meta = dict(c.carry.meta)
             env[node] = marker
         elif node not in inside:
             env[node] = new.node_copy(node, lambda n: env[n])
     return new
+
+
+def _in_block(target: str, prefix: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``; a target not of a block as it is."""
+    found = _block_index(target, prefix)
+    return found[1] if found else target
 
 
 def block_graph(c: Cut, prefix: str) -> fx.Graph:
@@ -246,10 +267,9 @@ def block_graph(c: Cut, prefix: str) -> fx.Graph:
     for name, node in [(CARRY, c.carry)] + [(f"nvtp_invariant_{k}", n) for k, n in enumerate(c.invariants)]:
         env[node] = new.placeholder(name)
         env[node].meta = dict(node.meta)
-    head = f"{prefix}.0."
     for node in c.blocks[0]:
         if node.op == "get_attr":
-            env[node] = new.get_attr(node.target[len(head):])
+            env[node] = new.get_attr(_in_block(node.target, prefix))
             env[node].meta = dict(node.meta)
         else:
             env[node] = new.node_copy(node, lambda n: env[n])
@@ -305,13 +325,14 @@ class _Pieces:
 
 def pieces(exported: fxroute.Exported, rep: Repeated, split_parts: bool) -> _Pieces:
     """Steps 3 and 4 of the module docstring on the graph of the model cut to 2 blocks."""
-    c = cut(exported.graph, rep.prefix)
+    c = cut(exported.graph, rep.prefix, exported.attrs)
     carry, invariants = _meta_like(c.carry), [_meta_like(n) for n in c.invariants]
     if any(t.requires_grad for t in invariants):
         raise NotRepeatable(f"the blocks of {rep.prefix} read a value that needs a gradient besides their carry")
     skeleton = exported.module(skeleton_graph(exported.graph, c))
     g = block_graph(c, rep.prefix)
-    block = fx.GraphModule({n.target: exported.attrs[f"{rep.prefix}.0.{n.target}"] for n in g.nodes if n.op == "get_attr"}, g)
+    read = {_in_block(n.target, rep.prefix): exported.attrs[n.target] for n in c.blocks[0] if n.op == "get_attr"}
+    block = fx.GraphModule(read, g)
     constants = fxroute._fold_constants(skeleton, {})
     block_constants = fxroute._fold_constants(block, {}, first=len(constants))
     parts: dict[str, Part] = {}
@@ -354,7 +375,7 @@ def _splice(skel: Captured, block: Captured, n_invariants: int, block_constants:
             reads[label] = value
             extras.add(value)
     spliced = splice_template(skel.forward, skel.backward, block.forward, block.backward, carry, rep.prefix, rep.count,
-                              carry_label=CARRY, reads=reads, shared=shared, extras=extras)
+                              carry_label=CARRY, reads=reads, shared=shared, extras=extras, mark=MARK)
     verify(spliced.forward)
     if spliced.backward is not None:
         verify(spliced.backward)

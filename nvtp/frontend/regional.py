@@ -615,18 +615,18 @@ def observe_chain(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: d
     return Chain(calls[0][1][0])
 
 
-def _marker(f: Fusion, carry: torch.Tensor, forward: bool) -> tuple[set[int], str, str]:
+def _marker(f: Fusion, carry: torch.Tensor, forward: bool, mark: float = 1.0) -> tuple[set[int], str, str]:
     """The ops of ``_Boundary`` in a skeleton fusion: (their indices, the value entering, the value
     leaving). Forward: ``x * 1.0``; backward: ``1.0 * g``; each with a cast to float before and a
     cast back after when the carry is of lower precision."""
-    found = _markers(f, carry, forward)
+    found = _markers(f, carry, forward, mark)
     if len(found) != 1:
         raise NotRepeatable(f"the skeleton's {'forward' if forward else 'backward'} has {len(found)} places where the chain of "
                             "blocks could be, not 1")
     return found[0]
 
 
-def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[int], str, str]]:
+def _markers(f: Fusion, carry: torch.Tensor, forward: bool, mark: float = 1.0) -> list[tuple[set[int], str, str]]:
     """Every op group of ``f`` that ``_marker`` would take (a backward that recomputes the forward's
     ``x * 1.0`` has one of the forward's form too)."""
     from nvtp.ir.dtypes import DType
@@ -641,7 +641,7 @@ def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[in
             continue
         lhs, rhs = op.arg("lhs"), op.arg("rhs")
         value, const = (lhs, rhs) if forward else (rhs, lhs)
-        if not is_value(value) or is_value(const) or const != 1.0 or tuple(value.shape) != shape:
+        if not is_value(value) or is_value(const) or const != mark or tuple(value.shape) != shape:
             continue
         drop, entering, leaving = {i}, value.name, op.outputs[0].name
         producer = f.ops[at[entering]]
@@ -691,7 +691,7 @@ class Spliced:
 def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
                   carry: torch.Tensor, prefix: str, layers: int, *, carry_label: str | None = None,
                   reads: dict[str, str] | None = None, shared: dict[str, str] | None = None,
-                  extras: frozenset[str] | set[str] = frozenset()) -> Spliced:
+                  extras: frozenset[str] | set[str] = frozenset(), mark: float = 1.0) -> Spliced:
     """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
     replaced by ``_Boundary``), with the boundary replaced by L copies of the block's own fusions,
     chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``.
@@ -703,7 +703,8 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     ``shared``: each other input's label (a parameter's too) -> the label of one input that every
     copy reads in its place, not one per layer (a constant: the block folded it, or the skeleton
     gives it but does not read it itself); ``extras``: skeleton forward outputs that are
-    there only for the blocks (the invariants), dropped but where a block's backward saves them."""
+    there only for the blocks (the invariants), dropped but where a block's backward saves them;
+    ``mark``: the boundary's factor (``x * mark``; the backward's ``mark * grad``)."""
     reads, shared = dict(reads or {}), dict(shared or {})
     fb_inputs = [op for op in block_fwd.ops if defines_input(op)]
     acts = [op.outputs[0] for op in fb_inputs if block_fwd.role(op.outputs[0].name) != "parameter"]
@@ -725,7 +726,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
         return f"{prefix}.{i}.{f.label(name)}"
 
     # Forward.
-    drop, entering, leaving = _marker(skeleton_fwd, carry, True)
+    drop, entering, leaving = _marker(skeleton_fwd, carry, True, mark)
     ops: list[Op] = [op for op in skeleton_fwd.ops if defines_input(op)]
     info: dict[str, ValueInfo] = {n: i for n, i in skeleton_fwd.info.items()}
     for op in fb_inputs:  # one input for all copies
@@ -784,7 +785,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
                      if defines_input(op) and block_bwd.role(op.outputs[0].name) == "saved"] if block_bwd is not None else []
     # A backward that recomputes the boundary (Thunder rematerialising ``x * 1.0`` from the head's
     # output) reads the last block's output instead: the forward saves it.
-    recomputed = _markers(skeleton_bwd, carry, True) if skeleton_bwd is not None else []
+    recomputed = _markers(skeleton_bwd, carry, True, mark) if skeleton_bwd is not None else []
     if recomputed and read[leaving] not in outs:
         outs[read[leaving]] = values[read[leaving]]
         info[read[leaving]] = ValueInfo("saved")
@@ -809,7 +810,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     if len(gys) != 1 or len(gxs) != 1:
         raise NotRepeatable(f"the block's backward takes {len(gys)} gradients and gives {len(gxs)} for its input, not 1 and 1")
     gy, gx = gys[0], gxs[0]
-    bdrop, bentering, bleaving = _marker(skeleton_bwd, carry, False)
+    bdrop, bentering, bleaving = _marker(skeleton_bwd, carry, False, mark)
     bops: list[Op] = []
     binfo: dict[str, ValueInfo] = {}
 
