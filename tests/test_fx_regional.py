@@ -51,17 +51,21 @@ def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def trace(model: torch.nn.Module, regional: bool = True, split_parts: bool = False) -> driver.Traced:
+def call_kwargs(**extra) -> dict:
     idx = tokens()
-    return driver.trace(model, (idx,), {"labels": idx, "use_cache": False}, regional=regional, split_parts=split_parts)
+    return {"labels": idx, "use_cache": False} | extra
 
 
-def run(model: torch.nn.Module, traced: driver.Traced) -> tuple[object, dict[str, torch.Tensor]]:
+def trace(model: torch.nn.Module, regional: bool = True, split_parts: bool = False, **extra) -> driver.Traced:
+    return driver.trace(model, (tokens(),), call_kwargs(**extra), regional=regional, split_parts=split_parts)
+
+
+def run(model: torch.nn.Module, traced: driver.Traced, **extra) -> tuple[object, dict[str, torch.Tensor]]:
     """The traced forward and backward on the reference backend, with the model's weights and one
     fixed incoming gradient per output: (the model's output object, gradients by label)."""
     idx = tokens()
     call = traced.call
-    named = dict(model.named_parameters()) | dict(model.named_buffers()) | call.bind((idx,), {"labels": idx, "use_cache": False})
+    named = dict(model.named_parameters()) | dict(model.named_buffers()) | call.bind((idx,), call_kwargs(**extra))
     named |= call.constants
     for label, part in call.parts.items():
         named[label] = named[part.weight][part.start:part.stop]
@@ -73,10 +77,11 @@ def run(model: torch.nn.Module, traced: driver.Traced) -> tuple[object, dict[str
     return call.rebuild([values[v.name] for v in f.outputs if f.role(v.name) == "output"]), got
 
 
-def assert_bit_for_bit(model: torch.nn.Module, spliced: driver.Traced, whole: driver.Traced, rounded: tuple[str, ...] = ()) -> None:
+def assert_bit_for_bit(model: torch.nn.Module, spliced: driver.Traced, whole: driver.Traced, rounded: tuple[str, ...] = (),
+                       **extra) -> None:
     """Loss, logits and every gradient equal; ``rounded``: gradients allowed to differ in their last bits."""
-    out, grads = run(model, spliced)
-    want, want_grads = run(model, whole)
+    out, grads = run(model, spliced, **extra)
+    want, want_grads = run(model, whole, **extra)
     assert torch.equal(out.loss, want.loss) and torch.equal(out.logits, want.logits)
     assert sorted(grads) == sorted(want_grads) and len(grads) >= len(list(model.parameters()))
     for label, g in want_grads.items():
@@ -135,6 +140,18 @@ def test_other_families_spliced_compute_the_whole_trace_bit_for_bit(family):
         assert {p.weight for p in spliced.parts.values()} == {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(LAYERS)}
     rounded = ("grad(transformer.word_embeddings.weight)",) if family == "bloom" else ()
     assert_bit_for_bit(model, spliced, trace(model, regional=False, split_parts=split), rounded)
+
+
+@pytest.mark.slow
+def test_a_padding_mask_every_layer_reads_is_computed_once_and_spliced_bit_for_bit():
+    """An ``attention_mask`` argument (the last 3 tokens of a row padded): the mask the layers read
+    is computed from it once, in the model without its layers, and every copy reads it."""
+    model = build("llama")
+    mask = torch.ones_like(tokens())
+    mask[0, -3:] = 0
+    spliced = trace(model, attention_mask=mask)
+    assert spliced.how.startswith(f"spliced: {LAYERS} blocks of model.layers from one traced block"), spliced.how
+    assert_bit_for_bit(model, spliced, trace(model, regional=False, attention_mask=mask), attention_mask=mask)
 
 
 def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):
