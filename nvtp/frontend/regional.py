@@ -38,6 +38,9 @@ is the head, L-1 copies of the first unit (labels renamed ``h.<i>...``; carries 
 before; backward inputs saved from the forward copy of the same block), and the tail, with values
 renamed T0, T1, ... in op order (inputs first).
 
+The FX route (``nvtp.frontend.fx_regional``) builds its skeleton and block from dynamo's graph
+instead, and splices them with the same ``splice_template``.
+
 Anything that does not fit (no repeated ModuleList, blocks that differ, a region that reads a
 block other than its neighbour, a unit whose second copy does not match the first) raises
 ``NotRepeatable`` with the reason; ``capture_regional`` then tries the next way, and at last
@@ -680,7 +683,7 @@ def _outputs_read(f: Fusion, values: dict[str, Value], read: dict[str, str], inf
 
 @dataclass
 class Spliced:
-    """The L-layer fusions ``splice_blocks`` built, and where the skeleton's outputs went."""
+    """The L-layer fusions ``splice_template`` built, and where the skeleton's outputs went."""
 
     forward: Fusion
     backward: Fusion | None
@@ -689,22 +692,23 @@ class Spliced:
 
 
 def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
-                  carry: torch.Tensor, prefix: str, layers: int, *, carry_label: str | None = None,
-                  reads: dict[str, str] | None = None, shared: dict[str, str] | None = None,
-                  extras: frozenset[str] | set[str] = frozenset(), mark: float = 1.0) -> Spliced:
+                    carry: torch.Tensor, prefix: str, layers: int, *, carry_label: str | None = None,
+                    reads: dict[str, str] | None = None, shared: dict[str, str] | None = None,
+                    extras: frozenset[str] | set[str] = frozenset(), mark: float = 1.0) -> Spliced:
     """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
     replaced by ``_Boundary``), with the boundary replaced by L copies of the block's own fusions,
     chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``.
 
     For blocks that read more than their carry (the FX route, ``nvtp.frontend.fx_regional``):
-    ``carry_label`` labels the block's carry input (default: its
-    one input that is not a parameter); ``reads``: each other such input's label -> the skeleton
-    forward's value every copy reads in its place (an *invariant*: rotary tables, a mask);
-    ``shared``: each other input's label (a parameter's too) -> the label of one input that every
-    copy reads in its place, not one per layer (a constant: the block folded it, or the skeleton
-    gives it but does not read it itself); ``extras``: skeleton forward outputs that are
-    there only for the blocks (the invariants), dropped but where a block's backward saves them;
-    ``mark``: the boundary's factor (``x * mark``; the backward's ``mark * grad``)."""
+    ``carry_label`` labels the block's carry input (default: its one input that is not a
+    parameter); ``reads``: each other such input's label -> the skeleton forward's value every copy
+    reads in its place (an *invariant*: rotary tables, a mask); ``shared``: each other input's
+    label (a parameter's too) -> the label of one input that every copy reads in its place, not
+    one per layer (a constant: the block folded it, or the skeleton gives it but does not read it
+    itself); ``extras``: skeleton forward outputs that are there only for the blocks (the
+    invariants), dropped but where a block's backward saves them; ``mark``: the boundary's factor
+    (``x * mark``; the backward's ``mark * grad``). Returns the fusions, where the skeleton's
+    outputs went, and which layer each forward value belongs to (``Spliced``)."""
     reads, shared = dict(reads or {}), dict(shared or {})
     fb_inputs = [op for op in block_fwd.ops if defines_input(op)]
     acts = [op.outputs[0] for op in fb_inputs if block_fwd.role(op.outputs[0].name) != "parameter"]
