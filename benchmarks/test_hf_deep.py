@@ -108,12 +108,16 @@ def test_plan_published_config_for_8_devices(benchmark, name, warm_bytecode, req
                   timings={"nvtp explain": Timing.of([seconds])}, ratios={}, traced=report["traced"],
                   seconds_inside=report["seconds"], parameter_bytes_per_rank=per_rank, parameters_over_8=params / 8,
                   memory_per_rank=report["memory_per_rank"], activations_per_layer=report["activations_per_layer"],
-                  activations_per_layer_korthikanti=report["activations_per_layer_korthikanti"], peak_rss_bytes=peak,
+                  activations_per_layer_korthikanti=report["activations_per_layer_korthikanti"],
+                  attention_matrices_per_layer=report["attention_matrices_per_layer"], peak_rss_bytes=peak,
                   summary=f"{seconds:.1f} s (target {PLAN_TARGET_S:g} s); {report['traced']}")
     benchmark.extra_info.update(data)
     assert report["traced"].startswith(f"spliced: {cfg.num_hidden_layers} blocks of model.layers from one traced block"), report["traced"]
     assert abs(per_rank / (params / 8) - 1) <= 0.15, (per_rank, params / 8)
-    assert report["activations_per_layer"] and report["activations_per_layer_korthikanti"]
+    s, b, h, a, t = 4096, 1, cfg.hidden_size, cfg.num_attention_heads, 8
+    assert report["activations_per_layer_korthikanti"] == s * b * h * (34 + 5 * a * s / h) / t
+    assert report["attention_matrices_per_layer"] == a // t * b * s * s * 2  # 2 bytes an element; the formula's 5
+    assert report["activations_per_layer"] - report["attention_matrices_per_layer"] < 34 * s * b * h / t
     assert peak < layer_bytes, f"the plan's process peaked at {peak / 2**30:.2f} GiB, more than one layer's weights"
     assert all(p.device == torch.device("meta") for p in model.parameters())
     check_target(f"nvtp explain --module nvtp.models.hf:{name}", Estimate(seconds, 0.0, 1), PLAN_TARGET_S, " s")

@@ -192,17 +192,25 @@ class ModelReport:
                 "deviations": {k: {"measured": measured.get(k, 0), "formula": round(expected[k])}
                                for k in expected if measured.get(k, 0) != round(expected[k])}}
 
-    def activations_per_layer(self) -> int | None:
+    def activations_per_layer(self, square_only: bool = False) -> int | None:
         """Local bytes one layer keeps for backward: a block region's (``explain_gpt``), or in a
         program spliced from one block (``layers``) the mean over its blocks of what each copy
-        computes and the forward keeps; None for a model of neither kind."""
+        computes and the forward keeps; None for a model of neither kind. ``square_only``: only
+        the values whose last two axes are the sequence (the s*s attention scores or probabilities)."""
+        s = self.shape.get("s")
+
+        def counted(r: Region, name: str) -> bool:
+            shape = r.forward.source.value(name).shape
+            return not square_only or (s is not None and len(shape) >= 2 and tuple(shape[-2:]) == (s, s))
+
         blocks = [r for r in self.regions if r.count > 1 or r.name == "block"]
         if blocks:
-            return sum(_saved_bytes(blocks[0].forward, blocks[0].backward))
+            r = blocks[0]
+            return sum(n for name, n in _saved_named(r.forward, r.backward) if counted(r, name))
         if not self.layers or len(self.regions) != 1:
             return None
         r = self.regions[0]
-        kept = sum(n for name, n in _saved_named(r.forward, r.backward) if name in self.layers)
+        kept = sum(n for name, n in _saved_named(r.forward, r.backward) if name in self.layers and counted(r, name))
         return round(kept / len(set(self.layers.values())))
 
     def korthikanti_per_layer(self) -> float | None:
@@ -232,6 +240,7 @@ class ModelReport:
             "communication_bytes": {p: sum(c["bytes"] for c in comms if c["phase"] == p) for p in ("forward", "backward")},
             "memory_per_rank": self.memory_per_rank(),
             "activations_per_layer": self.activations_per_layer(),
+            "attention_matrices_per_layer": self.activations_per_layer(square_only=True),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
         } | ({"traced": self.how} if self.how else {}) | ({} if self.mesh is None else {
@@ -285,9 +294,13 @@ class ModelReport:
         formula = self.korthikanti_per_layer()
         mine = self.activations_per_layer()
         if formula is not None and mine is not None:
+            square = self.activations_per_layer(square_only=True) or 0
+            why = ("with flash attention nvtp keeps no s*s attention scores or probabilities" if not square else
+                   f"of which {_size(square)} s*s attention matrices (the formula counts 5 bytes an element of them: scores, "
+                   "probabilities, dropout mask)")
             lines.append(f"activations saved per layer per rank: {_size(mine)}; Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)"
                          f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {_size(int(formula))} "
-                         f"(ratio {mine / formula:.2f}: with flash attention nvtp keeps no s*s attention scores or probabilities)")
+                         f"(ratio {mine / formula:.2f}; {why})")
         if self.seconds:
             lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + (f" ({self.how})" if self.how else ""))
         return "\n".join(lines)
