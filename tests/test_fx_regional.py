@@ -231,3 +231,9 @@ def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_pr
     assert fast.steps() == slow.steps()
     assert str(fast.forward.fusion) == str(slow.forward.fusion) and str(fast.backward.fusion) == str(slow.backward.fusion)
     assert len(probes) - taken - taken == 3 * 5  # q, k, v, gate and up of layers 1-3 were not probed again
+
+
+@pytest.mark.parametrize("path", ["L['self'].model.layers.3.mlp", "L['self'].model.layers[3].mlp", "L['self']._modules['model']._modules['layers']._modules['3'].mlp"])
+def test_dynamo_module_paths_name_the_layer(path):
+    """The spellings dynamo's ``nn_module_stack`` has used for a module inside layer 3."""
+    assert fx_regional._module_path(path) == "model.layers.3.mlp"

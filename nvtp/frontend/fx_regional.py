@@ -32,11 +32,12 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
    constant the block folded is one input that every copy reads). The skeleton's extra outputs go
    again, but for those a block's backward saves.
 
-Anything that does not fit raises ``NotRepeatable`` with the reason, and ``trace`` traces the whole
-model, saying why in ``Captured.regional`` (``Traced.how``): e.g. Gemma 2, whose layers alternate
-sliding-window and full attention. Assumed, not checked: a block's settings that differ between
-blocks 0 and 1 (``layer_idx``) change nothing in any block's graph (they change nothing in the two
-traced), and the model's forward does not depend on its number of layers but by running them.
+Anything that does not fit (a piece Thunder cannot trace alone included) raises ``NotRepeatable``
+with the reason, and ``trace`` traces the whole model, saying why in ``Captured.regional``
+(``Traced.how``): e.g. Gemma 2, whose layers alternate sliding-window and full attention. Assumed,
+not checked: a block's settings that differ between blocks 0 and 1 (``layer_idx``) change nothing
+in any block's graph (they change nothing in the two traced), and the model's forward does not
+depend on its number of layers but by running them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch.utils._pytree as pytree
 from nvtp.frontend import fx as fxroute
 from nvtp.frontend.capture import CaptureError, Captured, capture, parameter_names
 from nvtp.frontend.fused import Part
-from nvtp.frontend.regional import NotRepeatable, Repeated, _block_index, find_repeated, splice_template, truncated
+from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
 from nvtp.ir.verify import verify
 
 CARRY = "nvtp_carry"  # the block graph's first argument; its others are nvtp_invariant_<k>
@@ -254,8 +255,8 @@ def skeleton_graph(g: fx.Graph, c: Cut) -> fx.Graph:
 
 def _in_block(target: str, prefix: str) -> str:
     """``model.layers.0.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``; a target not of a block as it is."""
-    found = _block_index(target, prefix)
-    return found[1] if found else target
+    idx, _, rest = target[len(prefix) + 1:].partition(".") if target.startswith(prefix + ".") else ("", "", "")
+    return rest if idx.isdigit() else target
 
 
 def block_graph(c: Cut, prefix: str) -> fx.Graph:
