@@ -14,11 +14,11 @@ depth. The targets (issue 27):
 * ``nvtp.jit(...).compile(input_ids, labels=input_ids)`` of a 32-layer Llama (hidden 256, real
   weights, 2 simulated ranks) in at most 1.5x the 2-layer compile, in one process, in turn.
 
-Fresh processes run with a bytecode cache (``PYTHONPYCACHEPREFIX`` under .benchmarks/): this
-machine's environment sets ``PYTHONDONTWRITEBYTECODE=1`` and the project's venv holds no ``.pyc``
-files, so without it every process compiles torch, transformers and Thunder from source first
-(15-35 s here, before nvtp runs); a pip-installed environment has its bytecode. The cold figure is
-recorded too (``cold_bytecode_seconds``).
+Fresh processes run with a bytecode cache (``PYTHONPYCACHEPREFIX`` under .benchmarks/, filled by
+one untimed import first): this machine's environment sets ``PYTHONDONTWRITEBYTECODE=1``, and a
+venv built without ``uv sync --compile-bytecode`` (the Makefile builds it with) holds no ``.pyc``
+files, so every process would compile torch, transformers and Thunder from source first (about 9 s
+on a quiet machine, before nvtp runs); a pip-installed environment has its bytecode too.
 """
 
 from __future__ import annotations
