@@ -37,17 +37,20 @@ class Timing:
         return Timing(round(statistics.median(ms), 3), round(ms[0], 3), round(q[0], 3), round(q[2], 3), len(ms))
 
 
-def interleave(impls: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+def interleave(impls: Mapping[str, Callable[..., object]], rounds: int, warmup: int = 2,
+               prepare: Mapping[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
     """Run every implementation once per round, starting each round with the next one in turn;
-    the first ``warmup`` rounds are not kept. Returns seconds per call, per implementation."""
+    the first ``warmup`` rounds are not kept. Returns seconds per call, per implementation.
+    ``prepare``: an untimed call before each timed one, whose result the implementation takes."""
     names = list(impls)
     samples: dict[str, list[float]] = {n: [] for n in names}
     gc.collect()
     for r in range(warmup + rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
+            args = (prepare[n](),) if prepare and n in prepare else ()
             start = time.perf_counter()
-            impls[n]()
+            impls[n](*args)
             seconds = time.perf_counter() - start
             if r >= warmup:
                 samples[n].append(seconds)

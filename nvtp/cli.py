@@ -147,7 +147,7 @@ def cmd_explain(args) -> int:
 
 def _explain_model(args) -> int:
     """``explain --model nanogpt --config C [--layers L]`` (regional: one block traced, counted L
-    times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)``; traced as
+    times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)`` or ``(model, example_args, example_kwargs)``; traced as
     nvtp.jit traces it). ``--devices N`` or ``--mesh DPxTP [--fsdp]``."""
     import importlib
     import json
@@ -170,10 +170,13 @@ def _explain_model(args) -> int:
         except (ImportError, AttributeError) as e:
             raise Usage(f"--module {args.module}: {e}") from None
         made = factory()
-        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], __import__("torch").nn.Module)):
-            raise Usage(f"--module {args.module}: the factory must return (model, example_args), got {type(made).__name__}")
-        model, example = made
-        result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where)
+        if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], __import__("torch").nn.Module)
+                and (len(made) == 2 or isinstance(made[2], dict))):
+            raise Usage(f"--module {args.module}: the factory must return (model, example_args) or (model, example_args, "
+                        f"example_kwargs), got {type(made).__name__}")
+        model, example, example_kwargs = made if len(made) == 3 else (*made, {})
+        result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where,
+                              **example_kwargs)
     else:
         from nvtp.models import gpt
 
@@ -322,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--layers", type=_positive_int, default=None, help="layers (default: the config's)")
             c.add_argument("--batch", type=_positive_int, default=None,
                            help="with --model: each rank's batch (default the config's); on --mesh DPxTP the traced batch is DP times it")
-            c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args): one rank's batch on --mesh); "
+            c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args) or (model, example_args, "
+                                                 "example_kwargs): one rank's batch on --mesh; e.g. nvtp.models.hf:llama3_70b); "
                                                  "a chain of repeated blocks is traced as one block and the model without them, then spliced, as nvtp.jit does")
         c.set_defaults(fn=fn)
 

@@ -54,7 +54,7 @@ class Traced:
     forward: Fusion
     backward: Fusion | None
     route: str  # "thunder", "fx" or "dump"
-    how: str = ""  # how the fusions were made (regional's "spliced: ..." / "whole trace: <why>"), or the file
+    how: str = ""  # how the fusions were made (regional's or fx_regional's "spliced: ..." / "whole trace: <why>"), or the file
     captured: Any = None  # nvtp.frontend.capture.Captured (None for a dump)
     call: Any = None  # the FX route's nvtp.frontend.fx.Program: binds a call's arguments, rebuilds the outputs
     arguments: list[str] = field(default_factory=list)  # labels of the inputs that are the caller's arguments
@@ -152,13 +152,19 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
     tied = aliases(module)
     if way == "fx":
-        from nvtp.frontend import fx
+        if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
+            from nvtp.frontend import fx_regional
 
-        call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
+            call, captured = fx_regional.trace(meta, margs, mkwargs, split_parts=split_parts)
+            how = captured.regional
+        else:
+            from nvtp.frontend import fx
+
+            call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
+            how = "whole trace (regional=False): dynamo's graph of the whole forward, traced by Thunder"
         forward, backward = merge_tied(captured.forward, captured.backward, tied)
-        return Traced(forward, backward, "fx", "dynamo's graph of the whole forward, traced by Thunder",
-                      captured, call, call.arg_names + list(call.constants), weights, seconds=time.perf_counter() - start,
-                      split_parts=split_parts, tied=tied, boundary=boundary)
+        return Traced(forward, backward, "fx", how, captured, call, call.arg_names + list(call.constants), weights,
+                      seconds=time.perf_counter() - start, split_parts=split_parts, tied=tied, boundary=boundary)
     if kwargs:
         raise TypeError("on Thunder's route a call's keywords are bound to positions first: driver.bind_call")
     from nvtp.frontend.parts import splitting

@@ -68,7 +68,20 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
         batch = f"traced batch = dp x each rank's batch (the example arguments') = {_axis_size(mesh, 'dp')} x {example_args[0].shape[0]}"
-    return report_of(program, type(model).__name__, batch=batch)
+    tp = _axis_size(mesh, "tp") if mesh.ndim > 1 else mesh.size
+    return report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, tp))
+
+
+def _transformer_shape(model: torch.nn.Module, args: tuple, kwargs: dict, tp: int) -> dict[str, int]:
+    """s, b, h, a, t, L of a transformers model for Korthikanti et al.'s formula: hidden size, heads
+    and layers from its config, batch and sequence from its token ids (one rank's); {} for other models."""
+    config = getattr(model, "config", None)
+    h, a, layers = (getattr(config, k, None) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not all(isinstance(x, int) for x in (h, a, layers)) or not isinstance(ids, torch.Tensor) or ids.ndim != 2 \
+            or ids.dtype.is_floating_point:
+        return {}
+    return {"s": ids.shape[1], "b": ids.shape[0], "h": h, "a": a, "t": tp, "L": layers}
 
 
 def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None = None, dtype: torch.dtype = torch.bfloat16,

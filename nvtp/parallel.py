@@ -511,11 +511,12 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     ``check_replicas``: before each call, check that replicated inputs agree across ranks.
     ``frontend``: how the model is traced: "thunder" (``thunder.jit``), "fx" (TorchDynamo's graph
     of the whole forward, then Thunder: ``nvtp/frontend/fx.py``), or "auto": "fx" for Hugging
-    Face transformers models, "thunder" otherwise. ``regional``: on the "thunder" route, a model
-    whose blocks form a chain (an ``nn.ModuleList`` of 2 or more blocks alike, each called once as
-    ``x = block(x)``) is traced as block 0 and the model without its blocks, and the fusions are
-    spliced to full depth (``nvtp/frontend/regional.py``; ``model.last.traced.how`` says so,
-    or why it traced the model another way); False traces every block. ``backend``: what runs the
+    Face transformers models, "thunder" otherwise. ``regional``: a model whose blocks form a chain
+    (an ``nn.ModuleList`` of 2 or more blocks alike, each called once in order on the output of
+    the one before) is traced as block 0 and the model without its blocks, and the fusions are
+    spliced to full depth (``nvtp/frontend/regional.py`` on the "thunder" route,
+    ``nvtp/frontend/fx_regional.py`` on the "fx" route: a transformers model's decoder layers;
+    ``model.last.traced.how`` says so, or why it traced the model another way); False traces every block. ``backend``: what runs the
     program (``nvtp.execute.backends``): "nvfuser" (nvFuser's kernels; CUDA models), "reference"
     (torch ops and torch.distributed; anywhere), or "auto": nvFuser for a CUDA model where
     nvfuser_direct loads, the reference backend otherwise. A backend that cannot run here is

@@ -54,7 +54,7 @@ class ModelReport:
     devices: int
     regions: list[Region]
     seconds: dict[str, float] = field(default_factory=dict)
-    shape: dict[str, int] = field(default_factory=dict)  # b, s, h, a, L for the formula (GPT only)
+    shape: dict[str, int] = field(default_factory=dict)  # s, b, h, a, t, L for the formula (nvtp's GPT, a transformers config)
     mesh: DeviceMesh | None = None  # None: a 1-D mesh of ``devices``; else the (dp, tp) mesh
     data: str = ""  # on a 2-D mesh: "ddp" or "fsdp"
     weights: frozenset[str] | None = None  # labels of the parameters FSDP may split (None: every parameter)
@@ -64,6 +64,7 @@ class ModelReport:
     backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
     machine: Any = None  # an nvtp.sharding.overlap.Machine: estimate what the schedule hides on it
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
+    layers: dict[str, int] = field(default_factory=dict)  # a spliced program: each forward value a block's copy computes -> its block
 
     # -- communications -------------------------------------------------------------------
 
@@ -233,6 +234,27 @@ class ModelReport:
                 "deviations": {k: {"measured": measured.get(k, 0), "formula": round(expected[k])}
                                for k in expected if measured.get(k, 0) != round(expected[k])}}
 
+    def activations_per_layer(self, square_only: bool = False) -> int | None:
+        """Local bytes one layer keeps for backward: a block region's (``explain_gpt``), or in a
+        program spliced from one block (``layers``) the mean over its blocks of what each copy
+        computes and the forward keeps; None for a model of neither kind. ``square_only``: only
+        the values whose last two axes are the sequence (the s*s attention scores or probabilities)."""
+        s = self.shape.get("s")
+
+        def counted(r: Region, name: str) -> bool:
+            shape = r.forward.source.value(name).shape
+            return not square_only or (s is not None and len(shape) >= 2 and tuple(shape[-2:]) == (s, s))
+
+        blocks = [r for r in self.regions if r.count > 1 or r.name == "block"]
+        if blocks:
+            r = blocks[0]
+            return sum(n for name, n in _saved_named(r.forward, r.backward) if counted(r, name))
+        if not self.layers or len(self.regions) != 1:
+            return None
+        r = self.regions[0]
+        kept = sum(n for name, n in _saved_named(r.forward, r.backward) if name in self.layers and counted(r, name))
+        return round(kept / len(set(self.layers.values())))
+
     def korthikanti_per_layer(self) -> float | None:
         """Korthikanti et al. (2022): activation bytes per layer per rank, s·b·h·(34 + 5·a·s/h)
         for 16-bit activations, divided by t with tensor and sequence parallelism (with tensor
@@ -261,6 +283,8 @@ class ModelReport:
             "scheduled": any(r.schedules for r in self.regions),
             "communication_bytes": {p: sum(c["bytes"] for c in comms if c["phase"] == p) for p in ("forward", "backward")},
             "memory_per_rank": self.memory_per_rank(),
+            "activations_per_layer": self.activations_per_layer(),
+            "attention_matrices_per_layer": self.activations_per_layer(square_only=True),
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
             **({"schedule": self.schedule_summary()} if self.machine is not None else {}),
@@ -328,12 +352,15 @@ class ModelReport:
         for k in ("parameters", "gradients", "optimizer", "activations", "peak_activations", "total"):
             lines.append(f"  {k:18} {_size(mem[k]):>12}")
         formula = self.korthikanti_per_layer()
-        blocks = [r for r in self.regions if r.count > 1 or r.name == "block"]
-        if formula is not None and blocks:
-            mine = sum(_saved_bytes(blocks[0].forward, blocks[0].backward))
+        mine = self.activations_per_layer()
+        if formula is not None and mine is not None:
+            square = self.activations_per_layer(square_only=True) or 0
+            why = ("with flash attention nvtp keeps no s*s attention scores or probabilities" if not square else
+                   f"of which {_size(square)} s*s attention matrices (the formula counts 5 bytes an element of them: scores, "
+                   "probabilities, dropout mask)")
             lines.append(f"activations saved per layer per rank: {_size(mine)}; Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)"
                          f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {_size(int(formula))} "
-                         f"(ratio {mine / formula:.2f}: with flash attention nvtp keeps no s*s attention scores or probabilities)")
+                         f"(ratio {mine / formula:.2f}; {why})")
         if self.seconds:
             lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + (f" ({self.how})" if self.how else ""))
         return "\n".join(lines)
@@ -391,13 +418,18 @@ def _saved_bytes(sharded: ShardedFusion, backward: ShardedFusion | None) -> list
     """Local bytes of what the forward keeps for backward: its outputs other than the model's
     result, and the activation inputs the backward reads (a block's input: inside a whole model
     an intermediate kept alive for backward like any other)."""
+    return [n for _, n in _saved_named(sharded, backward)]
+
+
+def _saved_named(sharded: ShardedFusion, backward: ShardedFusion | None) -> list[tuple[str, int]]:
+    """``_saved_bytes`` with each value's name in the source fusion."""
     src = sharded.source
-    found = [_local_bytes(sharded, out) for s, out in zip(src.outputs, sharded.fusion.outputs)
+    found = [(s.name, _local_bytes(sharded, out)) for s, out in zip(src.outputs, sharded.fusion.outputs)
              if isinstance(out, TensorValue) and src.role(s.name) != "output"]
     if backward is not None:
         b = backward.source
         sources = {b.info[v.name].source for v in b.inputs if b.role(v.name) == "saved" and v.name in b.info}
-        found += [_local_bytes(sharded, v) for v in src.inputs
+        found += [(v.name, _local_bytes(sharded, v)) for v in src.inputs
                   if isinstance(v, TensorValue) and src.role(v.name) == "activation" and v.name in sources]
     return found
 
@@ -495,12 +527,14 @@ def _weight_of(sharded: ShardedFusion, result: str, step) -> str:
     return ""
 
 
-def report_of(program, model: str = "", *, batch: str = "") -> ModelReport:
-    """The report of a whole ``nvtp.program.Program``: one region, the model."""
+def report_of(program, model: str = "", *, batch: str = "", shape: dict[str, int] | None = None) -> ModelReport:
+    """The report of a whole ``nvtp.program.Program``: one region, the model. ``shape`` (s, b, h,
+    a, t, L): a transformer's, for Korthikanti et al.'s formula."""
     mesh = program.mesh
     two = mesh.ndim > 1
-    return ModelReport(model or "model", program.plan, mesh.size,
-                       [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
-                       dict(program.seconds), mesh=mesh if two else None, data=("fsdp" if program.fsdp else "ddp") if two else "",
-                       weights=program.traced.weights, batch=batch, notes=list(program.notes), how=program.traced.how,
-                       backend=program.backend, tied=dict(program.traced.tied))
+    captured = program.traced.captured
+    return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
+                       dict(program.seconds), dict(shape or {}), mesh=mesh if two else None,
+                       data=("fsdp" if program.fsdp else "ddp") if two else "", weights=program.traced.weights, batch=batch,
+                       notes=list(program.notes), how=program.traced.how, backend=program.backend, tied=dict(program.traced.tied),
+                       layers=dict(getattr(captured, "layers", None) or {}))

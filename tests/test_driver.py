@@ -34,11 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACERS_AND_PASSES = {
     "nvtp.frontend.capture": {"capture"},
     "nvtp.frontend.regional": {"capture_regional", "capture_template", "splice"},
-    "nvtp.frontend.fx": {"trace", "export_program"},
+    "nvtp.frontend.fx": {"trace", "export_program", "export_graph"},
+    "nvtp.frontend.fx_regional": {"trace"},
     "nvtp.sharding.passes": {"shard", "shard_pair", "shard_backward"},
     "nvtp.sharding.multi": {"shard_mesh", "shard_backward_mesh", "shard_pair_mesh"},
 }
-OWNERS = {"nvtp/driver.py", "nvtp/frontend/capture.py", "nvtp/frontend/regional.py", "nvtp/frontend/fx.py",
+OWNERS = {"nvtp/driver.py", "nvtp/frontend/capture.py", "nvtp/frontend/regional.py", "nvtp/frontend/fx.py", "nvtp/frontend/fx_regional.py",
           "nvtp/sharding/passes.py", "nvtp/sharding/multi.py",
           # measures the one-block splice against the three-block one by patching the tracer the driver calls
           "tools/jit_depth.py"}

@@ -40,7 +40,7 @@ def shard_tensor(full: torch.Tensor, placement: Placement | Sequence[Placement],
         out = take(out, dim, index)
     if any(is_partial(p) and c != 0 for p, c in zip(sharding, coords)):
         out = torch.zeros_like(out)
-    return out.contiguous().clone()
+    return out.clone(memory_format=torch.contiguous_format)  # one copy, contiguous (a column split's view is not)
 
 
 def assemble(parts: Sequence[torch.Tensor], placement: Placement | Sequence[Placement], shape: Sequence[int],

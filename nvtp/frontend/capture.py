@@ -14,7 +14,7 @@ import os
 import re
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +48,7 @@ class Captured:
     differentiable: tuple[str, ...] = ()
     # The model's output object with each tensor a ``Leaf`` naming its forward output (nvtp.frontend.outputs).
     output_tree: Any = None
+    layers: dict[str, int] = field(default_factory=dict)  # spliced: each forward value a block's copy computes -> its block
 
 
 def fusion_callables(trace) -> list[FusionCallable]:

@@ -442,9 +442,10 @@ def _on_cpu(x: Any) -> Any:
     return x
 
 
-def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor], first: int = 0) -> dict[str, torch.Tensor]:
     """Compute the nodes that depend on no placeholder and no parameter; write numbers into the
-    graph and turn tensors into ``get_attr`` inputs. Returns the constant tensors by label."""
+    graph and turn tensors into ``get_attr`` inputs labelled ``nvtp_constant_<first + k>``.
+    Returns the constant tensors by label."""
     g = gm.graph
     known: dict[fx.Node, Any] = {}
     for node in g.nodes:
@@ -475,7 +476,7 @@ def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> dict
             continue
         value = known[node]
         if isinstance(value, torch.Tensor):
-            label = f"nvtp_constant_{len(constants)}"
+            label = f"nvtp_constant_{first + len(constants)}"
             constants[label] = value.detach()
             gm.register_buffer(label, value.detach().to("meta"))
             with g.inserting_before(node):
@@ -496,6 +497,43 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_
     ``split_parts``: fused projections read as parts of different widths become one projection
     per part (``nvtp.frontend.fused``)."""
     start = time.perf_counter()
+    exported = export_graph(module, args, kwargs)
+    new = exported.module()
+    # The model's buffers are state (the model is on meta here): only what depends on nothing folds.
+    constants = _fold_constants(new, {})
+    new, parts = _split_parts(new) if split_parts else (new, {})
+    return Program(new, exported.in_spec, exported.out_spec, exported.arg_names, constants, time.perf_counter() - start, parts=parts)
+
+
+@dataclass
+class Exported:
+    """dynamo's graph of one call, rewritten for nvtp (steps 1, 2, 4-7 of the module docstring),
+    before constants are folded and fused projections split: what ``export_program`` finishes,
+    and what the regional FX route (``nvtp.frontend.fx_regional``) cuts into a skeleton and a block."""
+
+    graph: fx.Graph
+    attrs: dict[str, Any]  # get_attr target -> tensor (meta): the model's parameters and buffers by their names
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    arg_names: list[str]
+
+    def module(self, graph: fx.Graph | None = None) -> fx.GraphModule:
+        """A graph module of ``graph`` (default: the whole graph) over the tensors it reads."""
+        g = self.graph if graph is None else graph
+        read = {n.target: self.attrs[n.target] for n in g.nodes if n.op == "get_attr" and n.target in self.attrs}
+        return fx.GraphModule(read, g) if read else fx.GraphModule(torch.nn.Module(), g)
+
+
+def _split_parts(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """After folding: the shapes a model reads off a fused output (``fused_qkv.shape``) are numbers now."""
+    tensors = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes if n.op == "get_attr"}
+    parts = split_fused_projections(gm.graph, tensors)
+    return (fx.GraphModule(tensors, gm.graph) if parts else gm), parts
+
+
+def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported:
+    """dynamo's graph of ``module(*args, **kwargs)`` with the model's names, the call's argument
+    names, in-place updates written out of place, ``x @ W.T`` as linears and decompositions."""
     exported = _export(module, args, kwargs)
     gm = exported.graph_module
     in_spec, out_spec = gm._in_spec, gm._out_spec
@@ -541,17 +579,7 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_
     _functionalize(g, type(module).__name__)
     _linears(g, attrs)
     _decompose(g)
-
-    new = fx.GraphModule(attrs, g) if attrs else fx.GraphModule(torch.nn.Module(), g)
-    # The model's buffers are state (the model is on meta here): only what depends on nothing folds.
-    constants = _fold_constants(new, {})
-    parts = {}
-    if split_parts:  # after folding: the shapes a model reads off the fused output (fused_qkv.shape) are numbers now
-        tensors = {n.target: operator.attrgetter(n.target)(new) for n in new.graph.nodes if n.op == "get_attr"}
-        parts = split_fused_projections(new.graph, tensors)
-        if parts:
-            new = fx.GraphModule(tensors, new.graph)
-    return Program(new, in_spec, out_spec, leaf_names, constants, time.perf_counter() - start, parts=parts)
+    return Exported(g, attrs, in_spec, out_spec, leaf_names)
 
 
 def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bool = True) -> tuple[Program, Captured]:

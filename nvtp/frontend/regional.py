@@ -38,6 +38,9 @@ is the head, L-1 copies of the first unit (labels renamed ``h.<i>...``; carries 
 before; backward inputs saved from the forward copy of the same block), and the tail, with values
 renamed T0, T1, ... in op order (inputs first).
 
+The FX route (``nvtp.frontend.fx_regional``) builds its skeleton and block from dynamo's graph
+instead, and splices them with the same ``splice_template``.
+
 Anything that does not fit (no repeated ModuleList, blocks that differ, a region that reads a
 block other than its neighbour, a unit whose second copy does not match the first) raises
 ``NotRepeatable`` with the reason; ``capture_regional`` then tries the next way, and at last
@@ -460,6 +463,19 @@ def _splice(ch: _Chain, prefix: str, source_key: Callable[[str, int], Any] | Non
     return ops, outs, info, where, tid
 
 
+def _live(ops: list[Op], outputs) -> list[Op]:
+    """``ops`` without those none of whose results reaches an output (inputs stay): what the
+    skeleton's backward recomputed only for the boundary it no longer has (the embedding, when
+    Thunder rematerialises the boundary's input), which would otherwise be planned and not run."""
+    live = set(outputs)
+    keep: list[Op] = []
+    for op in reversed(ops):
+        if defines_input(op) or any(v.name in live for v in op.outputs):
+            keep.append(op)
+            live.update(v.name for v in op.operands)
+    return keep[::-1]
+
+
 def _canonical(name: str, ops: list[Op], outputs: list[Value], info: dict[str, ValueInfo], base: Fusion) -> tuple[Fusion, dict[str, str]]:
     """The fusion with inputs first and values renamed T0, T1, S2, ... in op order."""
     ordered = [op for op in ops if defines_input(op)] + [op for op in ops if not defines_input(op)]
@@ -616,18 +632,18 @@ def observe_chain(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: d
     return Chain(calls[0][1][0])
 
 
-def _marker(f: Fusion, carry: torch.Tensor, forward: bool) -> tuple[set[int], str, str]:
+def _marker(f: Fusion, carry: torch.Tensor, forward: bool, mark: float = 1.0) -> tuple[set[int], str, str]:
     """The ops of ``_Boundary`` in a skeleton fusion: (their indices, the value entering, the value
     leaving). Forward: ``x * 1.0``; backward: ``1.0 * g``; each with a cast to float before and a
     cast back after when the carry is of lower precision."""
-    found = _markers(f, carry, forward)
+    found = _markers(f, carry, forward, mark)
     if len(found) != 1:
         raise NotRepeatable(f"the skeleton's {'forward' if forward else 'backward'} has {len(found)} places where the chain of "
                             "blocks could be, not 1")
     return found[0]
 
 
-def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[int], str, str]]:
+def _markers(f: Fusion, carry: torch.Tensor, forward: bool, mark: float = 1.0) -> list[tuple[set[int], str, str]]:
     """Every op group of ``f`` that ``_marker`` would take (a backward that recomputes the forward's
     ``x * 1.0`` has one of the forward's form too)."""
     from nvtp.ir.dtypes import DType
@@ -642,7 +658,7 @@ def _markers(f: Fusion, carry: torch.Tensor, forward: bool) -> list[tuple[set[in
             continue
         lhs, rhs = op.arg("lhs"), op.arg("rhs")
         value, const = (lhs, rhs) if forward else (rhs, lhs)
-        if not is_value(value) or is_value(const) or const != 1.0 or tuple(value.shape) != shape:
+        if not is_value(value) or is_value(const) or const != mark or tuple(value.shape) != shape:
             continue
         drop, entering, leaving = {i}, value.name, op.outputs[0].name
         producer = f.ops[at[entering]]
@@ -679,16 +695,46 @@ def _outputs_read(f: Fusion, values: dict[str, Value], read: dict[str, str], inf
     return outs
 
 
+@dataclass
+class Spliced:
+    """The L-layer fusions ``splice_template`` built, and where the skeleton's outputs went."""
+
+    forward: Fusion
+    backward: Fusion | None
+    renamed: dict[str, str]  # a skeleton forward output kept -> its name in ``forward``
+    layer: dict[str, int]  # each value of ``forward`` a copy of the block computes (or its parameter) -> the copy's index
+
+
 def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd: Fusion, block_bwd: Fusion | None,
-                    carry: torch.Tensor, prefix: str, layers: int) -> tuple[Fusion, Fusion | None]:
+                    carry: torch.Tensor, prefix: str, layers: int, *, carry_label: str | None = None,
+                    reads: dict[str, str] | None = None, shared: dict[str, str] | None = None,
+                    extras: frozenset[str] | set[str] = frozenset(), mark: float = 1.0) -> Spliced:
     """The L-layer forward and backward: the skeleton's (the model with its chain of blocks
     replaced by ``_Boundary``), with the boundary replaced by L copies of the block's own fusions,
-    chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``."""
+    chained through the carry; each copy's parameters named ``<prefix>.<i>.<name>``.
+
+    For blocks that read more than their carry (the FX route, ``nvtp.frontend.fx_regional``):
+    ``carry_label`` labels the block's carry input (default: its one input that is not a
+    parameter); ``reads``: each other such input's label -> the skeleton forward's value every copy
+    reads in its place (an *invariant*: rotary tables, a mask); ``shared``: each other input's
+    label (a parameter's too) -> the label of one input that every copy reads in its place, not
+    one per layer (a constant: the block folded it, or the skeleton gives it but does not read it
+    itself); ``extras``: skeleton forward outputs that are there only for the blocks (the
+    invariants), dropped but where a block's backward saves them; ``mark``: the boundary's factor
+    (``x * mark``; the backward's ``mark * grad``). Returns the fusions, where the skeleton's
+    outputs went, and which layer each forward value belongs to (``Spliced``)."""
+    reads, shared = dict(reads or {}), dict(shared or {})
     fb_inputs = [op for op in block_fwd.ops if defines_input(op)]
     acts = [op.outputs[0] for op in fb_inputs if block_fwd.role(op.outputs[0].name) != "parameter"]
-    if len(acts) != 1:
-        raise NotRepeatable(f"the block's forward reads {len(acts)} inputs that are not its parameters, not 1 (the carry)")
-    x = acts[0].name
+    carried = [v for v in acts if (block_fwd.label(v.name) == carry_label if carry_label else True)]
+    if len(carried) != 1:
+        raise NotRepeatable(f"the block's forward reads {len(carried)} inputs that are not its parameters, not 1 (the carry)")
+    x = carried[0].name
+    unread = [block_fwd.label(v.name) for v in acts if v.name != x and block_fwd.label(v.name) not in reads | shared]
+    if unread:
+        raise NotRepeatable(f"the block's forward reads {', '.join(unread)}, which the skeleton does not give")
+    invariant = {v.name: reads[block_fwd.label(v.name)] for v in acts if block_fwd.label(v.name) in reads}  # block input -> skeleton value
+    common = {op.outputs[0].name for op in fb_inputs if block_fwd.label(op.outputs[0].name) in shared}
     ys = [v for v in block_fwd.outputs if block_fwd.role(v.name) == "output"]
     if len(ys) != 1:
         raise NotRepeatable(f"the block's forward has {len(ys)} outputs, not 1")
@@ -698,41 +744,66 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
         return f"{prefix}.{i}.{f.label(name)}"
 
     # Forward.
-    drop, entering, leaving = _marker(skeleton_fwd, carry, True)
+    drop, entering, leaving = _marker(skeleton_fwd, carry, True, mark)
     ops: list[Op] = [op for op in skeleton_fwd.ops if defines_input(op)]
     info: dict[str, ValueInfo] = {n: i for n, i in skeleton_fwd.info.items()}
+    for op in fb_inputs:  # one input for all copies
+        v = op.outputs[0]
+        if v.name in common:
+            ops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#shared"),)))
+            info[f"{v.name}#shared"] = ValueInfo("parameter", shared[block_fwd.label(v.name)])
     for i in range(layers):
         for op in fb_inputs:
             v = op.outputs[0]
-            if v.name != x:
+            if v.name != x and v.name not in invariant and v.name not in common:
                 ops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
                 info[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_fwd, v.name, i))
+    inputs = {v.name for op in ops for v in op.outputs}
     read: dict[str, str] = {}
     carries = []  # the carry entering each copy (forward names)
+    layer_of = {f"{op.outputs[0].name}#{i}": i for i in range(layers) for op in fb_inputs}
 
     def fname(name: str, i: int) -> str:
-        return carries[i] if name == x else f"{name}#{i}"
+        if name == x:
+            return carries[i]
+        if name in invariant:
+            return invariant[name]
+        return f"{name}#shared" if name in common else f"{name}#{i}"
 
     for j, op in enumerate(skeleton_fwd.ops):
         if defines_input(op):
             continue
         if j in drop:
             if j == min(drop):
+                defined = {v.name for o in ops for v in o.outputs}
+                late = sorted(set(invariant.values()) - defined)
+                if late:
+                    raise NotRepeatable(f"the skeleton's forward computes {', '.join(late)}, which the blocks read, after them")
                 carry_in = read.get(entering, entering)
                 for i in range(layers):
                     carries.append(carry_in)
-                    ops += _copied(block_fwd, lambda name, i=i: fname(name, i))
+                    copy_ops = _copied(block_fwd, lambda name, i=i: fname(name, i))
+                    layer_of.update((v.name, i) for op in copy_ops for v in op.outputs)
+                    ops += copy_ops
                     carry_in = fname(y, i)
                 read[leaving] = carry_in
             continue
         ops.append(_reading(op, read))
     values = {v.name: v for op in ops for v in op.outputs}
     outs = _outputs_read(skeleton_fwd, values, read, info, "saved")
+    skeleton_saved = {i.source for i in skeleton_bwd.info.values() if i.role == "saved"} if skeleton_bwd is not None else set()
+    for name in extras:
+        if name in outs and name not in inputs:
+            if name in skeleton_saved:
+                info[name] = ValueInfo("saved")
+            else:
+                del outs[name]
+                info.pop(name, None)
     saved_sources = [block_bwd.info[op.outputs[0].name].source for op in block_bwd.ops
                      if defines_input(op) and block_bwd.role(op.outputs[0].name) == "saved"] if block_bwd is not None else []
     # A backward that recomputes the boundary (Thunder rematerialising ``x * 1.0`` from the head's
     # output) reads the last block's output instead: the forward saves it.
-    recomputed = _markers(skeleton_bwd, carry, True) if skeleton_bwd is not None else []
+    recomputed = _markers(skeleton_bwd, carry, True, mark) if skeleton_bwd is not None else []
     if recomputed and read[leaving] not in outs:
         outs[read[leaving]] = values[read[leaving]]
         info[read[leaving]] = ValueInfo("saved")
@@ -743,9 +814,13 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
             if name not in outs and name not in inputs:  # block 0's carry may be an argument: the backward reads it as it is
                 outs[name] = values[name]
                 info[name] = ValueInfo("saved")
-    fwd, frename = _canonical(skeleton_fwd.name, ops, list(outs.values()), {n: i for n, i in info.items() if n in values}, skeleton_fwd)
+    kept = {v.name: read.get(v.name, v.name) for v in skeleton_fwd.outputs if read.get(v.name, v.name) in outs}
+    fwd, frename = _canonical(skeleton_fwd.name, _live(ops, outs), list(outs.values()), {n: i for n, i in info.items() if n in values},
+                              skeleton_fwd)
+    renamed = {old: frename[new] for old, new in kept.items()}
+    layer = {frename[n]: i for n, i in layer_of.items() if n in frename}
     if skeleton_bwd is None or block_bwd is None:
-        return fwd, None
+        return Spliced(fwd, None, renamed, layer)
 
     # Backward: the copies in reverse, the incoming gradient of each the outgoing one of the copy after.
     bb_inputs = [op for op in block_bwd.ops if defines_input(op)]
@@ -754,7 +829,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     if len(gys) != 1 or len(gxs) != 1:
         raise NotRepeatable(f"the block's backward takes {len(gys)} gradients and gives {len(gxs)} for its input, not 1 and 1")
     gy, gx = gys[0], gxs[0]
-    bdrop, bentering, bleaving = _marker(skeleton_bwd, carry, False)
+    bdrop, bentering, bleaving = _marker(skeleton_bwd, carry, False, mark)
     bops: list[Op] = []
     binfo: dict[str, ValueInfo] = {}
 
@@ -766,14 +841,24 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
             bops.append(op)
             old = skeleton_bwd.info.get(op.outputs[0].name)
             if old is not None:
-                # A saved input's forward value, and an incoming gradient's forward output (the model's
-                # outputs, e.g. logits and loss, each its own), by their names in the spliced forward.
-                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.source else old
+                # a saved value, or an incoming gradient (of which forward output): named as the spliced forward names it
+                binfo[op.outputs[0].name] = replace(old, source=saved(old.source)) if old.role in ("saved", "grad") and old.source else old
+    # A block's backward input that is the same for every copy: a shared constant, or a saved invariant.
+    bcommon = {op.outputs[0].name for op in bb_inputs if
+               (block_bwd.role(op.outputs[0].name) == "parameter" and block_bwd.label(op.outputs[0].name) in shared)
+               or (block_bwd.role(op.outputs[0].name) == "saved" and block_bwd.info[op.outputs[0].name].source in common | set(invariant))}
+    for op in bb_inputs:
+        v = op.outputs[0]
+        if v.name in bcommon:
+            bops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#shared"),)))
+            old = block_bwd.info[v.name]
+            binfo[f"{v.name}#shared"] = ValueInfo("parameter", shared[old.label]) if old.role == "parameter" else \
+                ValueInfo("saved", "", frename[fname(old.source, 0)])
     for i in range(layers):
         for op in bb_inputs:
             v = op.outputs[0]
             role = block_bwd.role(v.name)
-            if v.name == gy:
+            if v.name == gy or v.name in bcommon:
                 continue
             bops.append(Op(op.kind, op.args, (renamed_value(v, f"{v.name}#{i}"),)))
             binfo[f"{v.name}#{i}"] = ValueInfo("parameter", label(block_bwd, v.name, i)) if role == "parameter" else \
@@ -798,7 +883,7 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
                 g = bread.get(bentering, bentering)
                 for i in reversed(range(layers)):
                     def bname(name: str, i: int = i, g: str = g) -> str:
-                        return g if name == gy else f"{name}#{i}"
+                        return g if name == gy else f"{name}#shared" if name in bcommon else f"{name}#{i}"
                     bops += _copied(block_bwd, bname)
                     grads += [(bname(v.name), f"{prefix}.{i}.{block_bwd.grad_of(v.name)}") for v in block_bwd.outputs if v.name != gx]
                     g = bname(gx)
@@ -810,8 +895,9 @@ def splice_template(skeleton_fwd: Fusion, skeleton_bwd: Fusion | None, block_fwd
     for name, of in sorted(grads, key=lambda g: g[1]):
         bouts[name] = bvalues[name]
         binfo[name] = ValueInfo("grad", f"grad({of})", grad_of=of)
-    bwd, _ = _canonical(skeleton_bwd.name, bops, list(bouts.values()), {n: i for n, i in binfo.items() if n in bvalues}, skeleton_bwd)
-    return fwd, bwd
+    bwd, _ = _canonical(skeleton_bwd.name, _live(bops, bouts), list(bouts.values()), {n: i for n, i in binfo.items() if n in bvalues},
+                        skeleton_bwd)
+    return Spliced(fwd, bwd, renamed, layer)
 
 
 def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwargs: Any):
@@ -904,16 +990,16 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
     reasons = []
     if template:
         try:
-            skel, (fwd, bwd) = capture_template(module, rep, *args, **kwargs)
+            skel, spliced = capture_template(module, rep, *args, **kwargs)
         except NotRepeatable as e:
             reasons.append(str(e))
         else:
-            verify(fwd)
-            if bwd is not None:
-                verify(bwd)
-            check_gradients(bwd, skel.differentiable, "spliced from one block")
+            verify(spliced.forward)
+            if spliced.backward is not None:
+                verify(spliced.backward)
+            check_gradients(spliced.backward, skel.differentiable, "spliced from one block")
             seconds = time.perf_counter() - start
-            return replace(skel, forward=fwd, backward=bwd, trace_seconds=seconds,
+            return replace(skel, forward=spliced.forward, backward=spliced.backward, trace_seconds=seconds, layers=spliced.layer,
                            regional=f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s)")
     if rep.count <= traced:
         reasons.append(f"{rep.count} blocks in {rep.prefix}, no more than the {traced} a splice of several traced blocks traces")

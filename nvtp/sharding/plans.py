@@ -139,10 +139,14 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     projs = projections(fusion)
     column: dict[str, Projection] = {}
     row: dict[str, Projection] = {}
+    paired = _Paired(fusion, projs)
     for p in projs:
         if p.weight in column or p.weight in row:
             continue
-        partner = _row_partner(fusion, mesh, p, projs)
+        partner = paired.again(p)
+        if partner is None:
+            partner = _row_partner(fusion, mesh, p, projs)
+            paired.remember(p, partner)
         if partner is None:
             continue
         column[p.weight] = p
@@ -255,6 +259,35 @@ def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
                                     f"of {d} ({-(-vocab // d) * d}, as Megatron-LM pads it) or choose a mesh size that divides {vocab}")
             found.append(w.name)
     return found
+
+
+class _Paired:
+    """The pairs found so far, to pair a renamed copy of a block (``Op.template``: the regional
+    splice) as its first copy was paired without probing again. A pair P -> Q is taken again for P'
+    only where the ops from P' to Q' are, one for one, copies of the same ops as those from P to Q:
+    what a probe reaches between them is then the same computation, with everything outside it
+    replicated in the probe alike. Anything else is probed (``_row_partner``)."""
+
+    def __init__(self, fusion: Fusion, projs: list[Projection]):
+        self.fusion = fusion
+        self.at = {p.op_index: p for p in projs}
+        self.first: dict[int, tuple[int, int]] = {}  # id(template of P's op) -> (P's op index, Q's op index)
+
+    def remember(self, p: Projection, q: Projection | None) -> None:
+        if q is not None and p.op.template is not None and q.op_index > p.op_index:
+            self.first.setdefault(id(p.op.template), (p.op_index, q.op_index))
+
+    def again(self, p: Projection) -> Projection | None:
+        if p.op.template is None or id(p.op.template) not in self.first:
+            return None
+        p0, q0 = self.first[id(p.op.template)]
+        ops, n = self.fusion.ops, q0 - p0
+        if p.op_index + n >= len(ops) or p.op_index == p0:
+            return None
+        if not all(ops[p.op_index + k].template is not None and ops[p.op_index + k].template is ops[p0 + k].template
+                   for k in range(n + 1)):
+            return None
+        return self.at.get(p.op_index + n)
 
 
 def _pays_to_split(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> bool:

@@ -1,0 +1,424 @@
+"""Regional compilation on the FX route: a transformers model's decoder layers traced once.
+
+dynamo's export and Thunder's trace of a transformers model both take time per layer (``nvtp.jit``
+of a small Llama: about 6 s a layer on this CPU), so a 32- or 80-layer model would take minutes to
+plan. As the Thunder route does (``nvtp.frontend.regional``), this route traces one layer and the
+model without its layers, and splices L copies of the layer's fusions into the model's: still ONE
+forward and ONE backward fusion, computing what the whole trace computes (tests/test_fx_regional.py
+compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
+
+1. ``regional.find_repeated`` finds the repeated layers (``model.layers`` of a ``LlamaForCausalLM``:
+   the longest ``nn.ModuleList`` of 2 or more blocks of one class and parameter shapes). Every block
+   must hold the same settings as block 0 (``_alike``: each submodule's plain attributes), except
+   those that already differ between blocks 0 and 1 (``layer_idx``), which step 3 shows do not
+   change the graph; and a config's ``layer_types`` must name one kind.
+2. dynamo exports the model cut to its first 2 blocks (``regional.truncated``): one graph, whatever
+   the depth (``fx.export_graph``; the rewrites of the FX route are done on it).
+3. ``cut`` finds each block's nodes by dynamo's ``nn_module_stack`` (the node ran inside
+   ``<prefix>.<i>``) and checks that the two blocks are one computation on a chain: block 1's nodes
+   are block 0's, node for node (the same ops, the same literals, parameters of the same relative
+   names), where block 0 reads a value ``x`` of the model block 1 reads block 0's one output (the
+   *carry*, the residual stream), and every other value of the model the two read is the same (an
+   *invariant*: the rotary tables ``cos`` and ``sin``, an attention mask); and nothing but block 1
+   reads block 0, nothing but the rest of the model reads block 1's output.
+4. From that graph two graph modules: the *skeleton*, the model with the two blocks replaced by
+   ``carry * MARK`` (``regional``'s boundary marker) that also returns the invariants; and the
+   *block*, block 0's nodes reading the carry and the invariants as arguments and its parameters
+   by their names in the block. Each has its constants folded (``fx._fold_constants``) and, when
+   asked, its fused projections split (``fx._split_parts``; a block's parts are named per layer).
+5. Thunder traces each (``capture``), and ``regional.splice_template`` builds the L-layer fusions:
+   the skeleton's, its marker replaced by L copies of the block's (parameters named
+   ``<prefix>.<i>.<name>``, the carry chained, every copy reading the skeleton's invariants; a
+   constant the block folded is one input that every copy reads). The skeleton's extra outputs go
+   again, but for those a block's backward saves.
+
+Anything that does not fit (a piece Thunder cannot trace alone included) raises ``NotRepeatable``
+with the reason, and ``trace`` traces the whole model, saying why in ``Captured.regional``
+(``Traced.how``): e.g. Gemma 2, whose layers alternate sliding-window and full attention. Assumed,
+not checked: a block's settings that differ between blocks 0 and 1 (``layer_idx``) change nothing
+in any block's graph (they change nothing in the two traced), and the model's forward does not
+depend on its number of layers but by running them.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from nvtp.frontend import fx as fxroute
+from nvtp.frontend.capture import CaptureError, Captured, capture, parameter_names
+from nvtp.frontend.fused import Part
+from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
+from nvtp.ir.verify import verify
+
+CARRY = "nvtp_carry"  # the block graph's first argument; its others are nvtp_invariant_<k>
+# The skeleton's boundary ``carry * MARK``: a factor no model multiplies its residual stream by
+# (Granite's embedding multiplier is 1.0 in small configs: ``x * 1.0`` would be found twice).
+MARK = 1.0009765625
+
+
+# -- 1. blocks alike -------------------------------------------------------------------------------
+
+def _settings(block: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """Each submodule's plain attributes (not its parameters, buffers, children or hooks)."""
+    out = {}
+    for name, m in block.named_modules():
+        for k, v in vars(m).items():
+            if not k.startswith("_") and k != "training":
+                out[(name, k)] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that does not compare (a tensor): unlike
+        return False
+
+
+def _alike(module: torch.nn.Module, rep: Repeated) -> None:
+    """``NotRepeatable`` unless every block holds block 0's settings (see the module docstring)."""
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(set(types)) > 1:
+        raise NotRepeatable(f"the config's layer_types name {len(set(types))} kinds of layer ({', '.join(sorted(set(map(str, types))))})")
+    blocks = list(module.get_submodule(rep.prefix))
+    first = _settings(blocks[0])
+    varying = {k for k, v in _settings(blocks[1]).items() if not _same(v, first.get(k))}
+    for i, block in enumerate(blocks[2:], start=2):
+        for k, v in _settings(block).items():
+            if k not in varying and not _same(v, first.get(k)):
+                where = f"{k[0]}.{k[1]}" if k[0] else k[1]
+                raise NotRepeatable(f"block {i} of {rep.prefix} differs from block 0 in {where} ({v!r}, block 0 {first.get(k)!r})")
+
+
+# -- 3. the cut ------------------------------------------------------------------------------------
+
+def _module_path(stack_path: str) -> str:
+    """dynamo's ``L['self'].model.layers[0].mlp`` (or ``.layers.0.``) as ``model.layers.0.mlp``."""
+    p = re.sub(r"^L\['self'\]", "", stack_path)
+    p = re.sub(r"\._modules\['([^']+)'\]", r".\1", p)
+    p = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", p)
+    return p.lstrip(".")
+
+
+def _block_of(node: fx.Node, prefix: str) -> int | None:
+    """The block a node of the graph belongs to (by the module dynamo traced it in), or None."""
+    if node.op == "get_attr":
+        label = node.target
+    else:
+        stack = node.meta.get("nn_module_stack") or {}
+        label = next((p for p in (_module_path(v[0]) + "." for v in stack.values()) if p.startswith(prefix + ".")), "")
+    rest = label[len(prefix) + 1:] if label.startswith(prefix + ".") else ""
+    idx = rest.partition(".")[0]
+    return int(idx) if idx.isdigit() else None
+
+
+@dataclass
+class Cut:
+    """The exported graph of the model cut to 2 blocks, cut into a skeleton and block 0."""
+
+    blocks: list[list[fx.Node]]  # the nodes of blocks 0 and 1, in graph order
+    carry: fx.Node  # the model's value block 0 reads as its carry
+    outputs: list[fx.Node]  # each block's one output
+    invariants: list[fx.Node]  # the model's other values block 0 reads (and block 1 reads as well)
+
+
+@dataclass(frozen=True)
+class _In:
+    """A node of the block itself, by its position in the block."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Model:
+    """A node of the model outside the block."""
+
+    node: fx.Node
+
+
+@dataclass(frozen=True)
+class _Out:
+    """Block 0's output (read by block 1)."""
+
+
+def _shape(arg: Any, own: dict[fx.Node, int], outside: Any) -> Any:
+    """A node's arguments with each node as ``_In`` (of the block) or ``outside(node)``."""
+    return fx.node.map_aggregate(arg, lambda a: (_In(own[a]) if a in own else outside(a)) if isinstance(a, fx.Node) else a)
+
+
+def cut(g: fx.Graph, prefix: str, attrs: dict[str, Any] | None = None) -> Cut:
+    """Blocks 0 and 1 of ``g`` and how they read the rest (step 3 of the module docstring).
+    ``attrs``: the graph's get_attr values; a subgraph of a higher-order op (an autograd.Function's
+    ``fwd_body_0``) belongs to the block whose nodes alone read it."""
+    attrs = attrs or {}
+    of = {node: _block_of(node, prefix) for node in g.nodes}
+    for node in g.nodes:
+        if node.op == "get_attr" and of[node] is None and isinstance(attrs.get(node.target), torch.nn.Module):
+            readers = {of[u] for u in node.users}
+            of[node] = readers.pop() if len(readers) == 1 else None
+    blocks: list[list[fx.Node]] = [[], []]
+    for node in g.nodes:
+        b = of[node]
+        if b is not None:
+            if b > 1:
+                raise NotRepeatable(f"the graph of the model cut to 2 blocks has nodes of {prefix}.{b}")
+            blocks[b].append(node)
+    if not blocks[0] or not blocks[1]:
+        raise NotRepeatable(f"dynamo's graph names no nodes of {prefix}.0 and {prefix}.1 (nn_module_stack)")
+    members = [set(b) for b in blocks]
+    outputs = []
+    for i, nodes in enumerate(blocks):
+        leaving = [n for n in nodes if any(u not in members[i] for u in n.users)]
+        if len(leaving) != 1:
+            raise NotRepeatable(f"block {i} of {prefix} gives the rest of the model {len(leaving)} values, not 1")
+        readers = {u for u in leaving[0].users if u not in members[i]}
+        if i == 0 and not readers <= members[1]:
+            raise NotRepeatable(f"the model reads block 0's output of {prefix} outside the next block")
+        if i == 1 and readers & members[0]:
+            raise NotRepeatable(f"block 0 of {prefix} reads block 1")
+        outputs.append(leaving[0])
+    if len(blocks[0]) != len(blocks[1]):
+        raise NotRepeatable(f"blocks 0 and 1 of {prefix} are {len(blocks[0])} and {len(blocks[1])} nodes: they differ")
+
+    own = [{n: k for k, n in enumerate(b)} for b in blocks]
+    carries: set[fx.Node] = set()
+    invariants: dict[fx.Node, None] = {}
+
+    def compare(x: Any, y: Any, where: fx.Node) -> None:
+        """Block 0's argument ``x`` against block 1's ``y`` (both in ``_shape`` form)."""
+        if isinstance(x, (tuple, list)) and type(x) is type(y) and len(x) == len(y):
+            for a, b in zip(x, y):
+                compare(a, b, where)
+        elif isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
+            for k in x:
+                compare(x[k], y[k], where)
+        elif isinstance(x, _Model) and isinstance(y, _Out):
+            carries.add(x.node)
+        elif isinstance(x, _Model) and x == y:
+            invariants.setdefault(x.node)
+        elif type(x) is not type(y) or x != y:
+            raise NotRepeatable(f"block 1 of {prefix} differs from block 0 at `{where.format_node()}`")
+
+    def same_attr(a: fx.Node, b: fx.Node) -> bool:
+        x, y = attrs.get(a.target), attrs.get(b.target)
+        if isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule):  # a subgraph: the same code
+            return x.code == y.code
+        return _in_block(a.target, prefix) == _in_block(b.target, prefix)  # a parameter: the same name in the block
+
+    for a, b in zip(*blocks):
+        if a.op != b.op or (a.op == "get_attr" and not same_attr(a, b)) or (a.op != "get_attr" and a.target != b.target):
+            raise NotRepeatable(f"block 1 of {prefix} differs from block 0 at `{a.format_node()}`")
+        compare(_shape((a.args, a.kwargs), own[0], _Model),
+                _shape((b.args, b.kwargs), own[1], lambda n: _Out() if n is outputs[0] else _Model(n)), a)
+    if len(carries) != 1:
+        raise NotRepeatable(f"block 1 of {prefix} reads block 0's output where block 0 reads {len(carries)} values, not 1 (the carry)")
+    carry = carries.pop()
+    if carry in invariants:
+        raise NotRepeatable(f"block 0 of {prefix} reads its input {carry.name} also where block 1 does not read block 0's output")
+    return Cut(blocks, carry, outputs, list(invariants))
+
+
+# -- 4. the skeleton and the block -----------------------------------------------------------------
+
+def _example(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def skeleton_graph(g: fx.Graph, c: Cut) -> fx.Graph:
+    """The model's graph with both blocks replaced by ``carry * MARK``, returning the invariants after its outputs."""
+    new = fx.Graph()
+    new._codegen = fx.graph.CodeGen()
+    env: dict[fx.Node, fx.Node] = {}
+    inside = set(c.blocks[0]) | set(c.blocks[1])
+    for node in g.nodes:
+        if node.op == "output":
+            outs = fx.node.map_arg(node.args[0], lambda n: env[n])
+            new.output(type(outs)(list(outs) + [env[n] for n in c.invariants]))
+        elif node is c.outputs[1]:
+            marker = new.call_function(operator.mul, (env[c.carry], MARK))
+            marker.meta = dict(c.carry.meta)
+            env[node] = marker
+        elif node not in inside:
+            env[node] = new.node_copy(node, lambda n: env[n])
+    return new
+
+
+def _in_block(target: str, prefix: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``; a target not of a block as it is."""
+    idx, _, rest = target[len(prefix) + 1:].partition(".") if target.startswith(prefix + ".") else ("", "", "")
+    return rest if idx.isdigit() else target
+
+
+def block_graph(c: Cut, prefix: str) -> fx.Graph:
+    """Block 0's nodes, reading the carry and the invariants as arguments and its parameters by
+    their names in the block (``self_attn.q_proj.weight``)."""
+    new = fx.Graph()
+    new._codegen = fx.graph.CodeGen()
+    env: dict[fx.Node, fx.Node] = {}
+    for name, node in [(CARRY, c.carry)] + [(f"nvtp_invariant_{k}", n) for k, n in enumerate(c.invariants)]:
+        env[node] = new.placeholder(name)
+        env[node].meta = dict(node.meta)
+    for node in c.blocks[0]:
+        if node.op == "get_attr":
+            env[node] = new.get_attr(_in_block(node.target, prefix))
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = new.node_copy(node, lambda n: env[n])
+    new.output([env[c.outputs[0]]])
+    return new
+
+
+def _meta_like(node: fx.Node) -> torch.Tensor:
+    """A meta tensor like a node's example value (shape, strides, dtype, requires_grad)."""
+    ex = _example(node)
+    if not isinstance(ex, torch.Tensor):
+        raise NotRepeatable(f"the blocks read {node.name}, which is not a tensor ({type(ex).__name__})")
+    t = torch.empty_strided(tuple(ex.shape), tuple(ex.stride()), dtype=ex.dtype, device="meta")
+    return t.requires_grad_(ex.requires_grad)
+
+
+# -- 5. trace and splice ---------------------------------------------------------------------------
+
+def _returned(captured: Captured) -> list[Any]:
+    """The flat leaves the skeleton's Thunder trace returns (proxies or constants)."""
+    import thunder
+
+    ret = thunder.last_traces(captured.jitted)[-1].bound_symbols[-1].args[0]
+    output = ret.get("output") if isinstance(ret, dict) else ret
+    return list(output) if isinstance(output, (tuple, list)) else pytree.tree_flatten(output)[0]
+
+
+def _value_of(captured: Captured, proxy: Any) -> str | None:
+    """The skeleton forward fusion's value (an output it computes, or an input) for a returned proxy; None if neither."""
+    f, fc = captured.forward, captured.forward_callable
+    name = getattr(proxy, "name", None)
+    for v, p in zip(f.outputs, fc.output_proxies):
+        if p == name:
+            return v.name
+    for v, p in zip(f.inputs, fc.input_proxies):
+        if p == name:
+            return v.name
+    return None
+
+
+@dataclass
+class _Pieces:
+    """The skeleton and the block as graph modules, ready for Thunder."""
+
+    skeleton: fx.GraphModule
+    block: fx.GraphModule
+    carry: torch.Tensor  # meta, like the carry block 0 reads
+    invariants: list[torch.Tensor]  # meta, like the invariants
+    constants: dict[str, torch.Tensor]  # the skeleton's folded constants, then the block's
+    block_constants: set[str]
+    parts: dict[str, Part]  # the skeleton's, and the block's per layer
+
+
+def pieces(exported: fxroute.Exported, rep: Repeated, split_parts: bool) -> _Pieces:
+    """Steps 3 and 4 of the module docstring on the graph of the model cut to 2 blocks."""
+    c = cut(exported.graph, rep.prefix, exported.attrs)
+    carry, invariants = _meta_like(c.carry), [_meta_like(n) for n in c.invariants]
+    if any(t.requires_grad for t in invariants):
+        raise NotRepeatable(f"the blocks of {rep.prefix} read a value that needs a gradient besides their carry")
+    skeleton = exported.module(skeleton_graph(exported.graph, c))
+    g = block_graph(c, rep.prefix)
+    read = {_in_block(n.target, rep.prefix): exported.attrs[n.target] for n in c.blocks[0] if n.op == "get_attr"}
+    block = fx.GraphModule(read, g)
+    constants = fxroute._fold_constants(skeleton, {})
+    block_constants = fxroute._fold_constants(block, {}, first=len(constants))
+    parts: dict[str, Part] = {}
+    if split_parts:
+        skeleton, parts = fxroute._split_parts(skeleton)
+        block, block_parts = fxroute._split_parts(block)
+        for i in range(rep.count):
+            for p in block_parts.values():
+                q = Part(f"{rep.prefix}.{i}.{p.weight}", p.start, p.stop)
+                parts[q.label] = q
+    return _Pieces(skeleton, block, carry, invariants, constants | block_constants, set(block_constants), parts)
+
+
+def _capture(gm: fx.GraphModule, what: str, *args: Any) -> Captured:
+    """Thunder's trace of one piece; a failure is ``NotRepeatable`` (the whole trace then says what fails, and where)."""
+    try:
+        return capture(gm, *args)
+    except CaptureError as e:
+        raise NotRepeatable(f"{what} did not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+
+
+def _splice(skel: Captured, block: Captured, n_invariants: int, block_constants: set[str], carry: torch.Tensor,
+            rep: Repeated):
+    """Step 5: the L-layer fusions, and the model's outputs among the spliced forward's user outputs."""
+    returned = _returned(skel)
+    n_out = len(returned) - n_invariants
+    block_in = {block.forward.label(v.name) for v in block.forward.inputs}
+    # Each invariant a copy reads: a value of the skeleton's forward fusion, or an input of the
+    # model the skeleton does not read itself (a folded constant: the causal mask).
+    reads, shared, extras = {}, {label: label for label in block_constants}, set()
+    inputs = parameter_names(skel.jitted)
+    for k, proxy in enumerate(returned[n_out:]):
+        label, value = f"nvtp_invariant_{k}", _value_of(skel, proxy)
+        if value is None and getattr(proxy, "name", None) in inputs:
+            shared[label] = inputs[proxy.name]
+        elif label in block_in:
+            if value is None:
+                raise NotRepeatable(f"an invariant the blocks read ({getattr(proxy, 'name', proxy)}) is not a value of the "
+                                    "skeleton's forward fusion")
+            reads[label] = value
+            extras.add(value)
+    spliced = splice_template(skel.forward, skel.backward, block.forward, block.backward, carry, rep.prefix, rep.count,
+                              carry_label=CARRY, reads=reads, shared=shared, extras=extras, mark=MARK)
+    verify(spliced.forward)
+    if spliced.backward is not None:
+        verify(spliced.backward)
+    user = [v.name for v in spliced.forward.outputs if spliced.forward.role(v.name) == "output"]
+    output_map = []
+    for leaf in returned[:n_out]:
+        if getattr(leaf, "name", None) is None:  # a number the model returns
+            output_map.append(("const", leaf))
+            continue
+        name = _value_of(skel, leaf)
+        if name is None or name not in spliced.renamed:
+            raise NotRepeatable(f"the model returns {getattr(leaf, 'name', leaf)!r}, which the spliced forward does not compute")
+        output_map.append(("out", user.index(spliced.renamed[name])))
+    return spliced, output_map
+
+
+def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bool = True) -> tuple[fxroute.Program, Captured]:
+    """``fx.trace``, by splicing one traced block when the model has repeated blocks (the module
+    docstring); else the whole trace. ``Captured.regional`` says which, and why."""
+    from nvtp.gcpause import paused
+
+    start = time.perf_counter()
+    try:
+        rep = find_repeated(module)
+        _alike(module, rep)
+        with paused():
+            exported = fxroute.export_graph(truncated(module, rep.prefix, 2), args, kwargs)
+            p = pieces(exported, rep, split_parts)
+            export_seconds = time.perf_counter() - start
+            leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+            skel = _capture(p.skeleton, f"the model without the blocks of {rep.prefix}", *leaves)
+            block = _capture(p.block, f"block 0 of {rep.prefix} alone", p.carry, *p.invariants)
+            traced_seconds = time.perf_counter() - start - export_seconds
+            spliced, output_map = _splice(skel, block, len(p.invariants), p.block_constants, p.carry, rep)
+    except NotRepeatable as e:
+        program, captured = fxroute.trace(module, args, kwargs, split_parts=split_parts)
+        return program, replace(captured, regional=f"whole trace: {e}")
+    seconds = time.perf_counter() - start
+    program = fxroute.Program(p.skeleton, exported.in_spec, exported.out_spec, exported.arg_names, p.constants, export_seconds,
+                              output_map, p.parts)
+    how = (f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s: dynamo's export of 2 blocks "
+           f"{export_seconds:.1f} s, Thunder's traces of the model without its blocks and of one block {traced_seconds:.1f} s, "
+           f"the splice {seconds - export_seconds - traced_seconds:.1f} s)")
+    return program, replace(skel, forward=spliced.forward, backward=spliced.backward, trace_seconds=seconds, regional=how,
+                            layers=spliced.layer)

@@ -1,0 +1,239 @@
+"""Regional compilation on the FX route (nvtp/frontend/fx_regional.py): a transformers model's
+decoder layers traced once and spliced. dynamo exports the model cut to 2 layers, Thunder traces
+the model without its layers and layer 0 alone, and the L-layer fusions compute what the whole
+trace computes, bit for bit (loss, logits and every gradient on the reference backend, fp32 and
+bf16). The route says which way it took and why (``Traced.how``), so a splice silently skipped
+fails here. Planning a published configuration on the meta device (Llama 3 70B's shape) goes the
+same way and reports parameter bytes and activations per rank."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group, or pip install nvtp[hf])")
+
+import nvtp  # noqa: E402
+from nvtp import driver  # noqa: E402
+from nvtp.execute import reference  # noqa: E402
+from nvtp.frontend import fx as fxroute  # noqa: E402
+from nvtp.frontend import fx_regional  # noqa: E402
+from nvtp.frontend.capture import run_pair  # noqa: E402
+from nvtp.models import hf  # noqa: E402
+
+LAYERS = 3  # more than the 2 layers the export keeps: a layer the export never saw is spliced in
+
+
+def build(family: str = "llama", layers: int = LAYERS, dtype: torch.dtype = torch.float32, seed: int = 0, **extra) -> torch.nn.Module:
+    """A small causal LM of ``family`` (hidden 64, 4 heads, 2 KV heads, vocabulary 256) with ``layers`` layers."""
+    t = transformers
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = t.GPT2Config(n_embd=64, n_head=4, n_layer=layers, vocab_size=256, n_positions=64, use_cache=False, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **extra)
+        return t.GPT2LMHeadModel(cfg).to(dtype)
+    if family == "bloom":
+        cfg = t.BloomConfig(hidden_size=64, n_head=4, n_layer=layers, vocab_size=256, use_cache=False, **extra)
+        return t.BloomForCausalLM(cfg).to(dtype)
+    config, model = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+                     "phi3": (t.Phi3Config, t.Phi3ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
+                     "gemma": (t.GemmaConfig, t.GemmaForCausalLM), "granite": (t.GraniteConfig, t.GraniteForCausalLM)}[family]
+    kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
+                  intermediate_size=128, use_cache=False, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    kwargs |= {"head_dim": 16} if family == "gemma" else {}
+    return model(config(**kwargs | extra)).to(dtype)
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def call_kwargs(**extra) -> dict:
+    idx = tokens()
+    return {"labels": idx, "use_cache": False} | extra
+
+
+def trace(model: torch.nn.Module, regional: bool = True, split_parts: bool = False, **extra) -> driver.Traced:
+    return driver.trace(model, (tokens(),), call_kwargs(**extra), regional=regional, split_parts=split_parts)
+
+
+def run(model: torch.nn.Module, traced: driver.Traced, **extra) -> tuple[object, dict[str, torch.Tensor]]:
+    """The traced forward and backward on the reference backend, with the model's weights and one
+    fixed incoming gradient per output: (the model's output object, gradients by label)."""
+    idx = tokens()
+    call = traced.call
+    named = dict(model.named_parameters()) | dict(model.named_buffers()) | call.bind((idx,), call_kwargs(**extra))
+    named |= call.constants
+    for label, part in call.parts.items():
+        named[label] = named[part.weight][part.start:part.stop]
+    f, b = traced.forward, traced.backward
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(v.shape, generator=gen).to(v.dtype.torch) if v.shape else torch.ones((), dtype=v.dtype.torch)
+             for v in b.inputs if b.role(v.name) == "grad"]
+    values, got = run_pair(f, b, named, grads, lambda fusion, inputs: reference.run(fusion, inputs, seed=7))
+    return call.rebuild([values[v.name] for v in f.outputs if f.role(v.name) == "output"]), got
+
+
+def assert_bit_for_bit(model: torch.nn.Module, spliced: driver.Traced, whole: driver.Traced, rounded: tuple[str, ...] = (),
+                       **extra) -> None:
+    """Loss, logits and every gradient equal; ``rounded``: gradients allowed to differ in their last bits."""
+    out, grads = run(model, spliced, **extra)
+    want, want_grads = run(model, whole, **extra)
+    assert torch.equal(out.loss, want.loss) and torch.equal(out.logits, want.logits)
+    assert sorted(grads) == sorted(want_grads) and len(grads) >= len(list(model.parameters()))
+    for label, g in want_grads.items():
+        if label in rounded:
+            torch.testing.assert_close(grads[label], g, rtol=1e-6, atol=1e-6 * g.abs().max().item(), msg=label)
+        else:
+            assert torch.equal(grads[label], g), label
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """What the FX route hands dynamo (the modules exported) and Thunder (the graph modules traced)."""
+    seen = {"exported": [], "traced": []}
+    real_export, real_capture = fxroute._export, fx_regional.capture
+    monkeypatch.setattr(fxroute, "_export", lambda m, *a: seen["exported"].append(m) or real_export(m, *a))
+    monkeypatch.setattr(fx_regional, "capture", lambda m, *a, **k: seen["traced"].append(m) or real_capture(m, *a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_llama_spliced_from_one_traced_layer_computes_the_whole_trace_bit_for_bit(dtype, recorded):
+    model = build("llama", dtype=dtype)
+    spliced = trace(model)
+    assert spliced.how.startswith(f"spliced: {LAYERS} blocks of model.layers from one traced block"), spliced.how
+    # dynamo saw the model cut to 2 layers; Thunder traced the model without layers, then one layer
+    assert [len(m.model.layers) for m in recorded["exported"]] == [2]
+    skeleton, block = recorded["traced"]
+    assert not any(n.startswith("model.layers") for n, _ in skeleton.named_parameters())
+    assert [n.target for n in block.graph.nodes if n.op == "placeholder"][0] == fx_regional.CARRY
+    assert {n for n, _ in block.named_parameters()} == {n for n, _ in model.model.layers[0].named_parameters()}
+    for f in (spliced.forward, spliced.backward):  # each op is a renamed copy: the skeleton's once, the layer's once a layer
+        copies = collections.Counter(id(op.template) for op in f.compute_ops() if op.template is not None)
+        assert sum(copies.values()) == len(list(f.compute_ops())) and set(copies.values()) == {1, LAYERS}
+    assert sorted(set(spliced.captured.layers.values())) == list(range(LAYERS))
+    whole = trace(model, regional=False)
+    assert whole.how.startswith("whole trace (regional=False)")
+    assert_bit_for_bit(model, spliced, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "phi3", "gemma", "bloom", "granite"])
+def test_other_families_spliced_compute_the_whole_trace_bit_for_bit(family):
+    """GPT-2 (Conv1D, learned positions, tied embedding), Qwen2 (q/k/v biases), Phi-3 (a fused
+    qkv_proj of unequal parts, split per layer), Gemma (a scaled embedding, tied), BLOOM (ALiBi
+    biases every layer reads; a GeLU written as an autograd.Function, a subgraph per layer),
+    Granite (its embedding multiplier 1.0: an ``x * 1.0`` the boundary marker must not be taken for).
+    BLOOM's tied embedding gradient alone differs in its last bits: the whole trace's backward
+    recomputes the embedding LayerNorm's output (Thunder's choice with the layers there), the
+    spliced one reads it as the forward saved it (as block 0's trace saves its input)."""
+    model = build(family)
+    split = family == "phi3"
+    spliced = trace(model, split_parts=split)
+    prefix = "transformer.h" if family in ("gpt2", "bloom") else "model.layers"
+    assert spliced.how.startswith(f"spliced: {LAYERS} blocks of {prefix} from one traced block"), spliced.how
+    if split:
+        assert {p.weight for p in spliced.parts.values()} == {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(LAYERS)}
+    rounded = ("grad(transformer.word_embeddings.weight)",) if family == "bloom" else ()
+    assert_bit_for_bit(model, spliced, trace(model, regional=False, split_parts=split), rounded)
+
+
+@pytest.mark.slow
+def test_a_padding_mask_every_layer_reads_is_computed_once_and_spliced_bit_for_bit():
+    """An ``attention_mask`` argument (the last 3 tokens of a row padded): the mask the layers read
+    is computed from it once, in the model without its layers, and every copy reads it."""
+    model = build("llama")
+    mask = torch.ones_like(tokens())
+    mask[0, -3:] = 0
+    spliced = trace(model, attention_mask=mask)
+    assert spliced.how.startswith(f"spliced: {LAYERS} blocks of model.layers from one traced block"), spliced.how
+    assert_bit_for_bit(model, spliced, trace(model, regional=False, attention_mask=mask), attention_mask=mask)
+
+
+def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):
+    """Qwen2 with sliding-window attention from layer 1 on: the layers differ (their attention's
+    window), so nothing is spliced and ``how`` names the reason; the program is the whole trace's."""
+    model = build("qwen2", layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    traced = trace(model)
+    assert traced.how == ("whole trace: the config's layer_types name 2 kinds of layer (full_attention, sliding_attention)"), traced.how
+    assert [len(m.model.layers) for m in recorded["exported"]] == [2] and recorded["traced"] == []  # whole: fx.trace's own capture
+
+
+def test_blocks_that_differ_past_the_first_two_are_refused_by_their_settings():
+    """A setting of block 2 unlike block 0's (and alike in blocks 0 and 1, which the export compares)
+    stops the splice before anything is traced, naming the block and the setting."""
+    with torch.device("meta"):
+        model = build("llama", layers=4)
+    model.model.layers[2].self_attn.scaling = 0.5
+    from nvtp.frontend.regional import NotRepeatable, find_repeated
+
+    with pytest.raises(NotRepeatable, match=r"block 2 of model.layers differs from block 0 in self_attn.scaling \(0.5, block 0 0.25\)"):
+        fx_regional._alike(model, find_repeated(model))
+    model.model.layers[2].self_attn.scaling = 0.25
+    model.model.layers[1].self_attn.layer_idx = 7  # differs already between blocks 0 and 1: the export shows it changes nothing
+    fx_regional._alike(model, find_repeated(model))
+
+
+def llama3_70b_4_layers():
+    """A factory for ``--module``: Llama 3 70B's published shape cut to 4 layers, bf16 on the meta
+    device, and a training call at sequence 4096 (model, args, kwargs)."""
+    return hf.on_meta("llama3-70b", layers=4)
+
+
+def test_cli_plans_llama3_70b_shape_on_the_meta_device_spliced(capsys):
+    """Llama 3 70B's shape (hidden 8192, 64 heads, 8 KV heads, vocabulary 128256; 4 of its 80 layers)
+    for 8 devices with megatron-sp at sequence 4096: the layers spliced, each rank holding 1/8 of
+    the parameters (norms whole), activations per layer set against Korthikanti et al.'s formula,
+    and nothing allocated: the model's parameters stay on the meta device."""
+    from nvtp.cli import main
+
+    assert main(["explain", "--module", "tests.test_fx_regional:llama3_70b_4_layers", "--plan", "megatron-sp", "--devices", "8",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["traced"].startswith("spliced: 4 blocks of model.layers from one traced block"), report["traced"]
+    model, _, _ = llama3_70b_4_layers()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report["memory_per_rank"]["parameters"] == pytest.approx(total / 8, rel=0.001)  # only the norms are whole
+    s, b, h, a, t = 4096, 1, 8192, 64, 8
+    assert report["activations_per_layer_korthikanti"] == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
+    # The s*s attention probabilities, bf16, a/t heads a rank (transformers passes SDPA a causal mask, so
+    # Thunder decomposes it): 2 bytes an element where the formula counts 5 (scores, probabilities, dropout mask).
+    assert report["attention_matrices_per_layer"] == a // t * b * s * s * 2
+    # The rest under the formula's 34 bytes: no dropout masks, RMSNorm, and SwiGLU's 3.5h intermediate kept split.
+    rest = report["activations_per_layer"] - report["attention_matrices_per_layer"]
+    assert 20 * s * b * h / t < rest < 34 * s * b * h / t
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_probing_each(plan, monkeypatch):
+    """The derived plans probe which projections pair (column-, then row-parallel) once for the
+    first layer and take the same pairs in its renamed copies (``plans._Paired``): the program is
+    the one probing every layer gives, placement for placement and step for step."""
+    from nvtp.mesh import make_mesh
+    from nvtp.sharding import plans
+
+    model, args, kwargs = hf.on_meta("llama3-70b", layers=4, seq=64)
+    traced = driver.trace(model, args, kwargs, split_parts=True)
+    assert traced.how.startswith("spliced: 4 blocks"), traced.how
+    probes = []
+    real = plans._row_partner
+    monkeypatch.setattr(plans, "_row_partner", lambda f, m, p, projs: probes.append(p) or real(f, m, p, projs))
+    fast = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
+    taken = len(probes)
+    monkeypatch.setattr(plans._Paired, "again", lambda self, p: None)
+    slow = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
+    assert fast.parameters == slow.parameters
+    assert fast.steps() == slow.steps()
+    assert str(fast.forward.fusion) == str(slow.forward.fusion) and str(fast.backward.fusion) == str(slow.backward.fusion)
+    assert len(probes) - taken - taken == 3 * 5  # q, k, v, gate and up of layers 1-3 were not probed again
+
+
+@pytest.mark.parametrize("path", ["L['self'].model.layers.3.mlp", "L['self'].model.layers[3].mlp", "L['self']._modules['model']._modules['layers']._modules['3'].mlp"])
+def test_dynamo_module_paths_name_the_layer(path):
+    """The spellings dynamo's ``nn_module_stack`` has used for a module inside layer 3."""
+    assert fx_regional._module_path(path) == "model.layers.3.mlp"
