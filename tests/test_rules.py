@@ -299,11 +299,13 @@ for _fusion, _i in OPS:
 
 @dataclass
 class OneOpSharded:
-    """What ``spmd.run_rank`` needs of a sharded fusion: the fusion, mesh and shardings."""
+    """What ``spmd.run_rank`` needs of a sharded fusion: the fusion, mesh, shardings and the steps
+    of its ``set`` ops (none here: the reference backend works a step out by ``reshard_kind``)."""
 
     fusion: Fusion
     mesh: DeviceMesh
     shardings: dict[str, tuple[Placement, ...]]
+    set_steps = {}
 
     @property
     def source(self) -> Fusion:

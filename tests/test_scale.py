@@ -114,7 +114,7 @@ def test_the_collector_is_paused_during_the_passes_and_restored_after_even_on_an
     96-layer GPT-3), and leave it as they found it, also when a pass raises."""
     import gc
 
-    from nvtp.sharding import pipeline
+    from nvtp.sharding import passes as pipeline
 
     seen = []
     real = pipeline.propagate_shardings

@@ -221,7 +221,7 @@ def test_sharding_passes_are_fast(gpt3):
 
 
 def test_the_pipeline_times_each_pass_and_names_a_failing_one(gpt3, monkeypatch):
-    from nvtp.sharding import pipeline
+    from nvtp.sharding import passes as pipeline
 
     fwd, _ = gpt3
     s = shard(fwd, "megatron", DeviceMesh.of_size(2))
