@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -103,7 +104,34 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
     for t in tensor_attributes(module).values():  # module state like a buffer: traced as an input
         memo.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device="meta"))
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    _rebind_closures(copied, memo)
+    return copied
+
+
+def _rebind_closures(copied: torch.nn.Module, memo: dict[int, Any]) -> None:
+    """Functions kept as module attributes whose closures hold parts of the original module
+    (minGPT's ``self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))`` over ``m =
+    self.mlp``) read the copy's parts instead: ``deepcopy`` shares functions, closures and all, so
+    the meta copy would otherwise call the original's (real) weights."""
+    for m in copied.modules():
+        for name, f in list(vars(m).items()):
+            if not isinstance(f, types.FunctionType) or not f.__closure__:
+                continue
+            cells, changed = [], False
+            for cell in f.__closure__:
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # an empty cell
+                    cells.append(cell)
+                    continue
+                mapped = memo.get(id(held), held)
+                changed |= mapped is not held
+                cells.append(types.CellType(mapped) if mapped is not held else cell)
+            if changed:
+                g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, tuple(cells))
+                g.__kwdefaults__, g.__dict__ = f.__kwdefaults__, dict(f.__dict__)
+                vars(m)[name] = g
 
 
 def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -524,6 +524,44 @@ def test_cross_entropy_ignores_targets_of_minus_one_as_eager(plan):
     _train_on_simulated_mesh(TinyGPT(cfg), (idx, targets), 2, plan, loss_of=lambda out: out[1])
 
 
+def test_a_function_attribute_closing_over_submodules_traces_the_models_own_weights():
+    """minGPT keeps its MLP as ``self.mlpf = lambda x: m.c_proj(...)`` over ``m = self.mlp``: a
+    deep copy (nvtp traces a meta copy) shares the function, so the copy called the original's
+    real weights ("Expected a.device=meta and bias.device=cpu") until nvtp.driver.meta_copy
+    rebinds such closures to the copy's modules."""
+    cfg = GPTConfig(tie=False, mlp_closure=True)
+    idx, targets = tokens(cfg)
+
+    def build():
+        torch.manual_seed(0)
+        return TinyGPT(cfg)
+
+    ref, jitted = build(), nvtp.jit(build(), plan="replicate", mesh=DeviceMesh.of_size(1))
+    got, want = jitted(idx, targets)[1], ref(idx, targets)[1]
+    got.backward()
+    want.backward()
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
+    grads = {n: p.grad for n, p in jitted.module.named_parameters()}
+    assert grads["transformer.h.0.mlp_parts.fc.weight"] is not None
+    _check_like_eager(grads, _grads(ref))
+
+
+def test_a_closure_over_a_module_the_model_does_not_hold_is_named_not_blamed_on_the_arguments():
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            other = nn.Linear(8, 8)  # not registered: the model does not hold it
+            self.f = lambda x: other(x)
+
+        def forward(self, x):
+            return self.f(self.fc(x)).sum()
+
+    with pytest.raises(CaptureError, match=r"Hidden.forward reads a tensor in linear at .*test_written.py:\d+ .*that is not the "
+                                           r"module's state .*keep it on a module"):
+        nvtp.jit(Hidden(), plan="replicate", mesh=DeviceMesh.of_size(1))(torch.randn(2, 8))
+
+
 # -- 5. the model's own interface on the object nvtp.jit returns ------------------------------------
 
 def test_eval_inference_traces_no_backward_and_training_afterwards_gets_its_own_program():

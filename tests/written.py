@@ -38,6 +38,7 @@ class GPTConfig:
     bias: bool = True
     tie: bool = True
     parallel_residual: bool = False
+    mlp_closure: bool = False  # the MLP as a function attribute closing over a ModuleDict (minGPT's way)
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,7 +79,12 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = None if self.parallel else nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.mlp_closure:
+            m = self.mlp_parts = nn.ModuleDict(dict(fc=nn.Linear(config.n_embd, 4 * config.n_embd),
+                                                    proj=nn.Linear(4 * config.n_embd, config.n_embd)))
+            self.mlp = lambda x: m.proj(F.gelu(m.fc(x)))  # a plain attribute: the function holds the modules
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x):
         if self.parallel:  # GPT-J: one norm, both branches into the residual at once

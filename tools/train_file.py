@@ -22,7 +22,6 @@ loss, or a tuple holding it (nanoGPT's ``(logits, loss)``).
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import os
 import sys
@@ -74,6 +73,8 @@ def main() -> int:
     p.add_argument("--frontend", default="auto", choices=["auto", "thunder", "fx"])
     p.add_argument("--loss-tolerance", type=float, default=1e-5)
     p.add_argument("--tolerance", type=float, default=1e-4)
+    p.add_argument("--mesh", default="", help="DPxTP: a 2-D (dp, tp) mesh over the processes (default: a 1-D tp mesh of all)")
+    p.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too")
     args = p.parse_args()
 
     import nvtp
@@ -83,29 +84,55 @@ def main() -> int:
     if world > 1:
         init_group(rank, world, None)
     source = load(args.file)
-    torch.manual_seed(0)
     namespace = {**vars(source), "torch": torch}
-    model = eval(args.build, namespace)  # noqa: S307 - a developer's own command line, in the file's namespace
-    if args.setup:
-        exec(args.setup, {**namespace, "model": model})  # noqa: S102 - as --build
+
+    def build():
+        torch.manual_seed(0)
+        model = eval(args.build, namespace)  # noqa: S307 - a developer's own command line, in the file's namespace
+        if args.setup:
+            exec(args.setup, {**namespace, "model": model})  # noqa: S102 - as --build
+        return model
+
+    model = build()
     extra = tuple(eval(f"({args.args},)", namespace)) if args.args else ()  # noqa: S307 - as --build
-    reference = copy.deepcopy(model) if rank == 0 else None
-    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend)
+    # Built again rather than deep-copied: a model may keep functions closing over its own parts
+    # (minGPT's `self.mlpf = lambda x: m.c_proj(...)`), which a deep copy would share with the original.
+    reference = build() if rank == 0 else None
+    if reference is not None:
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values())), \
+            "--build is not deterministic under torch.manual_seed(0)"
+    mesh, dp = None, 1
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp, tp = (int(n) for n in args.mesh.lower().split("x"))
+        if dp * tp != world or args.batch % dp:
+            raise SystemExit(f"--mesh {args.mesh}: needs dp x tp = {world} processes and dp to divide --batch {args.batch}")
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp)
+    rows = slice(rank // (world // dp) * (args.batch // dp), (rank // (world // dp) + 1) * (args.batch // dp))  # this dp rank's
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr) if reference is not None else None
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"train_file: {type(model).__name__} from {args.file} ({sum(p.numel() for p in reference.parameters()) if reference else 0:,} "
-        f"parameters) with plan {args.plan} over {world} process(es)")
+        f"parameters) with plan {args.plan} over {world} process(es)"
+        f"{f', mesh (dp, tp) = {args.mesh}' + (' fsdp' if args.fsdp else '') if args.mesh else ''}")
 
     worst_loss = 0.0
     for step in range(args.steps):
         tokens, targets = batch(step, args.vocab, (args.batch, args.seq))
         start = time.perf_counter()
-        loss = loss_of(sharded, tokens, targets, args.loss, extra)
+        loss = loss_of(sharded, tokens[rows], targets[rows], args.loss, extra)
         opt.zero_grad()
         loss.backward()
         opt.step()
         seconds = time.perf_counter() - start
+        if dp > 1:  # DDP's convention: each dp rank's loss is its rows' mean; the whole batch's is their mean
+            import torch.distributed as dist
+
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
         if step == 0:
             c = sharded.last
             say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "

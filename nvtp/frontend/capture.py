@@ -477,6 +477,13 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     op = _op(error, frames, thunder_dir, torch_dir)
     at = _where(frames, library)
     where = (f" in {op}" if op else "") + (f" at {at}" if at else "")
+    text = str(error)
+    if "type='meta'" in text and ("type='cpu'" in text or "type='cuda'" in text):
+        # nvtp traces a meta copy of the module: a real tensor here is one the copy does not own.
+        return CaptureError(f"{name}.forward reads a tensor{where} that is not the module's state (a parameter, a buffer or "
+                            f"a tensor attribute of one of its modules), so nvtp's meta copy of the model still holds it on a "
+                            f"real device: {_first_line(error)}; keep it on a module (register_buffer, or an attribute of the "
+                            "module that uses it) rather than in a global or a closure over something the model does not hold")
     if frames and os.path.basename(frames[-1].filename) in _THUNDER_CHECKS and isinstance(error, (RuntimeError, ValueError, TypeError)):
         return InputError(f"{name}.forward does not accept {given}: Thunder's check{where} refused them: {_first_line(error)}; "
                           "pass arguments of the shapes and dtypes the module expects")
