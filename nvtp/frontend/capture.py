@@ -260,11 +260,15 @@ def _flat(x) -> list:
     return [p.name if hasattr(p, "name") else None for p in tree_flatten(x)[0]]
 
 
-def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: bool = True, **kwargs: Any) -> Captured:
+def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: bool = True, outputs: bool = True,
+            **kwargs: Any) -> Captured:
     """Trace ``module(*args)`` with Thunder and nvtp's executor; return its labelled fusions.
 
     With meta-device ``args`` and module, nothing is computed. ``strict`` raises when an op
-    was left outside nvtp's fusions, naming it and its source line.
+    was left outside nvtp's fusions, naming it and its source line. ``outputs``: label the
+    forward's outputs by their place in the returned object (``y[0]``, ``y['loss']``), which
+    refuses a returned input; off for a piece of a model that hands inputs on (the FX route's
+    skeleton returns the invariants its blocks read, some of them its own inputs).
     """
     import thunder
 
@@ -311,8 +315,10 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
         bwd[0].extra["cotangents"] = _cotangents(bwd_traces[-1])
     params = parameter_names(jitted)
     forward, backward_fusion = label_fusions(fwd[0], bwd[0] if bwd else None, fwd_trace, params)
-    forward, backward_fusion, tree = label_outputs(type(module).__name__, out, runtime.returned.get(id(fwd[0]), ()), forward,
-                                                   backward_fusion, _forward_location(module))
+    tree = None
+    if outputs:
+        forward, backward_fusion, tree = label_outputs(type(module).__name__, out, runtime.returned.get(id(fwd[0]), ()), forward,
+                                                       backward_fusion, _forward_location(module))
     differentiable = differentiable_inputs(fwd_trace, bwd[0] if bwd else None, params)
     check_gradients(backward_fusion, differentiable, "as traced")
     if parts.enabled():  # their parts become inputs of their own (nvtp/frontend/parts.py)

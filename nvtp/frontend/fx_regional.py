@@ -347,10 +347,10 @@ def pieces(exported: fxroute.Exported, rep: Repeated, split_parts: bool) -> _Pie
     return _Pieces(skeleton, block, carry, invariants, constants | block_constants, set(block_constants), parts)
 
 
-def _capture(gm: fx.GraphModule, what: str, *args: Any) -> Captured:
+def _capture(gm: fx.GraphModule, what: str, *args: Any, outputs: bool = True) -> Captured:
     """Thunder's trace of one piece; a failure is ``NotRepeatable`` (the whole trace then says what fails, and where)."""
     try:
-        return capture(gm, *args)
+        return capture(gm, *args, outputs=outputs)
     except CaptureError as e:
         raise NotRepeatable(f"{what} did not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 
@@ -407,7 +407,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bo
             p = pieces(exported, rep, split_parts)
             export_seconds = time.perf_counter() - start
             leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
-            skel = _capture(p.skeleton, f"the model without the blocks of {rep.prefix}", *leaves)
+            skel = _capture(p.skeleton, f"the model without the blocks of {rep.prefix}", *leaves, outputs=False)  # hands invariants on
             block = _capture(p.block, f"block 0 of {rep.prefix} alone", p.carry, *p.invariants)
             traced_seconds = time.perf_counter() - start - export_seconds
             spliced, output_map = _splice(skel, block, len(p.invariants), p.block_constants, p.carry, rep)
