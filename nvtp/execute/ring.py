@@ -1,0 +1,148 @@
+"""Ring attention: ``sdpfa_fwd`` / ``sdpfa_bwd`` whose sequence the cp axis splits.
+
+Each of the n ranks of a cp group holds its queries and one block of keys and values (its
+tokens, at their global positions). The forward runs n steps: attention of the local queries on
+the block at hand, then the K/V block passes to the next rank and the previous rank's arrives
+(n - 1 point-to-point steps for K, as many for V). Partial results are merged by their
+log-sum-exp, the online-softmax merge::
+
+    lse = logaddexp(lse_a, lse_b)      out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+so the result and its lse are exactly the whole attention's (up to rounding). Under a causal
+mask a block whose keys all follow every local query is skipped (it still travels). The
+backward uses the merged lse, as flash attention's does: the K/V blocks travel again, and with
+them their gradient accumulators dK and dV, which each rank adds its queries' share to; one
+last step brings each block's dK and dV home (n steps each). The positions come from the
+placements (``placements.held``), so any layout of the sequence over cp works.
+
+Point-to-point steps: ``shift`` on torch.distributed (``batch_isend_irecv``: send to the next
+rank, receive from the previous) or between the threads of the simulated tier
+(``ThreadComm``). Each step is recorded in the run's log as a ``sendrecv`` (``SENT`` counts
+them too), and ``nvtp.sharding.context.ring_steps`` plans the same steps with their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nvtp.execute.collectives import PROGRESS, DistComm, ThreadComm, on_axis
+from nvtp.sharding.placements import held
+
+SENT: list[tuple[str, int]] = []  # (tensor, bytes) of every point-to-point step this process ran (tests read it)
+
+
+def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
+    """Send ``t`` to the next rank of ``comm``'s ring and return the previous rank's tensor."""
+    n = comm.size
+    if n == 1:
+        return t
+    if isinstance(comm, ThreadComm):
+        items = comm.group.exchange(comm.rank, t)
+        return items[(comm.rank - 1) % n].clone()
+    if isinstance(comm, DistComm):
+        dist = comm.dist
+        ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(dist.get_world_size()))
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, ranks[(comm.rank + 1) % n], comm.group),
+               dist.P2POp(dist.irecv, out, ranks[(comm.rank - 1) % n], comm.group)]
+        with PROGRESS:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return out
+    parts = comm.all_gather(t)  # any other Comm: the same data, by a collective
+    return parts[(comm.rank - 1) % n]
+
+
+def _send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> torch.Tensor:
+    from nvtp.execute.reference import Communication
+
+    nbytes = t.numel() * t.element_size()
+    SENT.append((name, nbytes))
+    ctx.log.append(Communication("sendrecv", op_name, nbytes, axis))
+    return shift(t, comm)
+
+
+def _positions(ctx: Any, v: Any, axis: int, coord: int) -> torch.Tensor:
+    """The global sequence positions (axis 2) of ``v`` the rank at cp coordinate ``coord`` holds."""
+    coords = [ctx.coord(a) for a in range(ctx.mesh.ndim)]
+    coords[axis] = coord
+    idx = held(v.shape, ctx.sharding(v), ctx.mesh, coords)[2]
+    return torch.arange(v.shape[2]) if idx is None else idx
+
+
+def _block(qf, kf, vf, q_pos, k_pos, scale, causal):
+    """Attention of queries on one K/V block: (out, lse), or None when the mask hides it all."""
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    if causal:
+        mask = q_pos[:, None] >= k_pos[None, :]
+        if not bool(mask.any()):
+            return None
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for a row the mask hides
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return torch.matmul(probs, vf), lse
+
+
+def _merge(out, lse, out_b, lse_b):
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    return out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1), new
+
+
+def forward(ctx: Any, op: Any, axis: int, q, k, v, causal: bool, scale: float | None):
+    """(out, lse) of this rank's queries on the whole sequence, K/V passed round the cp ring."""
+    comm = on_axis(ctx.comm, axis)
+    n, me = ctx.mesh.shape[axis], ctx.coord(axis)
+    work = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(work), k.to(work), v.to(work)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q_pos = _positions(ctx, op.arg("query"), axis, me)
+    out = lse = None
+    name = op.outputs[0].name
+    for step in range(n):
+        src = (me - step) % n
+        got = _block(qf, kf, vf, q_pos, _positions(ctx, op.arg("key"), axis, src), scale, causal)
+        if got is not None:
+            out, lse = _merge(out, lse, *got)
+        if step < n - 1:
+            kf = _send(kf, comm, "key", ctx, axis, name)
+            vf = _send(vf, comm, "value", ctx, axis, name)
+    return out.to(q.dtype), lse
+
+
+def backward(ctx: Any, op: Any, axis: int, go, q, k, v, out, lse, causal: bool, scale: float | None):
+    """(dQ, dK, dV) of this rank's blocks: K/V and their gradients passed round the cp ring."""
+    comm = on_axis(ctx.comm, axis)
+    n, me = ctx.mesh.shape[axis], ctx.coord(axis)
+    work = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf, gof, outf, lsef = (t.to(work) for t in (q, k, v, go, out, lse))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q_pos = _positions(ctx, op.arg("query"), axis, me)
+    delta = (gof * outf).sum(-1, keepdim=True)  # D = rowsum(dO * out)
+    dq = torch.zeros_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    name = op.outputs[0].name
+    for step in range(n):
+        src = (me - step) % n
+        k_pos = _positions(ctx, op.arg("key"), axis, src)
+        mask = q_pos[:, None] >= k_pos[None, :] if causal else None
+        if mask is None or bool(mask.any()):
+            probs = torch.exp(torch.matmul(qf, kf.transpose(-2, -1)) * scale - lsef.unsqueeze(-1))
+            if mask is not None:
+                probs = probs.masked_fill(~mask, 0.0)
+            dv = dv + torch.matmul(probs.transpose(-2, -1), gof)
+            ds = probs * (torch.matmul(gof, vf.transpose(-2, -1)) - delta)
+            dq = dq + torch.matmul(ds, kf) * scale
+            dk = dk + torch.matmul(ds.transpose(-2, -1), qf) * scale
+        if step < n - 1:
+            kf = _send(kf, comm, "key", ctx, axis, name)
+            vf = _send(vf, comm, "value", ctx, axis, name)
+        dk = _send(dk, comm, "grad_key", ctx, axis, name)  # with its block; the last step brings it home
+        dv = _send(dv, comm, "grad_value", ctx, axis, name)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

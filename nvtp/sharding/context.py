@@ -1,0 +1,235 @@
+"""Context parallelism: a mesh axis named "cp" splits the sequence of every activation.
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))     # or ("cp", "tp")
+    sm = nvtp.jit(model, plan="megatron", mesh=mesh)                 # each rank passes the whole batch
+    loss = sm(idx, targets)                                          # and gets the whole loss
+
+The cp axis is one more per-axis pass of the driver (``nvtp.driver.shard``), as "dp" is
+(``nvtp.sharding.multi``): the plan's pass on "tp" (if the mesh has one) runs first, then the
+cp pass shards its result with the unchanged 1-D pipeline over cp's extent, starting from the
+module's arguments split along their sequence axis (dimension 1: ``[B, T]`` tokens) and weights
+whole. Propagation carries the split through every op; a contraction over the sequence (a
+weight's gradient, the loss's mean) leaves a partial sum over cp, which the output hints resolve
+by all-reduce: weights stay whole across cp and their gradients are summed over it, as in
+Megatron. Positions made inside the model (``arange(T)`` for learned positions, a rotary table
+sliced to ``T``) are whole values the propagation slices to each rank's tokens, so each token
+keeps its global position.
+
+Attention is the one op whose sequences the propagation may not split on other axes (the key
+sequence is read whole by every query). On the cp axis (``rules.RING``) a self-attention's query
+and key/value sequences are one factor that may split: each rank keeps its queries, and the
+reference backend runs the op by ring (``nvtp.execute.ring``): the K/V blocks travel the cp
+ranks by point-to-point steps, partial results merged by their log-sum-exp, in the forward and
+the backward (dK/dV travel back home). ``ring_steps`` lists those steps with their bytes, for the
+plan and the report. The model is traced with every causal or full attention claimed whole
+(``nvtp.frontend.attention.claim_for_ring``), float32 included; an attention the ring cannot run
+(an arbitrary mask, dropout) is refused before any work, naming the fix.
+
+Layout: rank r holds the r-th contiguous chunk of the sequence (torch's ``Shard(1)``). Causal
+work is then unbalanced (rank cp-1 computes cp blocks, rank 0 one); the ring skips the blocks a
+causal mask hides entirely, so rank 0 idles. The balanced (zigzag) layout is not built
+(docs/context.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.sharding.axes import MeshError, roles
+from nvtp.sharding.passes import backward_annotations, shard
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
+from nvtp.sharding.propagate import ShardingError
+from nvtp.sharding.rules import RING
+
+SEQUENCE_DIM = 1  # of each module argument: [B, T, ...] (batch first, as nanoGPT and transformers models take tokens)
+ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
+
+
+class ContextError(ShardingError):
+    """A model or input the cp axis cannot split; says what to change (before any work)."""
+
+
+def has_cp(mesh: DeviceMesh) -> bool:
+    return "cp" in mesh.names
+
+
+def check_traced(traced: Any, mesh: DeviceMesh) -> None:
+    """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
+    whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""
+    cp = mesh.shape[mesh.names.index("cp")]
+    declined = getattr(traced, "declined", [])
+    if declined:
+        raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
+                           f"calls {declined[0]}. Call F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with no mask), "
+                           "with dropout_p=0, or shard this model without a 'cp' axis (tp, dp)")
+    f = traced.forward
+    for op in f.ops:
+        if op.kind == "sdpfa_fwd":
+            q, k = op.arg("query"), op.arg("key")
+            if q.shape[2] != k.shape[2]:
+                raise ContextError(f"{op}: the cp axis splits self-attention, whose queries and keys have one sequence; this one "
+                                   f"has {q.shape[2]} queries and {k.shape[2]} keys: shard it without a 'cp' axis")
+            if q.shape[2] % cp:
+                raise ContextError(f"sequence length {q.shape[2]} cannot be split over the cp axis of size {cp} ({op.outputs[0].name} "
+                                   f"= attention of q{list(q.shape)}): pass a sequence length that is a multiple of {cp}, or a cp axis "
+                                   f"that divides {q.shape[2]}")
+    for v in f.inputs:
+        if isinstance(v, TensorValue) and f.label(v.name) in traced.arguments and v.ndim > SEQUENCE_DIM:
+            n = v.shape[SEQUENCE_DIM]
+            if n % cp:
+                raise ContextError(f"argument {f.label(v.name)} {list(v.shape)}: its sequence axis (dimension {SEQUENCE_DIM}) of "
+                                   f"length {n} cannot be split over the cp axis of size {cp}; pass a sequence length that is a "
+                                   f"multiple of {cp}")
+
+
+def sequence_inputs(fusion: Fusion, arguments: Any, cp: int, chunks: int = 1) -> dict[str, Placement]:
+    """The forward inputs the cp axis splits: each module argument of 2 or more dimensions, along
+    its sequence (in ``chunks`` strided pieces: ``_StridedShard``)."""
+    out = {}
+    for v in fusion.inputs:
+        if isinstance(v, TensorValue) and fusion.label(v.name) in arguments and v.ndim > SEQUENCE_DIM \
+                and v.shape[SEQUENCE_DIM] % (cp * chunks) == 0:
+            out[v.name] = make_shard(SEQUENCE_DIM, chunks)
+    if not out:
+        raise ContextError(f"the cp axis of size {cp} splits the sequence of the module's arguments ([B, T, ...]), but none has "
+                           "one (arguments: " + ", ".join(sorted(map(str, arguments))) + ")")
+    return out
+
+
+def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: Any, *,
+                  annotations: Mapping[str, tuple[Placement, ...]] | None = None,
+                  output_hints: Mapping[str, Placement] | None = None):
+    """The forward over a mesh with a cp axis: the plan on "tp" (if any), then the cp pass."""
+    from nvtp.sharding.multi import combine
+
+    axes = roles(mesh)
+    cp_axis = axes["cp"]
+    cp = mesh.shape[cp_axis]
+    f = traced.forward
+    passes = []
+    fusion = f
+    if "tp" in axes:
+        tp_axis = axes["tp"]
+        ann = {n: s[tp_axis] for n, s in (annotations or {}).items()}
+        tp = shard(f, plan, mesh.sub(tp_axis), annotations=ann, output_hints=output_hints, target=target)
+        passes.append((tp_axis, tp))
+        fusion = tp.fusion
+    # With a tp axis the cp axis splits the sequence *across* tp's chunks (rank c of cp holds the
+    # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
+    # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
+    seq = sequence_inputs(f, traced.arguments, cp, mesh.shape[axes["tp"]] if "tp" in axes else 1)
+    with _ring():
+        cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=output_hints, target=target,
+                    hoist=False, keep_splits=True)
+    passes.append((cp_axis, cpf))
+    if mesh.ndim == 1:
+        return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit")
+    return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit")
+
+
+def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Mapping[str, Placement] | None = None):
+    """The backward over the forward's mesh, axis by axis, consistently with it."""
+    from nvtp.sharding.multi import combine
+
+    mesh = forward.mesh
+    axes = roles(mesh)
+    cp_axis = axes["cp"]
+    passes = []
+    fusion = backward
+    if "tp" in axes:
+        tp_axis = axes["tp"]
+        inputs, hints = backward_annotations(backward, forward.view(tp_axis))
+        hints.update(output_hints or {})
+        tp = shard(backward, "replicate", mesh.sub(tp_axis), annotations=inputs, output_hints=hints, target=target)
+        passes.append((tp_axis, tp))
+        fusion = tp.fusion
+    inputs, hints = backward_annotations(backward, forward.view(cp_axis))
+    hints.update(output_hints or {})
+    if fusion is not backward:
+        hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
+    with _ring():
+        cpb = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=inputs, output_hints=hints, target=target,
+                    hoist=False, keep_splits=True)
+    passes.append((cp_axis, cpb))
+    if mesh.ndim == 1:
+        return replace(cpb, mesh=mesh, plan=forward.plan)
+    return combine(passes, mesh, backward, forward.plan)
+
+
+class _ring:
+    """The attention rules of a cp pass (``rules.RING``) while it runs."""
+
+    def __enter__(self):
+        self.token = RING.set(True)
+
+    def __exit__(self, *exc):
+        RING.reset(self.token)
+
+
+def ring_axis(mesh: DeviceMesh | None, sharding: tuple[Placement, ...] | None, seq_dim: int = 2) -> int | None:
+    """The cp mesh axis that splits an attention operand's sequence (``seq_dim``), or None."""
+    if mesh is None or sharding is None or "cp" not in mesh.names:
+        return None
+    a = mesh.names.index("cp")
+    split = axis_split(sharding[a])
+    if split is None:
+        return None
+    if split[0] != seq_dim:
+        raise ShardingError(f"attention operand placed {sharding[a]} on the cp axis; the ring splits its sequence (Shard({seq_dim}))")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring's point-to-point steps, as the plan and the report count them
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One point-to-point step of a ring attention: each rank sends ``tensor`` (its local block,
+    ``bytes``) to the next rank on the cp axis and receives the previous rank's."""
+
+    phase: str
+    op: str  # the attention's first result (its name in the sharded fusion)
+    tensor: str  # "key", "value", "grad_key", "grad_value"
+    shape: tuple[int, ...]  # the block one rank sends
+    dtype: str
+    bytes: int
+    position: int  # the op's index in its fusion (run order)
+
+
+def ring_steps(phase: str, sharded: Any) -> list[RingStep]:
+    """Every point-to-point step the ring attentions of ``sharded`` run: per attention with its
+    sequence split over cp (n ranks), the forward passes K and V n-1 times; the backward passes
+    K and V n-1 times and their gradients n times (the last step brings them home)."""
+    out = []
+    mesh = sharded.mesh
+    for i, op in enumerate(sharded.fusion.ops):
+        if op.kind not in ATTENTION:
+            continue
+        names = ("key", "value")
+        k = op.arg("key")
+        axis = ring_axis(mesh, sharded.shardings.get(k.name))
+        if axis is None:
+            continue
+        n = mesh.shape[axis]
+        block = local_shape(k.shape, sharded.shardings[k.name], mesh)
+        nbytes = _numel(block) * k.dtype.itemsize
+        counts = [(t, n - 1) for t in names] if op.kind == "sdpfa_fwd" else \
+            [(t, n - 1) for t in names] + [(f"grad_{t}", n) for t in names]
+        for t, times in counts:
+            for _ in range(times):
+                out.append(RingStep(phase, op.outputs[0].name, t, block, k.dtype.value, nbytes, i))
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+__all__ = ["ContextError", "RingStep", "check_traced", "has_cp", "ring_axis", "ring_steps", "sequence_inputs", "shard_backward",
+           "shard_forward", "MeshError", "REPLICATE", "is_replicate"]
