@@ -233,3 +233,20 @@ def _numel(shape) -> int:
 
 __all__ = ["ContextError", "RingStep", "check_traced", "has_cp", "ring_axis", "ring_steps", "sequence_inputs", "shard_backward",
            "shard_forward", "MeshError", "REPLICATE", "is_replicate"]
+
+
+def ring_records(phase: str, sharded: Any) -> list[dict[str, Any]]:
+    """``ring_steps`` as the report's communication records (``nvtp.sharding.report``)."""
+    return [{"kind": "sendrecv", "tensor": f"{r.op}/{r.tensor}", "label": f"ring {r.tensor} of {r.op}", "shape": list(r.shape),
+             "dtype": r.dtype, "bytes": r.bytes, "tensor_bytes": r.bytes, "from": "cp ring", "to": "next rank"}
+            for r in ring_steps(phase, sharded)]
+
+
+def context_header(report: Any) -> str:
+    """The first line of ``nvtp explain`` on a mesh with a cp axis."""
+    mesh = report.mesh
+    axes = ", ".join(f"{n} {k}" for n, k in zip(mesh.names, mesh.shape))
+    tp = f"plan {report.plan} on tp, " if "tp" in mesh.names else "weights whole (no tp axis), "
+    return (f"{report.model}: {tp}the sequence split over cp (attention by ring: K/V blocks passed by point-to-point steps, "
+            f"no all-gather of K or V), on a {'x'.join(map(str, mesh.shape))} mesh ({axes}; {report.devices} devices), "
+            f"for the {report.backend} backend")
