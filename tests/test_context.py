@@ -93,7 +93,13 @@ def check_ring_ran_as_planned(program, sent, mesh):
     for per_step in sent:
         assert len(per_step) == len(planned) * mesh.size
         assert sum(b for _, b in per_step) == sum(s.bytes for s in planned) * mesh.size
-    assert not [s for s in program.steps() if s.axis == "cp" and s.kind == "allgather"]
+    for _, sharded in program.phases():  # no attention reads a gathered (whole) K or V
+        for op in sharded.fusion.ops:
+            if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
+                gathered = [v.name for v in op.tensor_operands if v.name in sharded.set_steps
+                            and sharded.set_steps[v.name].kind == "allgather"]
+                assert not gathered, (op, gathered)
+                assert all(axis_split(sharded.sharding(v.name)[mesh.names.index("cp")]) for v in op.tensor_operands[:4])
 
 
 def test_cp2_gpt_trains_like_one_process():

@@ -120,8 +120,11 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
     # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
     # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
     seq = sequence_inputs(f, traced.arguments, cp, mesh.shape[axes["tp"]] if "tp" in axes else 1)
+    hints = dict(output_hints or {})
+    if fusion is not f:  # the tp pass's fusion: its outputs, in the source's order, under their new names
+        hints = {out.name: hints[src.name] for src, out in zip(f.outputs, fusion.outputs) if src.name in hints}
     with _ring():
-        cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=output_hints, target=target,
+        cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=hints, target=target,
                     hoist=False, keep_splits=True)
     passes.append((cp_axis, cpf))
     if mesh.ndim == 1:
