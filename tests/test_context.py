@@ -25,7 +25,7 @@ from nvtp import driver
 from nvtp.execute import ring, spmd
 from nvtp.models import gpt
 from nvtp.sharding.context import ContextError
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, axis_split
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, local_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = gpt.config("tiny")  # 2 layers, sequence 16, batch 2
@@ -113,10 +113,10 @@ def test_cp2_gpt_trains_like_one_process():
     check_matches(got, want, ranks, ref, mesh)
     program = ranks[0].last
     check_ring_ran_as_planned(program, sent, mesh)
-    # each rank holds half the sequence of every activation: the attention's operands included
+    # each rank holds half the sequence (a piece from each end) of every activation, the attention's operands included
     f = program.forward
     attn = next(op for op in f.fusion.ops if op.kind == "sdpfa_fwd")
-    assert all(axis_split(f.sharding(v.name)[0]) == (2, 1) for v in attn.tensor_operands)
+    assert all(isinstance(f.sharding(v.name)[0], Zigzag) and axis_split(f.sharding(v.name)[0]) == (2, 2) for v in attn.tensor_operands)
 
 
 @pytest.mark.slow
@@ -177,6 +177,29 @@ def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
     assert abs(acts[1] / acts[2] - 2) < 0.05 and abs(acts[1] / acts[4] - 4) < 0.1, acts
 
 
+    # The balanced layout: rank r holds pieces r and 2cp-1-r of the sequence, so the causal work
+    # (query-key pairs the mask leaves, each block cut to the rows and columns it reaches) is the
+    # same on every rank; counted here from the program's own placements.
+    program = driver.shard(traced, "megatron", DeviceMesh.of_shape((4,), ("cp",)))
+    attn = next(op for op in program.forward.fusion.ops if op.kind == "sdpfa_fwd")
+    k = attn.arg("key")
+    assert isinstance(program.forward.sharding(k.name)[0], Zigzag)
+    positions = [local_indices(CFG.seq_len, program.forward.sharding(k.name)[0], 4, r) for r in range(4)]
+    assert sorted(torch.cat(positions).tolist()) == list(range(CFG.seq_len))
+    assert positions[0].tolist() == [0, 1, 14, 15]
+    pairs = [sum(int((q[:, None] >= kp[None, :]).sum()) for kp in positions) for q in positions]
+    assert len(set(pairs)) == 1, pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
+    work = []
+    for q in positions:
+        cells = 0
+        for kp in positions:
+            rows, cols = ring._visible(q, kp, True)
+            if not isinstance(rows, str):
+                cells += (q.numel() if rows is None else rows.numel()) * (kp.numel() if cols is None else cols.numel())
+        work.append(cells)
+    assert len(set(work)) == 1 and work[0] == 16 + 3 * 8, work  # the diagonal block whole, the others half
+
+
 class MaskedAttention(nn.Module):
     """Attention with an arbitrary (padding) mask: the ring cannot run it."""
 
@@ -193,9 +216,9 @@ def test_bad_input_is_refused_before_any_work():
     """A sequence cp does not divide, and attention with an arbitrary mask: a clear error naming
     the fix, from nvtp.plan (nothing runs)."""
     torch.manual_seed(0)
-    model = gpt.GPT(gpt.config("tiny", n_layer=1, seq_len=18, batch=1))
+    model = gpt.GPT(gpt.config("tiny", n_layer=1, seq_len=20, batch=1))
     idx, tgt = gpt.example_tokens(model.cfg)
-    with pytest.raises(ContextError, match="length 18 cannot be split over the cp axis of size 4.*multiple of 4"):
+    with pytest.raises(ContextError, match="length 20 cannot be split over the cp axis of size 4.*multiple of 8"):
         nvtp.plan(model, idx, tgt, mesh=DeviceMesh.of_shape((4,), ("cp",)))
     x = torch.randn(2, 8, 32)
     mask = torch.rand(2, 2, 8, 8) > 0.5

@@ -74,17 +74,47 @@ def _positions(ctx: Any, v: Any, axis: int, coord: int) -> torch.Tensor:
     return torch.arange(v.shape[2]) if idx is None else idx
 
 
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
+    """(rows, columns) of a block some causal pair reaches: the queries at or after the first
+    key, the keys at or before the last query (all of them without a mask); None when none.
+    In the balanced layout a block from an earlier rank is all its queries on half its keys,
+    one from a later rank half its queries on all its keys: half a block of work either way."""
+    if not causal:
+        return None, None
+    rows = (q_pos >= k_pos.min()).nonzero().flatten()
+    cols = (k_pos <= q_pos.max()).nonzero().flatten()
+    if rows.numel() == 0 or cols.numel() == 0:
+        return "empty", None
+    return (None if rows.numel() == q_pos.numel() else rows), (None if cols.numel() == k_pos.numel() else cols)
+
+
+def _pick(t: torch.Tensor, index):
+    return t if index is None else t.index_select(-2, index)
+
+
 def _block(qf, kf, vf, q_pos, k_pos, scale, causal):
-    """Attention of queries on one K/V block: (out, lse), or None when the mask hides it all."""
-    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    """Attention of queries on one K/V block: (out, lse), or None when the mask hides it all;
+    computed on the rows and columns the mask leaves (``_visible``), -inf rows elsewhere."""
+    rows, cols = _visible(q_pos, k_pos, causal)
+    if isinstance(rows, str):
+        return None
+    q_s, k_s, v_s = _pick(qf, rows), _pick(kf, cols), _pick(vf, cols)
+    scores = torch.matmul(q_s, k_s.transpose(-2, -1)) * scale  # (B, H, Sq', Sk')
     if causal:
-        mask = q_pos[:, None] >= k_pos[None, :]
-        if not bool(mask.any()):
-            return None
+        mask = _pick_pos(q_pos, rows)[:, None] >= _pick_pos(k_pos, cols)[None, :]
         scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq); -inf for a row the mask hides
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq'); -inf for a row the mask hides
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    return torch.matmul(probs, vf), lse
+    out = torch.matmul(probs, v_s)
+    if rows is None:
+        return out, lse
+    full_out = qf.new_zeros(*qf.shape[:-1], vf.shape[-1]).index_copy_(-2, rows, out)
+    full_lse = lse.new_full(qf.shape[:-1], float("-inf")).index_copy_(-1, rows, lse)
+    return full_out, full_lse
+
+
+def _pick_pos(pos: torch.Tensor, index):
+    return pos if index is None else pos[index]
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -93,6 +123,10 @@ def _merge(out, lse, out_b, lse_b):
     new = torch.logaddexp(lse, lse_b)
     safe = torch.where(torch.isinf(new), 0.0, new)
     return out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1), new
+
+
+def _add(acc: torch.Tensor, index, t: torch.Tensor) -> torch.Tensor:
+    return acc + t if index is None else acc.index_add(-2, index, t)
 
 
 def forward(ctx: Any, op: Any, axis: int, q, k, v, causal: bool, scale: float | None):
@@ -131,15 +165,17 @@ def backward(ctx: Any, op: Any, axis: int, go, q, k, v, out, lse, causal: bool, 
     for step in range(n):
         src = (me - step) % n
         k_pos = _positions(ctx, op.arg("key"), axis, src)
-        mask = q_pos[:, None] >= k_pos[None, :] if causal else None
-        if mask is None or bool(mask.any()):
-            probs = torch.exp(torch.matmul(qf, kf.transpose(-2, -1)) * scale - lsef.unsqueeze(-1))
-            if mask is not None:
-                probs = probs.masked_fill(~mask, 0.0)
-            dv = dv + torch.matmul(probs.transpose(-2, -1), gof)
-            ds = probs * (torch.matmul(gof, vf.transpose(-2, -1)) - delta)
-            dq = dq + torch.matmul(ds, kf) * scale
-            dk = dk + torch.matmul(ds.transpose(-2, -1), qf) * scale
+        rows, cols = _visible(q_pos, k_pos, causal)
+        if not isinstance(rows, str):  # the rows and columns the mask leaves (half a block off the diagonal, balanced)
+            q_s, go_s, k_s, v_s = _pick(qf, rows), _pick(gof, rows), _pick(kf, cols), _pick(vf, cols)
+            lse_s, delta_s = _pick(lsef.unsqueeze(-1), rows), _pick(delta, rows)
+            probs = torch.exp(torch.matmul(q_s, k_s.transpose(-2, -1)) * scale - lse_s)
+            if causal:
+                probs = probs.masked_fill(~(_pick_pos(q_pos, rows)[:, None] >= _pick_pos(k_pos, cols)[None, :]), 0.0)
+            ds = probs * (torch.matmul(go_s, v_s.transpose(-2, -1)) - delta_s)
+            dq = _add(dq, rows, torch.matmul(ds, k_s) * scale)
+            dk = _add(dk, cols, torch.matmul(ds.transpose(-2, -1), q_s) * scale)
+            dv = _add(dv, cols, torch.matmul(probs.transpose(-2, -1), go_s))
         if step < n - 1:
             kf = _send(kf, comm, "key", ctx, axis, name)
             vf = _send(vf, comm, "value", ctx, axis, name)

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes import MeshError, roles
 from nvtp.sharding.passes import backward_annotations, shard
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
+from nvtp.sharding.placements import ZIGZAG, REPLICATE, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.rules import RING
 
@@ -59,6 +59,9 @@ def check_traced(traced: Any, mesh: DeviceMesh) -> None:
     """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
     whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""
     cp = mesh.shape[mesh.names.index("cp")]
+    parts = chunks(mesh)
+    layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if balanced(mesh) else
+              f"{cp} x {parts}: cp splits each of tp's {parts} sequence chunks")
     declined = getattr(traced, "declined", [])
     if declined:
         raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
@@ -71,17 +74,16 @@ def check_traced(traced: Any, mesh: DeviceMesh) -> None:
             if q.shape[2] != k.shape[2]:
                 raise ContextError(f"{op}: the cp axis splits self-attention, whose queries and keys have one sequence; this one "
                                    f"has {q.shape[2]} queries and {k.shape[2]} keys: shard it without a 'cp' axis")
-            if q.shape[2] % cp:
+            if q.shape[2] % (cp * parts):
                 raise ContextError(f"sequence length {q.shape[2]} cannot be split over the cp axis of size {cp} ({op.outputs[0].name} "
-                                   f"= attention of q{list(q.shape)}): pass a sequence length that is a multiple of {cp}, or a cp axis "
-                                   f"that divides {q.shape[2]}")
+                                   f"= attention of q{list(q.shape)}): pass a sequence length that is a multiple of {cp * parts} ({layout})")
     for v in f.inputs:
         if isinstance(v, TensorValue) and f.label(v.name) in traced.arguments and v.ndim > SEQUENCE_DIM:
             n = v.shape[SEQUENCE_DIM]
-            if n % cp:
+            if n % (cp * parts):
                 raise ContextError(f"argument {f.label(v.name)} {list(v.shape)}: its sequence axis (dimension {SEQUENCE_DIM}) of "
                                    f"length {n} cannot be split over the cp axis of size {cp}; pass a sequence length that is a "
-                                   f"multiple of {cp}")
+                                   f"multiple of {cp * parts} ({layout})")
 
 
 def sequence_inputs(fusion: Fusion, arguments: Any, cp: int, chunks: int = 1) -> dict[str, Placement]:
@@ -119,11 +121,12 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
     # With a tp axis the cp axis splits the sequence *across* tp's chunks (rank c of cp holds the
     # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
     # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
-    seq = sequence_inputs(f, traced.arguments, cp, mesh.shape[axes["tp"]] if "tp" in axes else 1)
+    # Without tp the layout is the balanced one (``Zigzag``): each rank holds two pieces, one from each end.
     hints = dict(output_hints or {})
     if fusion is not f:  # the tp pass's fusion: its outputs, in the source's order, under their new names
         hints = {out.name: hints[src.name] for src, out in zip(f.outputs, fusion.outputs) if src.name in hints}
-    with _ring():
+    with _ring(balanced(mesh)):
+        seq = sequence_inputs(f, traced.arguments, cp, chunks(mesh))
         cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=hints, target=target,
                     hoist=False, keep_splits=True)
     passes.append((cp_axis, cpf))
@@ -152,7 +155,7 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
     hints.update(output_hints or {})
     if fusion is not backward:
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
-    with _ring():
+    with _ring(balanced(mesh)):
         cpb = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=inputs, output_hints=hints, target=target,
                     hoist=False, keep_splits=True)
     passes.append((cp_axis, cpb))
@@ -161,14 +164,28 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
     return combine(passes, mesh, backward, forward.plan)
 
 
+def balanced(mesh: DeviceMesh) -> bool:
+    """Whether the cp axis lays the sequence out balanced (``Zigzag``): on a mesh without tp."""
+    return "tp" not in mesh.names
+
+
+def chunks(mesh: DeviceMesh) -> int:
+    """The chunks each sequence is seen as, each split over cp: 2 balanced (zigzag), else tp's extent."""
+    return 2 if balanced(mesh) else mesh.shape[mesh.names.index("tp")]
+
+
 class _ring:
-    """The attention rules of a cp pass (``rules.RING``) while it runs."""
+    """The attention rules of a cp pass (``rules.RING``), and its layout (``placements.ZIGZAG``), while it runs."""
+
+    def __init__(self, zigzag: bool):
+        self.zigzag = zigzag
 
     def __enter__(self):
-        self.token = RING.set(True)
+        self.tokens = (RING.set(True), ZIGZAG.set(self.zigzag))
 
     def __exit__(self, *exc):
-        RING.reset(self.token)
+        RING.reset(self.tokens[0])
+        ZIGZAG.reset(self.tokens[1])
 
 
 def ring_axis(mesh: DeviceMesh | None, sharding: tuple[Placement, ...] | None, seq_dim: int = 2) -> int | None:
