@@ -145,6 +145,10 @@ class Program:
             path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
             command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
             paths.append(write_sharded(sharded, path, command, data=data))
+        if "cp" in self.mesh.names:  # the ring attention's per-step fusions (nvtp.sharding.context)
+            from nvtp.sharding.context import write_ring_steps
+
+            paths += write_ring_steps(self.forward, out, name)
         return paths
 
 

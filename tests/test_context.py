@@ -241,3 +241,36 @@ def test_cp2_on_two_gloo_processes_by_torchrun(tmp_path):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), result
     assert result["weight_error"] <= 1e-4, result
     assert result["sendrecv"] > 0
+
+
+def test_the_ring_step_fusions_build_in_nvfuser_from_their_text_and_merge_right(tmp_path):
+    """``Program.write_nvfuser`` at cp = 2 writes the forward, the backward and the ring's per-step
+    fusions (attention on one K/V block, then the log-sum-exp merge); nvfuser_direct builds each
+    from its text (no GPU needed), and the merge, run from the parsed text, turns attention on one
+    block into attention on two (against eager attention on the whole keys)."""
+    from nvtp.execute.nvfuser import build_from_text
+    from nvtp.execute.reference import run
+    from nvtp.ir.parser import parse
+
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.config("tiny", n_layer=1))
+    idx, tgt = gpt.example_tokens(model.cfg)
+    program = driver.compile(model, idx, tgt, mesh=DeviceMesh.of_shape((2,), ("cp",)))
+    paths = program.write_nvfuser(tmp_path)
+    assert [p.name for p in paths] == ["program_fwd.py", "program_bwd.py", "program_ring_step_diagonal.py",
+                                       "program_ring_step_half.py"]
+    for path in paths:
+        build_from_text(path.read_text(), str(path))
+    half = parse(paths[3].read_text(), str(paths[3])).fusion
+    q_shape, k_shape = half.inputs[0].shape, half.inputs[1].shape
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(q_shape, generator=g).bfloat16()
+    k1, v1, k2, v2 = (torch.randn(k_shape, generator=g).bfloat16() for _ in range(4))
+    scale = 1 / q_shape[-1] ** 0.5
+    s1 = (q.float() @ k1.float().transpose(-2, -1)) * scale
+    lse1 = torch.logsumexp(s1, -1)
+    out1 = torch.softmax(s1, -1) @ v1.float()
+    merged, lse = run(half, [q, k2, v2, out1, lse1])
+    want = F.scaled_dot_product_attention(q.float(), torch.cat([k1, k2], 2).float(), torch.cat([v1, v2], 2).float())
+    assert (merged - want).abs().max().item() < 2e-2
+    assert (lse - torch.logsumexp(torch.cat([s1, (q.float() @ k2.float().transpose(-2, -1)) * scale], -1), -1)).abs().max() < 2e-2

@@ -270,3 +270,74 @@ def context_header(report: Any) -> str:
     return (f"{report.model}: {tp}the sequence split over cp (attention by ring: K/V blocks passed by point-to-point steps, "
             f"no all-gather of K or V), on a {'x'.join(map(str, mesh.shape))} mesh ({axes}; {report.devices} devices), "
             f"for the {report.backend} backend")
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring's per-step fusions, as nvFuser files
+
+
+def ring_step_fusions(sharded: Any) -> list[tuple[str, Any]]:
+    """The fusions one ring step runs on a rank, for the first ring attention of ``sharded`` (a
+    forward): the attention of the local queries on the K/V block at hand (``sdpfa_fwd``; causal
+    on the diagonal step, full on a half block otherwise: the balanced layout's off-diagonal
+    blocks are all queries on the keys before them, or the queries after them on all keys), and
+    the log-sum-exp merge into the running output and lse. [(name, Fusion)], empty without a
+    ring. nvFuser has no point-to-point step inside a fusion: the host passes the blocks between
+    these (docs/context.md)."""
+    from nvtp.ir.build import FusionBuilder
+    from nvtp.ir.dtypes import DType
+
+    mesh = sharded.mesh
+    op = next((o for o in sharded.fusion.ops if o.kind == "sdpfa_fwd"
+               and ring_axis(mesh, sharded.shardings.get(o.arg("key").name)) is not None), None)
+    if op is None:
+        return []
+    q, v = op.arg("query"), op.arg("value")
+    qs = local_shape(q.shape, sharded.shardings[q.name], mesh)
+    vs = local_shape(v.shape, sharded.shardings[v.name], mesh)
+    half = qs[2] // 2 if balanced(mesh) else qs[2]
+    dtype = DType.BFloat16  # nvFuser's flash attention takes 16-bit operands; the merge runs in float32
+    out = []
+    for name, q_len, k_len, causal in (("ring_step_diagonal", qs[2], qs[2], True), ("ring_step_half", qs[2], half, False)):
+        b = FusionBuilder(name)
+        bq = b.define_tensor((*qs[:2], q_len, qs[3]), dtype)
+        bk = b.define_tensor((*qs[:2], k_len, qs[3]), dtype)
+        bv = b.define_tensor((*vs[:2], k_len, vs[3]), dtype)
+        acc = b.define_tensor((*qs[:2], q_len, vs[3]), DType.Float)  # the running output (float32)
+        acc_lse = b.define_tensor((*qs[:2], q_len), DType.Float)  # its log-sum-exp (-inf before the first block)
+        o, lse, _, _ = b.op("sdpfa_fwd", bq, bk, bv, dropout_p=0.0, is_causal=causal)
+        new_out, new_lse = _merge_ops(b, acc, acc_lse, b.op("cast", o, dtype=DType.Float), lse)
+        b.add_output(new_out)
+        b.add_output(new_lse)
+        out.append((name, b.build()))
+    return out
+
+
+def _merge_ops(b: Any, out_a, lse_a, out_b, lse_b):
+    """lse = m + log(exp(lse_a - m) + exp(lse_b - m)), m = max(lse_a, lse_b);
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)."""
+    m = b.op("maximum", lse_a, lse_b)
+    total = b.op("add", b.op("exp", b.op("sub", lse_a, m)), b.op("exp", b.op("sub", lse_b, m)))
+    lse = b.op("add", m, b.op("log", total))
+    shape, dims = list(out_a.shape), list(range(len(lse.shape)))
+    wa = b.op("broadcast_in_dim", b.op("exp", b.op("sub", lse_a, lse)), shape=shape, broadcast_dims=dims)
+    wb = b.op("broadcast_in_dim", b.op("exp", b.op("sub", lse_b, lse)), shape=shape, broadcast_dims=dims)
+    return b.op("add", b.op("mul", out_a, wa), b.op("mul", out_b, wb)), lse
+
+
+def write_ring_steps(sharded: Any, directory: Any, name: str = "program") -> list:
+    """``ring_step_fusions`` as nvFuser files in ``directory`` (``<name>_ring_step_diagonal.py``, ...)."""
+    from pathlib import Path
+
+    from nvtp.ir.printer import format_file
+
+    paths = []
+    for step, fusion in ring_step_fusions(sharded):
+        path = Path(directory) / f"{name}_{step}.py"
+        header = [f"One step of nvtp's ring attention on one rank of the cp axis ({'x'.join(map(str, sharded.mesh.shape))} mesh, "
+                  f"{dict(zip(sharded.mesh.names, sharded.mesh.shape))}): attention of the local queries on one K/V block,",
+                  "merged with the running output by log-sum-exp. The host passes the K/V blocks between steps (torch.distributed).",
+                  "Written by nvtp.sharding.context.write_ring_steps."]
+        path.write_text(format_file(fusion, header=header))
+        paths.append(path)
+    return paths
