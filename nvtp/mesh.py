@@ -33,6 +33,24 @@ def parse(text: str) -> tuple[int, ...]:
     return shape
 
 
+def named(text: str) -> DeviceMesh | None:
+    """A mesh spelt by its axes' names and sizes, ``cp=4`` or ``cp=2,tp=2`` (None for another
+    spelling); the names are checked by ``roles``."""
+    if "=" not in str(text):
+        return None
+    names, shape = [], []
+    for part in str(text).replace(" ", "").split(","):
+        name, _, size = part.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise MeshError(f"--mesh {text!r}: expected NAME=SIZE pairs joined by commas, e.g. cp=4 or cp=2,tp=2 "
+                            "(or DPxTP, e.g. 2x2)")
+        names.append(name)
+        shape.append(int(size))
+    mesh = DeviceMesh.of_shape(tuple(shape), tuple(names))
+    roles(mesh)
+    return mesh
+
+
 def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = False, world: int | None = None) -> DeviceMesh:
     """nvtp's mesh for ``spec``, checked (``roles``):
 
@@ -56,6 +74,8 @@ def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = Fals
         if spec < 1:
             raise MeshError(f"a mesh needs at least 1 device, got {spec}")
         mesh = DeviceMesh.of_size(spec)
+    elif isinstance(spec, str) and "=" in spec:
+        mesh = named(spec)
     elif isinstance(spec, str):
         shape = parse(spec)
         mesh = DeviceMesh.of_size(shape[0]) if len(shape) == 1 else DeviceMesh.of_shape(shape, ("dp", "tp"))

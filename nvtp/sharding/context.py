@@ -194,7 +194,7 @@ def ring_axis(mesh: DeviceMesh | None, sharding: tuple[Placement, ...] | None, s
         return None
     a = mesh.names.index("cp")
     split = axis_split(sharding[a])
-    if split is None:
+    if split is None or mesh.shape[a] == 1:  # one rank holds the whole sequence: the op runs as it is
         return None
     if split[0] != seq_dim:
         raise ShardingError(f"attention operand placed {sharding[a]} on the cp axis; the ring splits its sequence (Shard({seq_dim}))")
@@ -268,7 +268,7 @@ def context_header(report: Any) -> str:
     axes = ", ".join(f"{n} {k}" for n, k in zip(mesh.names, mesh.shape))
     tp = f"plan {report.plan} on tp, " if "tp" in mesh.names else "weights whole (no tp axis), "
     return (f"{report.model}: {tp}the sequence split over cp (attention by ring: K/V blocks passed by point-to-point steps, "
-            f"no all-gather of K or V), on a {'x'.join(map(str, mesh.shape))} mesh ({axes}; {report.devices} devices), "
+            f"no all-gather of K or V), on a mesh of {axes} ({report.devices} devices), "
             f"for the {report.backend} backend")
 
 
