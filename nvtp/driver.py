@@ -269,7 +269,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     start = time.perf_counter()
     with paused():
         if "cp" in axes:  # context parallel: the sequence split, attention by ring (nvtp/sharding/context.py)
-            forward, backward, notes = _shard_cp(traced, plan, mesh, target, placed)
+            forward, backward, notes = _shard_cp(traced, plan, mesh, target, placed, fsdp)
         elif len(axes) == 1:
             forward, backward, notes = _shard_1d(traced, plan, mesh, target, placed)
         else:
@@ -338,10 +338,10 @@ def _shard_2d(traced: Traced, plan, mesh: DeviceMesh, target: Target, fsdp: bool
     return forward, backward, list(data.notes)
 
 
-def _shard_cp(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed):
+def _shard_cp(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed, fsdp: bool):
     from nvtp.sharding import context
 
-    context.check_traced(traced, mesh)
+    context.check_traced(traced, mesh, fsdp)
     out_hints, grad_hints = _boundary_hints(traced)
     ann = _annotations(traced, placed, 2)
     if mesh.ndim == 1:

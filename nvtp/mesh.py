@@ -100,7 +100,7 @@ def _from_torch(mesh: Any) -> DeviceMesh:
         raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh, nvtp's DeviceMesh, a number of devices "
                         f"or (dp, tp), not {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim > 2 or (mesh.ndim == 2 and sorted(names) not in (["dp", "tp"], ["cp", "tp"])):
+    if (mesh.ndim > 2 and sorted(names) != ["cp", "dp", "tp"]) or (mesh.ndim == 2 and sorted(names) not in (["dp", "tp"], ["cp", "tp"], ["cp", "dp"])):
         raise MeshError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
                         f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
                         "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")

@@ -42,7 +42,8 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
     the ring steps each rank ran per training step)."""
     threads = spmd.ThreadMesh(mesh, timeout=120)
     ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r)) for r in range(mesh.size)]
-    ranks[0].compile(*args)
+    args_of = (lambda r: args) if "dp" not in mesh.names else (lambda r: _dp_part(args, mesh, r))  # a dp rank passes its batch
+    ranks[0].compile(*args_of(0))
     for m in ranks[1:]:
         m.share_compiled(ranks[0])
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in ranks]
@@ -51,7 +52,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
 
     def step(r):
         opts[r].zero_grad()
-        loss = loss_of(ranks[r](*args))
+        loss = loss_of(ranks[r](*args_of(r)))
         loss.backward()
         opts[r].step()
         return loss.item()
@@ -61,7 +62,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
         before = len(ring.SENT)
         losses = spmd.on_threads(step, threads)
         sent.append(ring.SENT[before:])
-        assert len(set(losses)) == 1, losses  # every rank gets the whole loss
+        assert len(set(losses)) == 1, losses  # every rank gets the whole loss (a dp rank its batch's: here the same mean)
         got.append(losses[0])
         ref_opt.zero_grad()
         loss = loss_of(ref(*args))
@@ -69,6 +70,11 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
         ref_opt.step()
         want.append(loss.item())
     return got, want, ranks, ref, sent
+
+
+def _dp_part(args: tuple, mesh: DeviceMesh, rank: int) -> tuple:
+    d, n = mesh.coords(rank)[mesh.names.index("dp")], mesh.shape[mesh.names.index("dp")]
+    return tuple(a[d * a.shape[0] // n:(d + 1) * a.shape[0] // n] for a in args)
 
 
 def check_matches(got, want, ranks, ref, mesh):
@@ -120,11 +126,15 @@ def test_cp2_gpt_trains_like_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,plan", [((4,), "megatron"), ((2, 2), "megatron-sp"), ((2, 2), "megatron")])
-def test_gpt_on_cp_meshes_trains_like_one_process(shape, plan):
+@pytest.mark.parametrize("shape,names,plan", [((4,), ("cp",), "megatron"), ((2, 2), ("cp", "tp"), "megatron-sp"),
+                                              ((2, 2), ("cp", "tp"), "megatron"), ((2, 2), ("dp", "cp"), "megatron"),
+                                              ((2, 2, 2), ("dp", "cp", "tp"), "megatron-sp")])
+def test_gpt_on_cp_meshes_trains_like_one_process(shape, names, plan):
+    """cp = 4; cp with tp (Megatron, and SP: tp splits each of cp's pieces); dp with cp (each dp
+    rank its half of the batch, the sequence split over cp); all three."""
     torch.manual_seed(0)
     model = gpt.GPT(CFG)
-    mesh = DeviceMesh.of_shape(shape, ("cp",) if len(shape) == 1 else ("cp", "tp"))
+    mesh = DeviceMesh.of_shape(shape, names)
     got, want, ranks, ref, sent = train(model, mesh, gpt.example_tokens(CFG), 5, plan=plan)
     check_matches(got, want, ranks, ref, mesh)
     check_ring_ran_as_planned(ranks[0].last, sent, mesh)

@@ -36,7 +36,7 @@ AXES: dict[str, Axis] = {a.name: a for a in (
 )}
 
 # The meshes the passes compose today (nvtp.sharding.multi): axis names, in any order.
-SUPPORTED = ({"tp"}, {"dp", "tp"}, {"cp"}, {"cp", "tp"})
+SUPPORTED = ({"tp"}, {"dp", "tp"}, {"cp"}, {"cp", "tp"}, {"dp", "cp"}, {"dp", "cp", "tp"})
 
 
 def _known() -> str:

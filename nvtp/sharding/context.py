@@ -55,9 +55,12 @@ def has_cp(mesh: DeviceMesh) -> bool:
     return "cp" in mesh.names
 
 
-def check_traced(traced: Any, mesh: DeviceMesh) -> None:
+def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
     """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
     whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""
+    if fsdp:
+        raise ContextError("fsdp=True with a cp axis is not built: weights stay whole over dp and cp (DDP); pass fsdp=False, "
+                           "or a (dp, tp) mesh for FSDP")
     cp = mesh.shape[mesh.names.index("cp")]
     parts = chunks(mesh)
     layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if balanced(mesh) else
@@ -118,6 +121,14 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
         tp = shard(f, plan, mesh.sub(tp_axis), annotations=ann, output_hints=output_hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
+    if "dp" in axes:  # the data plan (nvtp.sharding.multi): the batch split over dp, weights whole (DDP)
+        from nvtp.sharding.multi import data_plan
+
+        dp_axis = axes["dp"]
+        data = data_plan(f, None, mesh.shape[dp_axis], False, traced.arguments, traced.weights)
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, hoist=False, keep_splits=True)
+        passes.append((dp_axis, dps))
+        fusion = dps.fusion
     # With a tp axis the cp axis splits the sequence *across* tp's chunks (rank c of cp holds the
     # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
     # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
@@ -151,6 +162,14 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
         tp = shard(backward, "replicate", mesh.sub(tp_axis), annotations=inputs, output_hints=hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
+    if "dp" in axes:  # gradients contract the batch: partial sums over dp, all-reduced where their weights live (DDP)
+        dp_axis = axes["dp"]
+        inputs, hints = backward_annotations(backward, forward.view(dp_axis))
+        hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=inputs, output_hints=hints, target=target, hoist=False,
+                    keep_splits=True)
+        passes.append((dp_axis, dps))
+        fusion = dps.fusion
     inputs, hints = backward_annotations(backward, forward.view(cp_axis))
     hints.update(output_hints or {})
     if fusion is not backward:
