@@ -26,7 +26,7 @@ def parse(text: str) -> tuple[int, ...]:
     parts = str(text).lower().split("x")
     if not 1 <= len(parts) <= 2 or not all(p.strip().isdigit() for p in parts):
         raise MeshError(f"--mesh {text!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
-                        "a 1-D mesh is --devices N")
+                        "a 1-D mesh is --devices N; axes by name: --mesh cp=4 or cp=2,tp=2 (context parallel)")
     shape = tuple(int(p) for p in parts)
     if any(n < 1 for n in shape):
         raise MeshError(f"--mesh {text!r}: each mesh axis needs at least 1 device (dp={shape[0]}, tp={shape[-1]})")

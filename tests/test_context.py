@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,19 @@ def test_the_ring_step_fusions_build_in_nvfuser_from_their_text_and_merge_right(
     want = F.scaled_dot_product_attention(q.float(), torch.cat([k1, k2], 2).float(), torch.cat([v1, v2], 2).float())
     assert (merged - want).abs().max().item() < 2e-2
     assert (lse - torch.logsumexp(torch.cat([s1, (q.float() @ k2.float().transpose(-2, -1)) * scale], -1), -1)).abs().max() < 2e-2
+
+
+def test_nvtp_explain_on_the_command_line_shows_the_ring():
+    """``nvtp explain --mesh cp=4`` (a subprocess, as a user runs it): the ring's sendrecv steps on
+    cp, per layer, with their bytes, no all-gather; a misspelt mesh is refused with the spelling."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "nvtp", "explain", "--plan", "megatron", "--model", "nanogpt", "--config", "tiny", "--mesh", "cp=4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "the sequence split over cp" in out and "allgather" not in out, out
+    # bf16 blocks [2, 4, 4, 16] (one rank's K or V): 6 a layer forward, 14 backward
+    assert re.search(r"forward\s+block\s+on cp\s+12 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(6 per layer\)\s+12.00 KiB", out), out
+    assert re.search(r"backward\s+block\s+on cp\s+28 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(14 per layer\)\s+28.00 KiB", out), out
+    bad = subprocess.run(cmd[:-1] + ["cp4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "cp=4" in bad.stderr, bad.stderr
