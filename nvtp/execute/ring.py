@@ -17,12 +17,13 @@ placements (``placements.held``), so any layout of the sequence over cp works.
 
 Point-to-point steps: ``shift`` on torch.distributed (``batch_isend_irecv``: send to the next
 rank, receive from the previous) or between the threads of the simulated tier
-(``ThreadComm``). Each step is recorded in the run's log as a ``sendrecv`` (``SENT`` counts
-them too), and ``nvtp.sharding.context.ring_steps`` plans the same steps with their bytes.
+(``ThreadComm``). Each step is recorded in the run's log as a ``sendrecv`` (and in any open
+``recording()``), and ``nvtp.sharding.context.ring_steps`` plans the same steps with their bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -31,7 +32,19 @@ import torch
 from nvtp.execute.collectives import PROGRESS, DistComm, ThreadComm, on_axis
 from nvtp.sharding.placements import held
 
-SENT: list[tuple[str, int]] = []  # (tensor, bytes) of every point-to-point step this process ran (tests read it)
+_RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that receives (tensor, bytes) of every point-to-point step this process
+    runs (every thread of it: the simulated ranks) until the block ends."""
+    sent: list[tuple[str, int]] = []
+    _RECORDS.append(sent)
+    try:
+        yield sent
+    finally:
+        _RECORDS.remove(sent)
 
 
 def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
@@ -61,7 +74,8 @@ def _send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: s
     from nvtp.execute.reference import Communication
 
     nbytes = t.numel() * t.element_size()
-    SENT.append((name, nbytes))
+    for record in _RECORDS:
+        record.append((name, nbytes))
     ctx.log.append(Communication("sendrecv", op_name, nbytes, axis))
     return shift(t, comm)
 

@@ -25,10 +25,13 @@ plan and the report. The model is traced with every causal or full attention cla
 (``nvtp.frontend.attention.claim_for_ring``), float32 included; an attention the ring cannot run
 (an arbitrary mask, dropout) is refused before any work, naming the fix.
 
-Layout: rank r holds the r-th contiguous chunk of the sequence (torch's ``Shard(1)``). Causal
-work is then unbalanced (rank cp-1 computes cp blocks, rank 0 one); the ring skips the blocks a
-causal mask hides entirely, so rank 0 idles. The balanced (zigzag) layout is not built
-(docs/context.md).
+Layout: on a mesh without tp, balanced (``placements.Zigzag``): of a sequence of 2·cp pieces
+rank r holds pieces r and 2·cp-1-r, one from each end, so every rank does the same causal work
+(the ring computes each block on the rows and columns the mask leaves: half a block off the
+diagonal). With tp, cp splits each of tp's sequence chunks (``_StridedShard(1, tp)``), because
+megatron-sp splits the sequence contiguously over tp and two mesh axes may split one tensor axis
+only along different factors. A dp axis splits the batch (the data plan of
+``nvtp.sharding.multi``, DDP) between tp's pass and cp's.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.axes import MeshError, roles
+from nvtp.sharding.axes import roles
 from nvtp.sharding.passes import backward_annotations, shard
-from nvtp.sharding.placements import ZIGZAG, REPLICATE, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
+from nvtp.sharding.placements import ZIGZAG, DeviceMesh, Placement, axis_split, local_shape, make_shard
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.rules import RING
 
@@ -270,8 +273,6 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["ContextError", "RingStep", "check_traced", "has_cp", "ring_axis", "ring_steps", "sequence_inputs", "shard_backward",
-           "shard_forward", "MeshError", "REPLICATE", "is_replicate"]
 
 
 def ring_records(phase: str, sharded: Any) -> list[dict[str, Any]]:
@@ -360,3 +361,7 @@ def write_ring_steps(sharded: Any, directory: Any, name: str = "program") -> lis
         path.write_text(format_file(fusion, header=header))
         paths.append(path)
     return paths
+
+
+__all__ = ["ContextError", "RingStep", "balanced", "check_traced", "chunks", "context_header", "has_cp", "ring_axis", "ring_records",
+           "ring_step_fusions", "ring_steps", "sequence_inputs", "shard_backward", "shard_forward", "write_ring_steps"]
