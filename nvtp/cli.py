@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--devices", type=_positive_int, default=None, help="processes in the local 1-D mesh (default 4)")
     m.add_argument("--mesh", default=None, metavar="DPxTP",
                    help="a local 2-D mesh (dp, tp) of DP*TP processes instead, e.g. 2x2: the plan on tp, each dp rank "
-                        "training on its part of the batch (DDP), checked against one process on the whole batch")
+                        "training on its part of the batch (DDP), checked against one process on the whole batch; "
+                        "or axes by name, e.g. cp=4 or cp=2,tp=2: the sequence split over cp, attention by ring")
     m.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)

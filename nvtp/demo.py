@@ -315,6 +315,17 @@ def split_sizes(job: TrainJob) -> dict[str, int]:
     return sizes | ({"sequence": seq} if job.plan == "megatron-sp" else {})
 
 
+def gpt_seq(job: TrainJob) -> int:
+    """The sequence length the demo trains on."""
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        return gpt.config(job.config).seq_len
+    from nvtp.models import hf
+
+    return hf.SEQ
+
+
 def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     """Refuse, before any process starts or anything is traced, a plan the demo's model cannot take
     (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
@@ -327,6 +338,13 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
     over, choose = f"{devices} processes", "--devices"
     if job.mesh is not None and "dp" not in job.axes:  # (cp,) or (cp, tp): the sequence split over cp
+        cp = job.mesh[job.axes.index("cp")]
+        parts = job.mesh[job.axes.index("tp")] if "tp" in job.axes else 2  # the balanced layout: a piece from each end
+        seq = gpt_seq(job)
+        if seq % (cp * parts):
+            raise ShardingError(f"--mesh {','.join(f'{n}={k}' for n, k in zip(job.axes, job.mesh))}: the demo's sequence of {seq} "
+                                f"tokens cannot be split over cp={cp} (it must be a multiple of {cp} x {parts}); choose cp "
+                                + " or ".join(str(k) for k in range(1, seq + 1) if seq % (k * parts) == 0))
         if "tp" not in job.axes:
             return
         devices, over, choose = job.mesh[job.axes.index("tp")], f"tp={job.mesh[job.axes.index('tp')]}", "tp"

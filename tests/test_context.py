@@ -301,3 +301,17 @@ def test_nvtp_explain_on_the_command_line_shows_the_ring():
     assert re.search(r"backward\s+block\s+on cp\s+28 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(14 per layer\)\s+28.00 KiB", out), out
     bad = subprocess.run(cmd[:-1] + ["cp4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "cp=4" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["cp=4", "cp=2,tp=2"])
+def test_nvtp_demo_with_a_cp_axis_passes(mesh):
+    """``nvtp demo --mesh cp=4``: 4 gloo processes train the demo's GPT with the sequence split
+    over cp, checked against one process; the ring's point-to-point steps are printed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "nvtp", "demo", "--mesh", mesh, "--steps", "5"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the sequence split over cp, attention by ring" in proc.stdout
+    assert re.search(r"forward on cp, ring attention: \d+ point-to-point steps", proc.stdout), proc.stdout
+    assert re.search(r"tolerance 1e-4: PASSED$", proc.stdout, re.M), proc.stdout
