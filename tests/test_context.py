@@ -244,7 +244,9 @@ def test_cp2_on_two_gloo_processes_by_torchrun(tmp_path):
     script = ROOT / "tests" / "cp_worker.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "cp.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(get_free_port()),
                            str(script), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = torch.load(out)
