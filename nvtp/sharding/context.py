@@ -72,7 +72,9 @@ def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
     if declined:
         raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
                            f"calls {declined[0]}. Call F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with no mask), "
-                           "with dropout_p=0, or shard this model without a 'cp' axis (tp, dp)")
+                           "with dropout_p=0, or shard this model without a 'cp' axis (tp, dp)"
+                           + ("; transformers models pass their causal mask as a tensor, which the cp axis does not read as "
+                              "causal yet (docs/context.md)" if getattr(traced, "route", "") == "fx" else ""))
     f = traced.forward
     for op in f.ops:
         if op.kind == "sdpfa_fwd":
