@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
         c.add_argument("--devices", type=_positive_int, default=None, help="a 1-D mesh of N devices (or --mesh DPxTP)")
         c.add_argument("--mesh", default=None, metavar="DPxTP",
-                       help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y)")
+                       help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y); "
+                            "or named axes, e.g. cp=4 or cp=2,tp=2 (context parallel: the sequence split, attention by ring)")
         c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
         if name == "shard":
             c.add_argument("--out", required=True, help="file to write")
@@ -334,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--devices", type=_positive_int, default=None, help="processes in the local 1-D mesh (default 4)")
     m.add_argument("--mesh", default=None, metavar="DPxTP",
                    help="a local 2-D mesh (dp, tp) of DP*TP processes instead, e.g. 2x2: the plan on tp, each dp rank "
-                        "training on its part of the batch (DDP), checked against one process on the whole batch")
+                        "training on its part of the batch (DDP), checked against one process on the whole batch; "
+                        "or axes by name, e.g. cp=4 or cp=2,tp=2: the sequence split over cp, attention by ring")
     m.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)

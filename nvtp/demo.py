@@ -10,6 +10,7 @@ with plain PyTorch, and the losses of every step and the final parameters are co
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import tempfile
@@ -39,6 +40,7 @@ class TrainJob:
     model: str = "nanogpt"  # nvtp's GPT (with ``config``), or a small Hugging Face causal LM: llama, gpt2, mistral, qwen2
     mesh: tuple[int, int] | None = None  # (dp, tp): a 2-D mesh, each dp rank training on its own part of every batch
     fsdp: bool = False  # with ``mesh``: the weights split over dp too (ZeRO-3)
+    axes: tuple[str, ...] = ("dp", "tp")  # the names of ``mesh``'s axes: ("cp",) or ("cp", "tp") from --mesh cp=4 / cp=2,tp=2
 
 
 def build_model(job: TrainJob) -> torch.nn.Module:
@@ -167,14 +169,14 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
             from nvtp.execute.launch import _quiet_stdout
 
             with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every group
-                mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=("dp", "tp"))
-            dp_rank = mesh.get_local_rank("dp")
+                mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=job.axes)
+            dp_rank = mesh.get_local_rank("dp") if "dp" in job.axes else 0
         model = nvtp.jit(build_model(job), plan=job.plan, mesh=mesh, fsdp=job.fsdp, timeout=job.timeout)
         whole_bytes = sum(p.nbytes for p in model.parameters())
 
         def step_batch(step: int) -> tuple[tuple, dict]:
             args, kwargs = batch(job, step)
-            return (args, kwargs) if job.mesh is None else dp_part(args, kwargs, dp_rank, job.mesh[0])
+            return (args, kwargs) if job.mesh is None or "dp" not in job.axes else dp_part(args, kwargs, dp_rank, job.mesh[0])
 
         args, kwargs = step_batch(0)
         start = time.perf_counter()
@@ -194,10 +196,10 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
                 print(f"     {note}")
             for note in model.notes:  # what the data plan left whole (fsdp: a bias tp splits)
                 print(f"     {note}")
-            share = "" if job.mesh is None else f" (1/{job.mesh[1] * (job.mesh[0] if job.fsdp else 1)} of each weight split " + (
-                "over tp and dp)" if job.fsdp else "over tp)")
+            share = "" if job.mesh is None else " (weights whole over cp)" if "tp" not in job.axes else \
+                f" (1/{job.mesh[1] * (job.mesh[0] if job.fsdp else 1)} of each weight split " + ("over tp and dp)" if job.fsdp else "over tp)")
             print(f"   each rank holds {_mib(held)} of the {_mib(whole_bytes)} of parameters{share}")
-            axes = [None] if job.mesh is None else ["tp", "dp"]
+            axes = [None] if job.mesh is None else list(reversed(job.axes))
             for name, s in (("forward", fwd), ("backward", bwd)):
                 for axis in axes:
                     comms = [c for c in s.communications if axis is None or s.mesh.names[c.axis] == axis]
@@ -205,6 +207,10 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
                     summary = ", ".join(f"{sum(c.kind == k for c in comms)} {k}" for k in kinds) or "none"
                     where = "" if axis is None else f" on {axis}"
                     print(f"   {name}{where}: {summary}; {_mib(sum(c.bytes for c in comms))} sent per rank per step")
+                    if axis == "cp":  # the ring attention's point-to-point steps (nvtp.sharding.context)
+                        ring = [r for r in program.steps() if r.phase == name and r.kind == "sendrecv"]
+                        print(f"   {name} on cp, ring attention: {len(ring)} point-to-point steps (K/V blocks"
+                              f"{' and their gradients' if name == 'backward' else ''}); {_mib(sum(r.bytes for r in ring))} sent per rank per step")
             print(f"2. training {job.steps} steps ({type(opt).__name__}, lr {job.lr}) on {world} processes (gloo):", flush=True)
         first = 0
         if job.load_dir:
@@ -309,6 +315,17 @@ def split_sizes(job: TrainJob) -> dict[str, int]:
     return sizes | ({"sequence": seq} if job.plan == "megatron-sp" else {})
 
 
+def gpt_seq(job: TrainJob) -> int:
+    """The sequence length the demo trains on."""
+    if job.model == "nanogpt":
+        from nvtp.models import gpt
+
+        return gpt.config(job.config).seq_len
+    from nvtp.models import hf
+
+    return hf.SEQ
+
+
 def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     """Refuse, before any process starts or anything is traced, a plan the demo's model cannot take
     (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
@@ -320,7 +337,18 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     what = f"the demo's {type(model).__name__}"
     check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
     over, choose = f"{devices} processes", "--devices"
-    if job.mesh is not None:  # (dp, tp): dp splits the batch, the plan splits over tp
+    if job.mesh is not None and "dp" not in job.axes:  # (cp,) or (cp, tp): the sequence split over cp
+        cp = job.mesh[job.axes.index("cp")]
+        parts = job.mesh[job.axes.index("tp")] if "tp" in job.axes else 2  # the balanced layout: a piece from each end
+        seq = gpt_seq(job)
+        if seq % (cp * parts):
+            raise ShardingError(f"--mesh {','.join(f'{n}={k}' for n, k in zip(job.axes, job.mesh))}: the demo's sequence of {seq} "
+                                f"tokens cannot be split over cp={cp} (it must be a multiple of {cp} x {parts}); choose cp "
+                                + " or ".join(str(k) for k in range(1, seq + 1) if seq % (k * parts) == 0))
+        if "tp" not in job.axes:
+            return
+        devices, over, choose = job.mesh[job.axes.index("tp")], f"tp={job.mesh[job.axes.index('tp')]}", "tp"
+    elif job.mesh is not None:  # (dp, tp): dp splits the batch, the plan splits over tp
         dp, tp = job.mesh
         rows = batch_size(job)
         if rows % dp:
@@ -352,14 +380,19 @@ def describe(model: torch.nn.Module, job: TrainJob) -> str:
 
 
 def main(args) -> int:
-    mesh = getattr(args, "mesh_shape", None)  # (dp, tp), from --mesh DPxTP
-    d = args.devices if mesh is None else mesh[0] * mesh[1]
+    mesh = getattr(args, "mesh_shape", None)  # (dp, tp), from --mesh DPxTP; a named mesh from --mesh cp=4 or cp=2,tp=2
+    axes = ("dp", "tp")
+    if mesh is not None and not isinstance(mesh, tuple):
+        mesh, axes = tuple(mesh.shape), tuple(mesh.names)
+    d = args.devices if mesh is None else math.prod(mesh)
     with tempfile.TemporaryDirectory() as tmp:
         job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout,
-                       model=args.model, mesh=mesh, fsdp=getattr(args, "fsdp", False))
+                       model=args.model, mesh=mesh, fsdp=getattr(args, "fsdp", False), axes=axes)
         model = build_model(job)
         check_job(job, d, model)
         where = f"{d} processes" if mesh is None else (
+            f"{', '.join(f'{n}={k}' for n, k in zip(axes, mesh))} = {d} processes (the sequence split over cp, attention by ring"
+            f"{'; the plan on tp' if 'tp' in axes else ''}; every rank passes the whole batch)") if "cp" in axes else (
             f"{mesh[0]}x{mesh[1]} = {d} processes (dp={mesh[0]} data parallel{' with FSDP' if job.fsdp else ''}, tp={mesh[1]} "
             f"tensor parallel; each dp rank trains on its {batch_size(job) // mesh[0]} of the batch's {batch_size(job)} sequences)")
         against = "one process" if mesh is None else "one process on the whole batch"

@@ -66,6 +66,7 @@ class Traced:
     tied: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     split_parts: bool = False  # fused projections of unequal parts were split into their parts
+    declined: list[str] = field(default_factory=list)  # traced for a cp axis (ring=True): attentions not claimed whole, and why
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def _meta(x: Any, batch: int) -> Any:
 
 def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
           regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
-          like: torch.nn.Module | None = None, boundary: bool = True) -> Traced:
+          like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False) -> Traced:
     """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
 
     ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
@@ -168,7 +169,17 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     (``nvtp.frontend.fused``, ``nvtp.frontend.parts``). Raises ``InputError`` for arguments that do not fit the module,
     ``CaptureError`` naming the op and line nvtp cannot trace or fuse. ``boundary=False``: a
     region of a model (a block whose output is the next block's input), not its whole: outputs
-    and argument gradients stay where the plan places them."""
+    and argument gradients stay where the plan places them. ``ring``: for a mesh with a "cp" axis,
+    every causal or full attention is claimed whole (``sdpfa_fwd``), float32 too, so that axis can
+    run it by ring (``nvtp.sharding.context``); the ones declined are in ``Traced.declined``."""
+    if ring:
+        from nvtp.frontend.attention import claim_for_ring
+
+        with claim_for_ring() as declined:
+            traced = trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
+                           on_meta=on_meta, like=like, boundary=boundary)
+        traced.declined = list(dict.fromkeys(declined))
+        return traced
     kwargs = dict(kwargs or {})
     meta = meta_copy(module) if on_meta else module
     module = like if like is not None else module
@@ -285,7 +296,9 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     axes = roles(mesh)
     start = time.perf_counter()
     with paused():
-        if len(axes) == 1:
+        if "cp" in axes:  # context parallel: the sequence split, attention by ring (nvtp/sharding/context.py)
+            forward, backward, notes = _shard_cp(traced, plan, mesh, target, placed, fsdp)
+        elif len(axes) == 1:
             forward, backward, notes = _shard_1d(traced, plan, mesh, target, placed)
         else:
             forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
@@ -353,6 +366,21 @@ def _shard_2d(traced: Traced, plan, mesh: DeviceMesh, target: Target, fsdp: bool
     return forward, backward, list(data.notes)
 
 
+def _shard_cp(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed, fsdp: bool):
+    from nvtp.sharding import context
+
+    context.check_traced(traced, mesh, fsdp)
+    out_hints, grad_hints = _boundary_hints(traced)
+    ann = _annotations(traced, placed, 2)
+    if mesh.ndim == 1:
+        ann = {n: (p,) if not isinstance(p, tuple) else p for n, p in ann.items()}
+    forward = context.shard_forward(traced, plan, mesh, target, annotations=ann, output_hints=out_hints)
+    backward = None
+    if traced.backward is not None:
+        backward = context.shard_backward(traced.backward, forward, target, output_hints=grad_hints)
+    return forward, backward, []
+
+
 def _placed_inputs(forward) -> list[tuple[str, Any]]:
     """(label, placement) of each forward input: one placement on a 1-D mesh, one per axis else."""
     src = forward.source
@@ -384,8 +412,8 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     args, kwargs = bind_call(source, way, args, kwargs)
     axes = roles(mesh)
     dp = mesh.shape[axes["dp"]] if "dp" in axes else 1
-    split = mesh.ndim == 1 and plan in ("megatron", "megatron-sp")
-    traced = trace(source, args, kwargs, frontend=way, regional=regional, split_parts=split, batch=dp)
+    split = tuple(mesh.names) == ("tp",) and plan in ("megatron", "megatron-sp")
+    traced = trace(source, args, kwargs, frontend=way, regional=regional, split_parts=split, batch=dp, ring="cp" in axes)
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed)
 
 

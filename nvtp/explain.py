@@ -105,22 +105,23 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
         raise ValueError(f"batch={batch!r}: each rank's batch must be a positive integer")
     check_plan(plan, [])  # a misspelt plan name, before any tracing
     mesh = _mesh(devices, mesh, fsdp, 8)
-    dp, tp = (_axis_size(mesh, "dp"), _axis_size(mesh, "tp")) if mesh.ndim > 1 else (1, mesh.size)
+    dp, tp = _axis_size(mesh, "dp"), _axis_size(mesh, "tp")  # a 1-D mesh is ("tp",) or ("cp",)
     per_rank = batch or cfg.batch
     cfg = replace(cfg, batch=per_rank * dp)
     start = time.perf_counter()
     shape = {"s": cfg.seq_len, "b": per_rank, "h": cfg.n_embd, "a": cfg.n_head, "t": tp, "L": layers}
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
     extra = {"backend": backend}
-    if mesh.ndim > 1:
+    ring = "cp" in mesh.names  # attention claimed whole, for the ring (nvtp.sharding.context)
+    if mesh.ndim > 1 or ring:
         extra |= {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
                   "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
-        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype), plan, mesh, backend, fsdp)
+        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp)
         traced = time.perf_counter() - start
         return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward, whole.schedules)],
                            {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
-    outer_t, block_t = _trace_gpt(cfg, 0, dtype), _trace_gpt(cfg, None, dtype)
+    outer_t, block_t = _trace_gpt(cfg, 0, dtype, ring), _trace_gpt(cfg, None, dtype, ring)
     traced = time.perf_counter() - start
     outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp) for t in (outer_t, block_t))
     regions = [Region("outer", 1, outer.forward, outer.backward, outer.schedules),
@@ -136,7 +137,7 @@ def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool):
 
 
 @functools.lru_cache(maxsize=8)
-def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype):
+def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype, ring: bool = False):
     """The traced fusions of GPT(cfg) with ``n_layer`` layers, or of one Block (None: its output
     is the next block's input, so no module boundary), on meta tensors; kept, so that
     explaining several plans traces once."""
@@ -148,7 +149,8 @@ def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype):
     with torch.device("meta"):
         if n_layer is None:
             block = gpt.Block(cfg).to(dtype)
-            return driver.trace(block, (gpt.example_input(cfg, dtype=dtype, device="meta"),), regional=False, boundary=False)
+            return driver.trace(block, (gpt.example_input(cfg, dtype=dtype, device="meta"),), regional=False, boundary=False,
+                                ring=ring)
         model = gpt.GPT(replace(cfg, n_layer=n_layer)).to(dtype)
     tokens = tuple(torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long, device="meta") for _ in range(2))
-    return driver.trace(model, tokens, regional=False)
+    return driver.trace(model, tokens, regional=False, ring=ring)

@@ -26,11 +26,29 @@ def parse(text: str) -> tuple[int, ...]:
     parts = str(text).lower().split("x")
     if not 1 <= len(parts) <= 2 or not all(p.strip().isdigit() for p in parts):
         raise MeshError(f"--mesh {text!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "
-                        "a 1-D mesh is --devices N")
+                        "a 1-D mesh is --devices N; axes by name: --mesh cp=4 or cp=2,tp=2 (context parallel)")
     shape = tuple(int(p) for p in parts)
     if any(n < 1 for n in shape):
         raise MeshError(f"--mesh {text!r}: each mesh axis needs at least 1 device (dp={shape[0]}, tp={shape[-1]})")
     return shape
+
+
+def named(text: str) -> DeviceMesh | None:
+    """A mesh spelt by its axes' names and sizes, ``cp=4`` or ``cp=2,tp=2`` (None for another
+    spelling); the names are checked by ``roles``."""
+    if "=" not in str(text):
+        return None
+    names, shape = [], []
+    for part in str(text).replace(" ", "").split(","):
+        name, _, size = part.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise MeshError(f"--mesh {text!r}: expected NAME=SIZE pairs joined by commas, e.g. cp=4 or cp=2,tp=2 "
+                            "(or DPxTP, e.g. 2x2)")
+        names.append(name)
+        shape.append(int(size))
+    mesh = DeviceMesh.of_shape(tuple(shape), tuple(names))
+    roles(mesh)
+    return mesh
 
 
 def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = False, world: int | None = None) -> DeviceMesh:
@@ -56,6 +74,8 @@ def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = Fals
         if spec < 1:
             raise MeshError(f"a mesh needs at least 1 device, got {spec}")
         mesh = DeviceMesh.of_size(spec)
+    elif isinstance(spec, str) and "=" in spec:
+        mesh = named(spec)
     elif isinstance(spec, str):
         shape = parse(spec)
         mesh = DeviceMesh.of_size(shape[0]) if len(shape) == 1 else DeviceMesh.of_shape(shape, ("dp", "tp"))
@@ -80,7 +100,7 @@ def _from_torch(mesh: Any) -> DeviceMesh:
         raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh, nvtp's DeviceMesh, a number of devices "
                         f"or (dp, tp), not {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim > 2 or (mesh.ndim == 2 and sorted(names) != ["dp", "tp"]):
+    if (mesh.ndim > 2 and sorted(names) != ["cp", "dp", "tp"]) or (mesh.ndim == 2 and sorted(names) not in (["dp", "tp"], ["cp", "tp"], ["cp", "dp"])):
         raise MeshError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
                         f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
                         "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")

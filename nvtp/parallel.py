@@ -125,6 +125,8 @@ class ShardedModule(torch.nn.Module):
         check_world(self.mesh, comm)
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
+        if self.backend == "nvfuser" and "cp" in self.mesh.names:  # refused before tracing (nvtp/execute/backends.py says why)
+            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis); use backend='reference' (docs/context.md)")
         self.overlap = overlap
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
@@ -233,7 +235,7 @@ class ShardedModule(torch.nn.Module):
         return self._placements.get(name, REPLICATE if self.mesh.ndim == 1 else (REPLICATE,) * self.mesh.ndim)
 
     def _dp_axis(self) -> int | None:
-        return self.mesh.names.index("dp") if self.mesh.ndim > 1 else None
+        return self.mesh.names.index("dp") if "dp" in self.mesh.names else None
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return self._global_shapes[self._tied.get(name, name)]
@@ -264,9 +266,10 @@ class ShardedModule(torch.nn.Module):
         # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
         # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
         # (dp, tp) mesh keep them whole.
-        split = self.mesh.ndim == 1 and self.plan in ("megatron", "megatron-sp")
+        split = tuple(self.mesh.names) == ("tp",) and self.plan in ("megatron", "megatron-sp")
         traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
-                              batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module)
+                              batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module,
+                              ring="cp" in self.mesh.names)
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap)
         self.notes = list(program.notes)
@@ -388,7 +391,7 @@ class ShardedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._call(args, kwargs)
-        if self.mesh.ndim > 1 and self._signature(args, kwargs) not in self._compiled:
+        if self._dp_axis() is not None and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
         self.last = compiled.program

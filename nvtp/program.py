@@ -44,7 +44,7 @@ class Step:
     def is_communication(self) -> bool:
         from nvtp.sharding.reshard import COLLECTIVES
 
-        return self.kind in COLLECTIVES and self.bytes > 0
+        return (self.kind in COLLECTIVES or self.kind == "sendrecv") and self.bytes > 0
 
 
 @dataclass
@@ -68,17 +68,24 @@ class Program:
 
     def steps(self, communication_only: bool = False) -> list[Step]:
         """Every reshard step of one training step, in the order the fusions run them."""
+        from nvtp.sharding.context import ring_steps
+
         out = []
         for phase, sharded in self.phases():
             order = {op.outputs[0].name: i for i, op in enumerate(sharded.fusion.ops) if op.outputs}
-            for result, step in sorted(sharded.set_steps.items(), key=lambda kv: order.get(kv[0], 0)):
+            ordered = []
+            for result, step in sharded.set_steps.items():
                 if communication_only and not step.is_communication:
                     continue
                 src = sharded.source
                 v = src.value(step.value) if step.value in src.values else sharded.fusion.value(step.value)
                 label = src.label(step.value) if step.value in src.info else ""
-                out.append(Step(phase, step.kind, self.mesh.names[step.axis], step.value, label or step.value, tuple(v.shape),
-                                v.dtype.value, step.bytes if step.is_communication else 0, str(step.src), str(step.dst)))
+                ordered.append((order.get(result, 0), Step(phase, step.kind, self.mesh.names[step.axis], step.value, label or step.value,
+                                                           tuple(v.shape), v.dtype.value, step.bytes if step.is_communication else 0,
+                                                           str(step.src), str(step.dst))))
+            for r in ring_steps(phase, sharded):  # the cp axis's ring attention (nvtp.sharding.context)
+                ordered.append((r.position, Step(phase, "sendrecv", "cp", r.op, r.tensor, r.shape, r.dtype, r.bytes, "cp ring", "next rank")))
+            out += [s for _, s in sorted(ordered, key=lambda x: x[0])]
         return out
 
     def communications(self) -> list[Step]:
@@ -138,6 +145,10 @@ class Program:
             path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
             command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
             paths.append(write_sharded(sharded, path, command, data=data))
+        if "cp" in self.mesh.names:  # the ring attention's per-step fusions (nvtp.sharding.context)
+            from nvtp.sharding.context import write_ring_steps
+
+            paths += write_ring_steps(self.forward, out, name)
         return paths
 
 

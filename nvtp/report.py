@@ -33,6 +33,7 @@ import torch
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
+from nvtp.sharding.context import context_header, ring_records
 from nvtp.sharding.report import communication_records
 
 
@@ -80,6 +81,8 @@ class ModelReport:
                     continue
                 records = communication_records(sharded)
                 axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
+                ring = ring_records(phase, sharded)  # the cp axis's ring attention: point-to-point steps (nvtp.sharding.context)
+                records, axes = records + ring, axes + ["cp"] * len(ring)
                 layers = range(r.count) if phase == "forward" else reversed(range(r.count))
                 for layer in (layers if r.count > 1 else [None]):
                     for c, axis in zip(records, axes):
@@ -180,7 +183,7 @@ class ModelReport:
         wpe's gradient is reduced over dp while still split along the sequence by tp, so 1/tp of
         it; with FSDP it is all-reduced whole before the slice to the rank's shard, not
         reduce-scattered). None on a 1-D mesh."""
-        if self.mesh is None:
+        if self.mesh is None or "dp" not in self.mesh.names:
             return None
         tp_axis, dp_axis = self.mesh.names.index("tp"), self.mesh.names.index("dp")
         dp = self.mesh.shape[dp_axis]
@@ -299,7 +302,9 @@ class ModelReport:
         })
 
     def as_text(self) -> str:
-        if self.mesh is None:
+        if self.mesh is not None and "cp" in self.mesh.names:
+            lines = [context_header(self)]
+        elif self.mesh is None:
             lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s), for the {self.backend} backend"]
         else:
             shape = "x".join(map(str, self.mesh.shape))
@@ -531,7 +536,7 @@ def report_of(program, model: str = "", *, batch: str = "", shape: dict[str, int
     """The report of a whole ``nvtp.program.Program``: one region, the model. ``shape`` (s, b, h,
     a, t, L): a transformer's, for Korthikanti et al.'s formula."""
     mesh = program.mesh
-    two = mesh.ndim > 1
+    two = mesh.ndim > 1 or "cp" in mesh.names
     captured = program.traced.captured
     return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
                        dict(program.seconds), dict(shape or {}), mesh=mesh if two else None,

@@ -202,4 +202,5 @@ def test_a_bad_mesh_spelling_fails_as_a_subprocess_with_the_bad_input_code():
     result = _nvtp("replay", "any.py", "--plan", "megatron", "--mesh", "2by2", timeout=120)
     assert result.returncode == 3 and result.stdout == ""
     assert result.stderr.strip() == ("nvtp replay: --mesh '2by2': expected DPxTP, two positive integers joined by x "
-                                     "(e.g. --mesh 2x2: dp=2, tp=2); a 1-D mesh is --devices N")
+                                     "(e.g. --mesh 2x2: dp=2, tp=2); a 1-D mesh is --devices N; axes by name: --mesh cp=4 "
+                                     "or cp=2,tp=2 (context parallel)")

@@ -51,6 +51,10 @@ def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tup
         raise MeshError("--fsdp splits the weights over the dp axis of a 2-D mesh; give --mesh DPxTP with it (e.g. --mesh 2x2)")
     if mesh is None:
         return None
+    if "=" in mesh:  # named axes (cp=4, cp=2,tp=2): the mesh itself (nvtp.mesh.named)
+        from nvtp.mesh import named
+
+        return named(mesh)
     shape = parse(mesh)
     if len(shape) != 2:
         raise MeshError(f"--mesh {mesh!r}: expected DPxTP, two positive integers joined by x (e.g. --mesh 2x2: dp=2, tp=2); "

@@ -94,6 +94,9 @@ class NvFuserBackend(Backend):
     def lower(self, program: "Program", comm: "Comm") -> Runner:
         import torch
 
+        if "cp" in program.mesh.names:  # nvFuser has no ring: it would run each rank's attention on its own block only
+            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis): nvFuser has no point-to-point "
+                             "step inside a fusion (docs/context.md); use backend='reference', or a mesh without cp")
         from nvtp.execute import nvfuser
         from nvtp.sharding.schedule import schedule_steps
 

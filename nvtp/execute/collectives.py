@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from nvtp.sharding.placements import Placement, axis_split, is_partial, local_indices
+from nvtp.sharding.placements import Placement, Zigzag, axis_split, is_partial, local_indices
 
 
 class Comm(Protocol):
@@ -198,8 +198,14 @@ def gather_axis(t: torch.Tensor, dim: int, split_factor: int, comm: Comm) -> tor
     return joined(comm.all_gather(t), dim, split_factor)
 
 
-def joined(parts: Sequence[torch.Tensor], dim: int, split_factor: int) -> torch.Tensor:
+def joined(parts: Sequence[torch.Tensor], dim: int, split_factor: int, placement: Placement | None = None) -> torch.Tensor:
     """Every rank's shard of axis ``dim`` (in rank order), joined into the whole axis."""
+    if isinstance(placement, Zigzag):  # each rank's pieces put where local_indices says they are
+        size = parts[0].shape[dim] * len(parts)
+        whole = torch.empty(*parts[0].shape[:dim], size, *parts[0].shape[dim + 1:], dtype=parts[0].dtype)
+        for r, part in enumerate(parts):
+            whole.index_copy_(dim, local_indices(size, placement, len(parts), r), part)
+        return whole
     if split_factor == 1:
         return torch.cat(parts, dim)
     pieces = [p.unflatten(dim, (split_factor, -1)) for p in parts]  # [.., k, c, ..]
@@ -213,7 +219,7 @@ def reshard(t: torch.Tensor, kind: str, src: Placement, dst: Placement, global_s
     op = src.reduce_op if is_partial(src) else "sum"
     if kind == "allgather":
         dim, factor = axis_split(src)
-        return _from_whole(gather_axis(t, dim, factor, comm), dst, global_size, comm)
+        return _from_whole(joined(comm.all_gather(t), dim, factor, src), dst, global_size, comm)
     if kind == "allreduce":
         return _from_whole(comm.all_reduce(t, op), dst, global_size, comm)
     if kind == "reduce_scatter":
@@ -343,8 +349,8 @@ def start_reshards(items: Sequence[tuple], comm: Comm) -> list:
             n = flat.numel()
             dim, factor = axis_split(src)
 
-            def finish(parts, at=at, n=n, shape=t.shape, dim=dim, factor=factor, dst=dst, size=size):
-                return _from_whole(joined([p[at:at + n].view(shape) for p in parts], dim, factor), dst, size, comm)
+            def finish(parts, at=at, n=n, shape=t.shape, dim=dim, factor=factor, dst=dst, size=size, src=src):
+                return _from_whole(joined([p[at:at + n].view(shape) for p in parts], dim, factor, src), dst, size, comm)
 
             out.append(_Share(shared, finish))
             at += n

@@ -584,12 +584,20 @@ def _float_arg(x) -> float | None:
     return None if x is None else float(x)
 
 
+from nvtp.execute import ring as ring_attention  # noqa: E402 - the cp axis's attention
+from nvtp.sharding.context import ring_axis  # noqa: E402
+
+
 @impl("sdpfa_fwd")
 def _sdpfa_fwd(ctx, op, a):
     if a["bias"] is not None or a["mask"] is not None:
         raise ExecutionError("sdpfa_fwd with bias or mask is not supported by the reference backend")
     q, k, v = a["query"], a["key"], a["value"]
     p = _float_arg(a["dropout_p"]) or 0.0
+    ring = ring_axis(ctx.mesh, ctx.sharding(op.operands[1]))
+    if ring is not None:  # the cp axis splits the sequence: attention by ring (nvtp/execute/ring.py)
+        out, lse = ring_attention.forward(ctx, op, ring, q, k, v, bool(_scalar(a["is_causal"])), _float_arg(a["scale"]))
+        return out, lse.to(ctx.dtype(DType.Float)), torch.zeros(2, dtype=torch.uint64), torch.tensor(0, dtype=torch.uint64)
     g = ctx.generator("sdpfa")
     seed = torch.randint(0, 2**62, (2,), generator=g).to(torch.uint64)
     offset = torch.tensor(ctx.rng_count, dtype=torch.uint64)
@@ -612,6 +620,10 @@ def _sdpfa_bwd(ctx, op, a):
     in float32 (or wider), as the flash kernels do."""
     q, k, v, go = a["query"], a["key"], a["value"], a["grad_output"]
     p = _float_arg(a["dropout_p"]) or 0.0
+    ring = ring_axis(ctx.mesh, ctx.sharding(op.operands[2]))
+    if ring is not None:  # the cp axis splits the sequence: attention's backward by ring (nvtp/execute/ring.py)
+        return ring_attention.backward(ctx, op, ring, go, q, k, v, a["output"], a["logsumexp"], bool(_scalar(a["is_causal"])),
+                                       _float_arg(a["scale"]))
     keep = _attention_keep(ctx, a["philox_seed"], a["philox_offset"], op.operands[1], q, k, p)
     work = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf, gof, outf, lse = (t.to(work) for t in (q, k, v, go, a["output"], a["logsumexp"]))

@@ -68,7 +68,7 @@ class RankProgram:
     @property
     def dp_axis(self) -> int | None:
         mesh = self.program.mesh
-        return mesh.names.index("dp") if mesh.ndim > 1 else None
+        return mesh.names.index("dp") if "dp" in mesh.names else None
 
     @cached_property
     def traced_args(self) -> list[str]:

@@ -7,6 +7,9 @@ softmax, which nvtp fuses like any other ops.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
@@ -16,6 +19,23 @@ from nvtp.frontend.translate import TRANSLATORS
 
 _SYMBOLS: dict[str, object] = {}
 CHECKED = {_ltorch_sdpa.id}  # claimed only when ``_check`` says so
+
+# Set while tracing for a mesh with a context-parallel axis (nvtp.driver.trace(ring=True)): every
+# causal or full attention is claimed whole, float32 too, so the cp axis can run it by ring
+# (nvtp.execute.ring); each declined call is recorded with why (nvtp.sharding.context refuses it).
+RING_CLAIM: contextvars.ContextVar[list | None] = contextvars.ContextVar("nvtp_ring_claim", default=None)
+
+
+@contextlib.contextmanager
+def claim_for_ring():
+    """Claim every causal or full attention as ``sdpfa_fwd``/``sdpfa_bwd`` (any float dtype);
+    yields the list of declined calls (why, in words)."""
+    declined: list[str] = []
+    token = RING_CLAIM.set(declined)
+    try:
+        yield declined
+    finally:
+        RING_CLAIM.reset(token)
 
 
 def _fwd_meta(query, key, value, dropout_p=0.0, is_causal=False, *, scale=None):
@@ -33,6 +53,9 @@ def _bwd_meta(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
 
 
 def _check(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> bool:
+    ring = RING_CLAIM.get()
+    if ring is not None:
+        return _check_ring(ring, query, key, value, attn_mask, dropout_p, enable_gqa)
     if attn_mask is not None or enable_gqa:
         return False
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (query, key, value)):
@@ -43,6 +66,24 @@ def _check(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
         return False
     head_dim = query.shape[3]
     return head_dim % 8 == 0 and head_dim <= 256 and query.device.type in ("cpu", "cuda", "meta")
+
+
+def _check_ring(declined: list, query, key, value, attn_mask, dropout_p, enable_gqa) -> bool:
+    if attn_mask is not None:
+        declined.append("scaled_dot_product_attention with an attn_mask (an arbitrary mask)")
+    elif enable_gqa:
+        declined.append("scaled_dot_product_attention with enable_gqa=True")
+    elif dropout_p:
+        declined.append(f"scaled_dot_product_attention with dropout_p={dropout_p}")
+    elif not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (query, key, value)):
+        declined.append("scaled_dot_product_attention on tensors that are not [batch, heads, seq, head_dim]")
+    elif key.shape[:2] != query.shape[:2] or value.shape[:3] != key.shape[:3]:
+        declined.append(f"scaled_dot_product_attention of q{list(query.shape)} k{list(key.shape)} v{list(value.shape)}")
+    elif not (dtypes.is_float_dtype(query.dtype) and len({query.dtype, key.dtype, value.dtype}) == 1):
+        declined.append(f"scaled_dot_product_attention in {query.dtype}")
+    else:
+        return True
+    return False
 
 
 def _execution(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):

@@ -32,11 +32,11 @@ AXES: dict[str, Axis] = {a.name: a for a in (
     Axis("tp", "tensor parallel: the plan (megatron, megatron-sp, explicit) splits weights and activations", True),
     Axis("dp", "data parallel: each rank passes its own batch; fsdp=True also splits the weights (ZeRO-3)", True),
     Axis("pp", "pipeline parallel: stages of blocks", False),
-    Axis("cp", "context parallel: the sequence split, attention by ring", False),
+    Axis("cp", "context parallel: the sequence of every activation split, attention by ring; weights whole", True),
 )}
 
 # The meshes the passes compose today (nvtp.sharding.multi): axis names, in any order.
-SUPPORTED = ({"tp"}, {"dp", "tp"})
+SUPPORTED = ({"tp"}, {"dp", "tp"}, {"cp"}, {"cp", "tp"}, {"dp", "cp"}, {"dp", "cp", "tp"})
 
 
 def _known() -> str:
@@ -55,6 +55,7 @@ def roles(mesh: DeviceMesh) -> dict[str, int]:
         raise MeshError(f"mesh axis {later[0]!r} ({AXES[later[0]].strategy}) is not available yet in nvtp; "
                         f"shard over 'tp' and 'dp' axes: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
     if set(mesh.names) not in SUPPORTED:
-        raise MeshError(f"a mesh with axes {list(mesh.names)}: nvtp shards over a 1-D 'tp' mesh or a 2-D mesh with axes "
-                        "('dp', 'tp') (data parallel, tensor parallel): init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+        raise MeshError(f"a mesh with axes {list(mesh.names)}: nvtp shards over a 1-D 'tp' or 'cp' mesh or a 2-D mesh with axes "
+                        "('dp', 'tp') (data parallel, tensor parallel) or ('cp', 'tp') (context parallel, tensor parallel): "
+                        "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
     return {n: i for i, n in enumerate(mesh.names)}

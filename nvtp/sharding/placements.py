@@ -13,6 +13,7 @@ so rank r holds the r-th slice of each of the k chunks (the fused QKV output's `
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = [
-    "DeviceMesh", "FusedParts", "Partial", "Placement", "Replicate", "Shard", "Sharding", "_StridedShard", "axis_split",
+    "DeviceMesh", "FusedParts", "Zigzag", "ZIGZAG", "Partial", "Placement", "Replicate", "Shard", "Sharding", "_StridedShard", "axis_split",
     "describe", "is_partial", "is_replicate", "local_indices", "local_shape", "make_shard", "REPLICATE",
 ]
 
@@ -150,11 +151,48 @@ class FusedParts:
         return "parts(" + ", ".join(f"[{a}:{b}] {p}" for a, b, p in self.parts) + ")"
 
 
-@functools.lru_cache(maxsize=None)
+class Zigzag(_StridedShard):
+    """The balanced layout of a causal sequence over a context-parallel axis (``nvtp.sharding.context``):
+    axis ``dim`` seen as ``[k, n/k]`` (k even: each sequence's two halves, per batch row of a
+    flattened ``[B*T]``), each chunk cut in one piece per rank; rank r holds piece r of the
+    even chunks and piece d-1-r of the odd ones, so of one sequence of 2d pieces it holds pieces
+    r and 2d-1-r, one from each end. ``_StridedShard`` is the same with piece r of every chunk."""
+
+    def __str__(self) -> str:
+        return f"Z({self.dim}, {self.split_factor})"
+
+    def __repr__(self) -> str:
+        return f"Zigzag(dim={self.dim}, sf={self.split_factor})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Zigzag) and (self.dim, self.split_factor) == (other.dim, other.split_factor)
+
+    def __hash__(self) -> int:
+        return hash(("zigzag", self.dim, self.split_factor))
+
+
+# True while the passes shard a context-parallel axis in the balanced layout: every strided
+# split they make of an even number of chunks is a ``Zigzag`` (nvtp.sharding.context).
+ZIGZAG: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_zigzag", default=False)
+
+
 def make_shard(dim: int, split_factor: int = 1) -> Placement:
-    """``Shard(dim)``, or ``_StridedShard(dim, k)`` for k > 1; one object per pair (torch's
-    placements are immutable; the propagation asks for them hundreds of thousands of times)."""
+    """``Shard(dim)``, or ``_StridedShard(dim, k)`` for k > 1 (a ``Zigzag`` for even k while
+    ``ZIGZAG`` is set); one object per pair (torch's placements are immutable; the propagation
+    asks for them hundreds of thousands of times)."""
+    if split_factor > 1 and split_factor % 2 == 0 and ZIGZAG.get():
+        return _zigzag(dim, split_factor)
+    return _make_shard(dim, split_factor)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_shard(dim: int, split_factor: int) -> Placement:
     return Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
+
+
+@functools.lru_cache(maxsize=None)
+def _zigzag(dim: int, split_factor: int) -> Placement:
+    return Zigzag(dim, split_factor=split_factor)
 
 
 def axis_split(p: Placement) -> tuple[int, int] | None:
@@ -194,6 +232,8 @@ def local_indices(size: int, p: Placement, num_devices: int, position: int) -> t
     chunk = size // k
     piece = chunk // num_devices
     starts = torch.arange(k) * chunk + position * piece
+    if isinstance(p, Zigzag):  # the odd chunks' pieces in reverse rank order
+        starts[1::2] = torch.arange(1, k, 2) * chunk + (num_devices - 1 - position) * piece
     return (starts[:, None] + torch.arange(piece)[None, :]).reshape(-1)
 
 

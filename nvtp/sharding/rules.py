@@ -22,6 +22,7 @@ The propagation algorithm (``propagate.py``) is written once against this descri
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -78,7 +79,7 @@ _FACTORS: dict[int, tuple[weakref.ref, "OpFactors"]] = {}
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
     op = op.template or op
-    key = id(op)
+    key = id(op) if not RING.get() or op.kind not in ("sdpfa_fwd", "sdpfa_bwd") else (id(op), "ring")
     hit = _FACTORS.get(key)
     if hit is not None and hit[0]() is op:
         return hit[1]
@@ -431,6 +432,11 @@ def _matmul(op: Op) -> OpFactors:
 # ---------------------------------------------------------------------------------------------
 # attention: batch and heads pass through; sequences and the head dim stay whole
 
+# True while a context-parallel ("cp") axis is sharded (nvtp.sharding.context): there a
+# self-attention's query and key/value sequences are one factor that may split, every rank
+# keeping its queries while the K/V blocks travel the ring (nvtp.execute.ring).
+RING: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_ring_attention", default=False)
+
 
 def _attention(op: Op, value_dim: str) -> tuple[OpFactors, list, list, list, list]:
     """The factors both attention ops share: batch and heads free; the sequences and the
@@ -439,7 +445,8 @@ def _attention(op: Op, value_dim: str) -> tuple[OpFactors, list, list, list, lis
     q, k, v = (op.arg(n) for n in ("query", "key", "value"))
     f = OpFactors()
     b, h = f.factor(q.shape[0]), f.factor(q.shape[1])
-    sq, skv = f.factor(q.shape[2], "blocked"), f.factor(k.shape[2], "blocked")
+    sq = f.factor(q.shape[2], "pass" if RING.get() and q.shape[2] == k.shape[2] else "blocked")
+    skv = sq if RING.get() and q.shape[2] == k.shape[2] else f.factor(k.shape[2], "blocked")
     e, ev = f.factor(q.shape[3], "blocked"), f.factor(v.shape[3], value_dim)
     return f, [(b,), (h,), (sq,), (e,)], [(b,), (h,), (skv,), (e,)], [(b,), (h,), (skv,), (ev,)], [(b,), (h,), (sq,), (ev,)]
 
