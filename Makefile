@@ -9,7 +9,7 @@ VENV := .venv
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: demo test bench env clean
+.PHONY: demo test test-all bench env clean
 
 env: $(VENV)/.synced
 
@@ -27,7 +27,13 @@ $(VENV)/.synced: pyproject.toml uv.lock | $(UV)
 demo: $(VENV)/.synced
 	$(VENV)/bin/nvtp demo
 
+# The default tier (what CI runs): every feature, in-process or on small gloo meshes. The slow
+# tier (@pytest.mark.slow: multi-process training, torchrun, checkpoints, the other transformers
+# families) runs with `make test-all`.
 test: $(VENV)/.synced
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+test-all: $(VENV)/.synced
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(VENV)/.synced
