@@ -73,7 +73,7 @@ def main() -> int:
     p.add_argument("--frontend", default="auto", choices=["auto", "thunder", "fx"])
     p.add_argument("--loss-tolerance", type=float, default=1e-5)
     p.add_argument("--tolerance", type=float, default=1e-4)
-    p.add_argument("--mesh", default="", help="DPxTP: a 2-D (dp, tp) mesh over the processes (default: a 1-D tp mesh of all)")
+    p.add_argument("--mesh", default="", help="DPxTP, or axes by name (cp=2, cp=2,tp=2, dp=2,cp=2): the mesh over the processes (default: a 1-D tp mesh of all)")
     p.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too")
     args = p.parse_args()
 
@@ -101,22 +101,30 @@ def main() -> int:
     if reference is not None:
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values())), \
             "--build is not deterministic under torch.manual_seed(0)"
-    mesh, dp = None, 1
+    mesh, dp, dp_index = None, 1, 0
     if args.mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dp, tp = (int(n) for n in args.mesh.lower().split("x"))
-        if dp * tp != world or args.batch % dp:
-            raise SystemExit(f"--mesh {args.mesh}: needs dp x tp = {world} processes and dp to divide --batch {args.batch}")
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        if "=" in args.mesh:  # axes by name: cp=2, cp=2,tp=2, dp=2,cp=2
+            axes = [(n.strip(), int(k)) for n, k in (pair.split("=") for pair in args.mesh.split(","))]
+        else:  # DPxTP
+            axes = list(zip(("dp", "tp"), (int(n) for n in args.mesh.lower().split("x"))))
+        names, sizes = tuple(n for n, _ in axes), tuple(k for _, k in axes)
+        dp = dict(axes).get("dp", 1)
+        if torch.Size(sizes).numel() != world or args.batch % dp:
+            raise SystemExit(f"--mesh {args.mesh}: needs {' x '.join(map(str, sizes))} = {world} processes and dp to divide --batch {args.batch}")
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        if "dp" in names:  # this rank's coordinate on the dp axis (row-major ranks)
+            inner = torch.Size(sizes[names.index("dp") + 1:]).numel()
+            dp_index = rank // inner % dp
     sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp)
-    rows = slice(rank // (world // dp) * (args.batch // dp), (rank // (world // dp) + 1) * (args.batch // dp))  # this dp rank's
+    rows = slice(dp_index * (args.batch // dp), (dp_index + 1) * (args.batch // dp))  # this dp rank's rows (cp and tp ranks: all)
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr) if reference is not None else None
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"train_file: {type(model).__name__} from {args.file} ({sum(p.numel() for p in reference.parameters()) if reference else 0:,} "
         f"parameters) with plan {args.plan} over {world} process(es)"
-        f"{f', mesh (dp, tp) = {args.mesh}' + (' fsdp' if args.fsdp else '') if args.mesh else ''}")
+        f"{f', mesh {args.mesh}' + (' fsdp' if args.fsdp else '') if args.mesh else ''}")
 
     worst_loss = 0.0
     for step in range(args.steps):
@@ -132,7 +140,7 @@ def main() -> int:
 
             loss = loss.detach().clone()
             dist.all_reduce(loss)
-            loss /= world
+            loss /= world  # tp and cp ranks of one dp rank hold the same loss
         if step == 0:
             c = sharded.last
             say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "
