@@ -936,11 +936,12 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
     params = [block.forward.label(v.name) for v in block.forward.inputs if block.forward.role(v.name) == "parameter"]
     differentiable = skel.differentiable + _every_block(tuple(f"{rep.prefix}.0.{label}" for label in block.differentiable
                                                              if label in params), rep.prefix, rep.count)
-    fwd, bwd = splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count)
+    spliced = splice_template(skel.forward, skel.backward, block.forward, block.backward, chain.carry, rep.prefix, rep.count)
+    fwd, bwd = spliced.forward, spliced.backward
     if lent and bwd is not None:  # the arguments' gradients were only lent to the trace: eager computes none
         bwd = dead_code(bwd.with_ops(bwd.ops, tuple(v for v in bwd.outputs if bwd.grad_of(v.name) not in lent)))
         differentiable = tuple(label for label in differentiable if label not in lent)
-    return replace(skel, differentiable=differentiable), (fwd, bwd)
+    return replace(skel, differentiable=differentiable), replace(spliced, forward=fwd, backward=bwd)
 
 
 def _has_parameters(block: torch.nn.Module) -> bool:
