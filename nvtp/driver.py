@@ -128,7 +128,7 @@ def _meta(x: Any, batch: int) -> Any:
 
 def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
           regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
-          like: torch.nn.Module | None = None, boundary: bool = True) -> Traced:
+          like: torch.nn.Module | None = None, boundary: bool = True, tie: bool = True) -> Traced:
     """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
 
     ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
@@ -140,7 +140,8 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     (``nvtp.frontend.fused``, ``nvtp.frontend.parts``). Raises ``InputError`` for arguments that do not fit the module,
     ``CaptureError`` naming the op and line nvtp cannot trace or fuse. ``boundary=False``: a
     region of a model (a block whose output is the next block's input), not its whole: outputs
-    and argument gradients stay where the plan places them."""
+    and argument gradients stay where the plan places them. ``tie=False``: a tied parameter stays
+    one input per name, each use's gradient its own output (pipeline stages hold each use)."""
     kwargs = dict(kwargs or {})
     meta = meta_copy(module) if on_meta else module
     module = like if like is not None else module
@@ -150,7 +151,7 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     mkwargs = {k: _meta(a, batch) for k, a in kwargs.items()}
     start = time.perf_counter()
     weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
-    tied = aliases(module)
+    tied = aliases(module) if tie else {}
     if way == "fx":
         if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
             from nvtp.frontend import fx_regional
@@ -361,6 +362,38 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed)
 
 
+def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
+                     microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
+                     frontend: str = "auto", **kwargs: Any):
+    """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
+    rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.pipeline.layout``), traced whole for
+    one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
+    block boundaries (``nvtp.pipeline.stages``: balanced by cost, or at ``cut``), and each stage
+    sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
+    both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
+    schedule) is refused before anything is traced."""
+    from nvtp.pipeline.program import PipelineProgram, check_pipeline
+    from nvtp.pipeline.stages import cut_stages
+    from nvtp.sharding.plans import check_plan
+
+    layout, repeated, mb_args = check_pipeline(source, args, mesh, microbatches, schedule)
+    check_plan(plan, plan_names(source), type(source).__name__)
+    way = route(source, frontend)
+    mb_args, kwargs = bind_call(source, way, mb_args, kwargs)
+    traced = trace(source, mb_args, kwargs, frontend=way, batch=layout.dp, tie=False)
+    staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
+    tied = aliases(source)
+    programs, placed = [], {}
+    for stage in staged.stages:
+        # a weight tied across stages: every stage places its name as the first stage placed it
+        same = {a: placed[n] for a, n in tied.items() if n in placed} | {n: placed[a] for a, n in tied.items() if a in placed}
+        program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
+        placed.update(program.parameters)
+        programs.append(program)
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
+                           if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name)
+
+
 def plan_names(module: torch.nn.Module) -> list[str]:
     """What a plan may name in ``module``: its parameters (tied ones under every name), buffers and arguments."""
     names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers(remove_duplicate=False)]
@@ -375,5 +408,5 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy",
+__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
            "tensor_attributes", "plan_names", "default_mesh"]
