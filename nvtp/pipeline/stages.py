@@ -261,7 +261,7 @@ def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], l
 
 def _define(v: TensorValue) -> Op:
     n = len(v.shape)
-    return Op("define_tensor", (("shape", tuple(v.shape)), ("contiguity", (True,) * n), ("dtype", v.dtype), ("is_cpu", False),
+    return Op("define_tensor", (("shape", tuple(v.shape)), ("contiguity", tuple(None if d == 1 else True for d in v.shape)), ("dtype", v.dtype), ("is_cpu", False),
                                 ("stride_order", tuple(range(n - 1, -1, -1)))), (v,))
 
 
