@@ -219,6 +219,15 @@ def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], l
             bwd_ops[k] = here
             for v in op.operands:
                 bneed.setdefault(v.name, set()).update(here)
+        b_out_names = {v.name for v in b.outputs}
+        # A parameter's gradient is made where the parameter lives: a bias's gradient, the sum of
+        # the residual stream's gradient the next stage sends, is summed here, not there.
+        for k, op in enumerate(b.ops):
+            for v in op.outputs:
+                lives = pstage.get(b.grad_of(v.name)) if v.name in b_out_names else None
+                if k in bwd_ops and lives and len(lives) == 1 and bwd_ops[k] != lives:
+                    bwd_ops[k] = set(lives)
+                    bstage[v.name] = min(lives)
         # A one-operand op (a reshape, a permute of the residual stream's gradient) whose every
         # consumer runs in an earlier stage runs there: the cut then sends the gradient as the
         # activation's shape, not a reshaped copy of it.
@@ -477,6 +486,13 @@ def cut_stages(traced, prefix: str, blocks: int, stages: int, cut: Sequence[int]
         st = Traced(ff, bf, "pipeline", f"stage {s} of {stages}: blocks {bounds[s]}..{bounds[s + 1] - 1} of {prefix}",
                     arguments=args, weights=traced.weights, boundary=True, tied={}, seconds=0.0)
         out.append(Stage(s, tuple(range(bounds[s], bounds[s + 1])), st, params, costs[s]))
+    for s_, (ff, bf) in enumerate(parts):  # every gradient lands in a stage holding its parameter
+        if bf is not None:
+            for v in bf.outputs:
+                g = bf.grad_of(v.name)
+                if g and not g.startswith("stage") and g not in out[s_].parameters:
+                    raise StageError(f"stage {s_}'s backward makes the gradient of {g}, which stage {s_} does not hold; "
+                                     "cut at other block boundaries")
     for label, st in a.pstage.items():
         holders = [s.index for s in out if label in s.parameters]
         if len(holders) > 1:
