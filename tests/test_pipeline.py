@@ -118,7 +118,7 @@ def _tied_copy(model) -> torch.Tensor:
             from nvtp.execute import spmd
             from nvtp.sharding.placements import local_shape
 
-            parts = [torch.empty(local_shape(whole.shape, placement, program.mesh)) for _ in range(lay.dp * lay.tp)]
+            parts = [torch.empty(local_shape(whole.shape, placement if isinstance(placement, tuple) else (placement,), program.mesh)) for _ in range(lay.dp * lay.tp)]
             dist.all_gather(parts, p.detach().contiguous(), group=model._groups["stage"])
             whole = spmd.assemble(parts, placement, whole.shape, program.mesh)
         else:

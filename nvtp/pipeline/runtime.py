@@ -310,7 +310,7 @@ class PipelineModule(torch.nn.Module):
                 program = pp.programs[owner]
                 placement = program.parameters[label]
                 if lay.dp * lay.tp > 1:
-                    parts = [torch.empty(local_shape(shape, placement, program.mesh), dtype=p.dtype) for _ in range(lay.dp * lay.tp)]
+                    parts = [torch.empty(local_shape(shape, placement if isinstance(placement, tuple) else (placement,), program.mesh), dtype=p.dtype) for _ in range(lay.dp * lay.tp)]
                     dist.all_gather(parts, p.detach().contiguous(), group=self._groups["stage"])
                     whole = spmd.assemble(parts, placement, shape, program.mesh)
                 else:
