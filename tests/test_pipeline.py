@@ -252,3 +252,46 @@ def test_each_stage_prints_as_nvfuser_files_that_build_from_their_text(tmp_path)
     # what crosses the cut is a point-to-point step of the plan, with its bytes: the stage's own output
     (fwd,) = [p for p in program.p2p() if p["phase"] == "forward"]
     assert fwd["bytes"] == 2 * 16 * 64 * 4 and fwd["local_shape"] == [2, 16, 64]  # whole over tp: a microbatch of 2 x s x e
+
+
+# -- the command line: what a user runs, by subprocess --------------------------------------------
+
+def _nvtp(*args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))  # this checkout's nvtp, whatever is installed
+    return subprocess.run([sys.executable, "-m", "nvtp", *args], capture_output=True, text=True, cwd=root, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_explain_a_4x2x2_pipeline_prints_megatrons_layout_and_the_plan():
+    done = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--layers", "8", "--plan", "megatron", "--mesh", "4x2x2",
+                 "--microbatches", "8", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    d = json.loads(done.stdout)
+    lay = Layout(4, 2, 2)
+    assert d["groups"] == {"tp": lay.groups("tp"), "dp": lay.groups("dp"), "pp": lay.groups("pp"), "embedding": lay.embedding_groups()}
+    assert d["groups"]["pp"][:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
+    assert [s["blocks"] for s in d["stages"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 8 like blocks, head and tail light: 2 each
+    assert d["bubble"] == 3 / 11
+    assert [s["in_flight_microbatches"] for s in d["stages"]] == [4, 3, 2, 1]
+    # each boundary sends one microbatch's activation (2 x 16 x 64 fp32), split over dp=2, whole over tp
+    assert [(p["phase"], p["src"], p["dst"], p["bytes"]) for p in d["p2p"]] == [
+        ("forward", 0, 1, 4096), ("forward", 1, 2, 4096), ("forward", 2, 3, 4096),
+        ("backward", 1, 0, 4096), ("backward", 2, 1, 4096), ("backward", 3, 2, 4096)]
+    text = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--layers", "8", "--plan", "megatron", "--mesh", "4x2x2",
+                 "--microbatches", "8")
+    assert "4 pipeline-parallel groups: [g0, g4, g8, g12], [g1, g5, g9, g13]" in text.stdout
+    assert "bubble (p-1)/(m+p-1) = 3/11" in text.stdout
+
+
+@pytest.mark.slow
+def test_explain_refuses_a_bad_pipeline_mesh():
+    done = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--plan", "megatron", "--mesh", "4x2x0")
+    assert done.returncode != 0 and "PPxDPxTP" in done.stderr
