@@ -91,9 +91,9 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
             whole = model.full_parameters()
             tie_gaps.append(float((whole["wte.weight"] - _tied_copy(model)).abs().max()))
     whole = model.full_parameters()
-    held = sum(p.numel() for p in model.module.parameters())
+    held = sum(p.numel() * p.element_size() for p in model.module.parameters())
     result = {"losses": losses, "params": whole, "sent": sent, "p2p": model.program.p2p(), "stage": model.stage,
-              "held": held, "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
+              "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -148,8 +148,9 @@ def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=Fals
         for step in g["sent"]:
             assert sorted((s["phase"], s["label"], s["bytes"]) for s in step) == sorted(planned * microbatches)
         assert all(gap == 0.0 for gap in g["tie_gaps"]), g["tie_gaps"]
-    whole = sum(p.numel() for p in _model(layers, tied).parameters())
+    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied).parameters())
     assert all(g["held"] < whole for g in got), "every rank holds only its stage's parameters"
+    assert all(g["held"] == g["planned_held"] for g in got), [(g["held"], g["planned_held"]) for g in got]
     return got
 
 
@@ -168,6 +169,34 @@ def test_pipeline_meshes_train_like_one_process(tmp_path, shape, microbatches, s
 @pytest.mark.slow
 def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
     _check(tmp_path, (2, 1, 1), microbatches=2, tied=True)
+
+
+# -- the cut ------------------------------------------------------------------------------------
+
+def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
+    from nvtp import driver
+    from nvtp.pipeline.stages import StageError, cut_stages
+
+    model = _model(4)
+    idx, targets = _batches(2)[0]
+    traced = driver.trace(model, (idx, targets), tie=False)
+    balanced = cut_stages(traced, "h", 4, 2)
+    assert [s.blocks for s in balanced.stages] == [(0, 1), (2, 3)]
+    explicit = cut_stages(traced, "h", 4, 2, cut=(1,))
+    assert [s.blocks for s in explicit.stages] == [(0,), (1, 2, 3)]
+    assert max(s.cost.flops for s in balanced.stages) < max(s.cost.flops for s in explicit.stages)
+    # the blocks' costs: four like blocks, the first with the embedding, the last with the head and loss
+    c = balanced.block_costs
+    assert c[1] == c[2] and c[0].flops > c[1].flops and c[3].flops > c[1].flops
+    names = {n for n, _ in model.named_parameters()}
+    for staged in (balanced, explicit):  # every parameter in exactly one stage; what crosses: one activation, its gradient
+        held = [set(s.parameters) for s in staged.stages]
+        assert held[0] | held[1] == names and not held[0] & held[1]
+        assert [(t.phase, t.src, t.dst, t.shape) for t in staged.transfers] == [("forward", 0, 1, (2, 16, 64)),
+                                                                               ("backward", 1, 0, (2, 16, 64))]
+    for bad in ((0,), (4,), (1, 2)):
+        with pytest.raises(StageError, match="cut="):
+            cut_stages(traced, "h", 4, 2, cut=bad)
 
 
 # -- layout, schedules: by hand ------------------------------------------------------------
