@@ -263,12 +263,12 @@ class _FakeMesh:
 
 def test_each_stage_prints_as_nvfuser_files_that_build_from_their_text(tmp_path):
     pytest.importorskip("nvfuser_direct", reason="nvfuser_direct builds the printed files (no GPU needed)")
-    from nvtp import driver
     from nvtp.execute.nvfuser import build_from_text, compare_definition
     from nvtp.ir.parser import parse
 
     idx, targets = _batches(4)[0]
-    program = driver.compile_pipeline(_model(), idx, targets, mesh="2x1x2", microbatches=2, backend="nvfuser")
+    program = nvtp.plan(_model(), idx, targets, mesh="2x1x2", microbatches=2, backend="nvfuser")  # what nvtp.jit would run on GPUs
+    assert [s["blocks"] for s in program.as_data()["stages"]] == [[0, 1], [2, 3]]
     paths = program.write_nvfuser(tmp_path)
     assert [p.name for p in paths] == ["stage0_fwd.py", "stage0_bwd.py", "stage1_fwd.py", "stage1_bwd.py"]
     for path in paths:
