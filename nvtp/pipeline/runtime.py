@@ -22,8 +22,7 @@ both copies take the same step and stay equal. Under ``torch.no_grad()`` only th
 
 from __future__ import annotations
 
-import math
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -235,9 +234,8 @@ class PipelineModule(torch.nn.Module):
                 continue
             # backward of microbatch i
             received = {}
-            for p in recv_b:
-                received[p["label"]] = recv(p, torch.float32 if b is None else b.value(p["value"]).dtype.torch, BACKWARD_TAG) \
-                    if b is not None and p["value"] in b.values else recv(p, torch.float32, BACKWARD_TAG)
+            for p in recv_b:  # defined in this stage's backward under the sender's name
+                received[p["label"]] = recv(p, b.value(p["value"]).dtype.torch, BACKWARD_TAG)
             vals = values.pop(i)
             inputs = []
             for v in b.inputs:

@@ -35,7 +35,7 @@ block 0 and the tail (final norm, head, loss) with the last block.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from nvtp.ir.graph import Fusion, Op, TensorValue, ValueInfo, defines_input
@@ -280,7 +280,7 @@ def _act_label(src: int, name: str) -> str:
 
 def _split(f: Fusion, b: Fusion | None, a: _Assignment, stages: int, arguments: Sequence[str]):
     """Each stage's (forward, backward) fusions and the transfers between them."""
-    producer_f = {v.name: k for k, op in enumerate(f.ops) for v in op.outputs}
+    producer_b = {} if b is None else {v.name: k for k, op in enumerate(b.ops) for v in op.outputs}
     transfers: list[Transfer] = []
     out = []
     f_inputs = {v.name for v in f.inputs}
@@ -357,7 +357,7 @@ def _split(f: Fusion, b: Fusion | None, a: _Assignment, stages: int, arguments: 
                 info[name] = ValueInfo("grad", f"grad({fwd_label})", source=fwd_name)
             outs = []
             for v in b.outputs:
-                k = next(i for i, op in enumerate(b.ops) if v in op.outputs)
+                k = producer_b[v.name]
                 if s in a.bwd.get(k, set()) and b.grad_of(v.name):
                     outs.append(v)
                     info[v.name] = b.info[v.name]
@@ -366,7 +366,6 @@ def _split(f: Fusion, b: Fusion | None, a: _Assignment, stages: int, arguments: 
                     for name in names:
                         if all(o.name != name for o in outs):
                             outs.append(b.value(name))
-                            lab = _act_label(dst, "")  # placeholder, replaced below
                             lab = grad_label[(src, dst, name)]
                             info[name] = ValueInfo("grad", f"grad({lab})", grad_of=lab)
             bfus = Fusion(tuple(new_inputs) + tuple(b.ops[k] for k in ops_k), tuple(outs), f"{b.name}_stage{s}", info, dict(b.attrs))
