@@ -132,6 +132,10 @@ def cmd_explain(args) -> int:
         raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
     if args.batch is not None and not args.model:
         raise Usage(f"--batch {args.batch} applies to --model nanogpt; with --module the factory's example arguments are one rank's batch")
+    if args.mesh is not None and str(args.mesh).lower().count("x") == 2:
+        from nvtp.pipeline.cli import explain_pipeline
+
+        return explain_pipeline(args)
     if args.model or args.module:
         return _explain_model(args)
     if args.file is None:
@@ -259,6 +263,13 @@ def cmd_demo(args) -> int:
             print(f"nvtp demo: --model {args.model} needs transformers, which is not installed; run `uv sync` (the dev group "
                   "installs it) or `pip install nvtp[hf]`", file=sys.stderr)
             return EXIT_BAD_INPUT
+    if args.mesh is not None and str(args.mesh).lower().count("x") == 2:  # PPxDPxTP: a pipeline (nvtp/pipeline/demo.py)
+        from nvtp.pipeline.layout import parse
+
+        parse(args.mesh)  # a bad spelling refused here
+        from nvtp.pipeline import demo as pipeline_demo
+
+        return pipeline_demo.main(args)
     from nvtp.dump.mesh import check_mesh_options
 
     # --mesh with --devices, a bad spelling, --fsdp without --mesh: refused here (exit 3).
@@ -311,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y); "
                             "or named axes, e.g. cp=4 or cp=2,tp=2 (context parallel: the sequence split, attention by ring)")
         c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
+        c.add_argument("--microbatches", type=_positive_int, default=None, help="with --mesh PPxDPxTP: microbatches per step")
+        c.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule")
         if name == "shard":
             c.add_argument("--out", required=True, help="file to write")
         else:
@@ -338,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "training on its part of the batch (DDP), checked against one process on the whole batch; "
                         "or axes by name, e.g. cp=4 or cp=2,tp=2: the sequence split over cp, attention by ring")
     m.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
+    m.add_argument("--microbatches", type=_positive_int, default=None, help="with --mesh PPxDPxTP: microbatches per step (default 2)")
+    m.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)
     m.add_argument("--config", default="tiny", choices=["tiny"], help="nvtp's GPT's config (with --model nanogpt)")

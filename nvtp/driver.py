@@ -157,7 +157,7 @@ def _meta(x: Any, batch: int) -> Any:
 
 def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
           regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
-          like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False) -> Traced:
+          like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False, tie: bool = True) -> Traced:
     """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
 
     ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
@@ -169,15 +169,17 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     (``nvtp.frontend.fused``, ``nvtp.frontend.parts``). Raises ``InputError`` for arguments that do not fit the module,
     ``CaptureError`` naming the op and line nvtp cannot trace or fuse. ``boundary=False``: a
     region of a model (a block whose output is the next block's input), not its whole: outputs
-    and argument gradients stay where the plan places them. ``ring``: for a mesh with a "cp" axis,
-    every causal or full attention is claimed whole (``sdpfa_fwd``), float32 too, so that axis can
-    run it by ring (``nvtp.sharding.context``); the ones declined are in ``Traced.declined``."""
+    and argument gradients stay where the plan places them. ``tie=False``: a tied parameter stays
+    one input per name, each use's gradient its own output (pipeline stages hold each use).
+    ``ring``: for a mesh with a "cp" axis, every causal or full attention is claimed whole
+    (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.context``); the
+    ones declined are in ``Traced.declined``."""
     if ring:
         from nvtp.frontend.attention import claim_for_ring
 
         with claim_for_ring() as declined:
             traced = trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
-                           on_meta=on_meta, like=like, boundary=boundary)
+                           on_meta=on_meta, like=like, boundary=boundary, tie=tie)
         traced.declined = list(dict.fromkeys(declined))
         return traced
     kwargs = dict(kwargs or {})
@@ -189,7 +191,7 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     mkwargs = {k: _meta(a, batch) for k, a in kwargs.items()}
     start = time.perf_counter()
     weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
-    tied = aliases(module)
+    tied = aliases(module) if tie else {}
     if way == "fx":
         if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
             from nvtp.frontend import fx_regional
@@ -417,6 +419,38 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed)
 
 
+def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
+                     microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
+                     frontend: str = "auto", **kwargs: Any):
+    """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
+    rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.pipeline.layout``), traced whole for
+    one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
+    block boundaries (``nvtp.pipeline.stages``: balanced by cost, or at ``cut``), and each stage
+    sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
+    both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
+    schedule) is refused before anything is traced."""
+    from nvtp.pipeline.program import PipelineProgram, check_pipeline
+    from nvtp.pipeline.stages import cut_stages
+    from nvtp.sharding.plans import check_plan
+
+    layout, repeated, mb_args = check_pipeline(source, args, mesh, microbatches, schedule)
+    check_plan(plan, plan_names(source), type(source).__name__)
+    way = route(source, frontend)
+    mb_args, kwargs = bind_call(source, way, mb_args, kwargs)
+    traced = trace(source, mb_args, kwargs, frontend=way, batch=layout.dp, tie=False)
+    staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
+    tied = aliases(source)
+    programs, placed = [], {}
+    for stage in staged.stages:
+        # a weight tied across stages: every stage places its name as the first stage placed it
+        same = {a: placed[n] for a, n in tied.items() if n in placed} | {n: placed[a] for a, n in tied.items() if a in placed}
+        program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
+        placed.update(program.parameters)
+        programs.append(program)
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
+                           if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name)
+
+
 def plan_names(module: torch.nn.Module) -> list[str]:
     """What a plan may name in ``module``: its parameters (tied ones under every name), buffers and arguments."""
     names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers(remove_duplicate=False)]
@@ -431,5 +465,5 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "route", "bind_call", "meta_copy",
+__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
            "tensor_attributes", "plan_names", "default_mesh"]

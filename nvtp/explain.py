@@ -58,7 +58,14 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     Takes every model ``nvtp.jit`` takes (the FX route for transformers models included)."""
     from nvtp import driver
     from nvtp.execute import backends
+    from nvtp.pipeline.layout import has_pp
 
+    if mesh is not None and has_pp(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
+        from nvtp import pipeline
+
+        pipelined = {k: example_kwargs.pop(k) for k in ("microbatches", "schedule", "cut") if k in example_kwargs}
+        return pipeline.plan(model, *example_args, plan=plan, mesh=mesh, backend=backend or "reference", **pipelined,
+                             **example_kwargs)
     mesh = _mesh(devices, mesh, fsdp, 2)
     if backend is None:
         backend = backends.default_name(next((p.device.type for p in model.parameters()), "cpu"))

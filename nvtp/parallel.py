@@ -506,7 +506,7 @@ def _whole(placement) -> bool:
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-        overlap: bool = True) -> ShardedModule:
+        overlap: bool = True, microbatches: int | None = None, schedule: str = "1f1b", cut: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -530,7 +530,24 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
-    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``."""
+    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``.
+    On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
+    "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
+    each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
+    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``)."""
+    from nvtp.pipeline.layout import has_pp
+
+    if has_pp(mesh):
+        if fsdp or comm is not None:
+            raise InputError("a pipeline mesh runs on torch.distributed's processes with DDP-style data parallelism: "
+                             "fsdp=True and comm= are not available with a 'pp' axis")
+        from nvtp.pipeline.runtime import PipelineModule
+
+        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule, cut=cut, backend=backend,
+                              frontend=frontend)
+    if microbatches is not None:
+        raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
+                         "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap)
 

@@ -1,7 +1,8 @@
 """Mesh axes mean what their names say, decided here: each name selects a sharding strategy.
 
 "tp" shards by the plan (Megatron's tensor and sequence parallelism), "dp" splits the batch (DDP;
-with ``fsdp`` the weights too); "pp" and "cp" are reserved for pipeline and context parallelism.
+with ``fsdp`` the weights too); "pp" cuts pipeline stages (``nvtp.pipeline``, split off before these
+passes run on each stage's (dp, tp) sub-mesh); "cp" is reserved for context parallelism.
 ``roles(mesh)`` refuses, with the names nvtp knows, a name it does not know, one whose strategy is
 not built yet, or a combination of axes the passes do not compose. ``nvtp.mesh`` builds meshes
 with it; ``nvtp.sharding.multi`` and the compile driver ask it which pass runs on which axis.
@@ -31,7 +32,7 @@ class Axis:
 AXES: dict[str, Axis] = {a.name: a for a in (
     Axis("tp", "tensor parallel: the plan (megatron, megatron-sp, explicit) splits weights and activations", True),
     Axis("dp", "data parallel: each rank passes its own batch; fsdp=True also splits the weights (ZeRO-3)", True),
-    Axis("pp", "pipeline parallel: stages of blocks", False),
+    Axis("pp", "pipeline parallel: stages of blocks, cut by nvtp.pipeline; each stage sharded over its (dp, tp) sub-mesh", True),
     Axis("cp", "context parallel: the sequence of every activation split, attention by ring; weights whole", True),
 )}
 
@@ -54,6 +55,10 @@ def roles(mesh: DeviceMesh) -> dict[str, int]:
     if later:
         raise MeshError(f"mesh axis {later[0]!r} ({AXES[later[0]].strategy}) is not available yet in nvtp; "
                         f"shard over 'tp' and 'dp' axes: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    if "pp" in mesh.names:  # the pipeline splits it off first (nvtp.driver.compile_pipeline); the passes see the stages' sub-meshes
+        raise MeshError(f"a mesh with a 'pp' axis ({list(mesh.names)}) is a pipeline: pass it to nvtp.jit(model, mesh=mesh, "
+                        "microbatches=M), nvtp.plan(model, *args, mesh=mesh) or nvtp explain --mesh PPxDPxTP, which cut the model "
+                        "into stages and shard each over its (dp, tp) sub-mesh")
     if set(mesh.names) not in SUPPORTED:
         raise MeshError(f"a mesh with axes {list(mesh.names)}: nvtp shards over a 1-D 'tp' or 'cp' mesh or a 2-D mesh with axes "
                         "('dp', 'tp') (data parallel, tensor parallel) or ('cp', 'tp') (context parallel, tensor parallel): "

@@ -1,0 +1,132 @@
+"""Ranks on a (pp, dp, tp) mesh, laid out as Megatron-LM lays them out.
+
+    lay = Layout(pp=4, dp=2, tp=2)     # 16 ranks: rank = (pp_i * dp + dp_i) * tp + tp_i
+    lay.groups("tp")   # [[0, 1], [2, 3], ...]            Megatron's tensor groups
+    lay.groups("dp")   # [[0, 2], [1, 3], [4, 6], ...]    data groups
+    lay.groups("pp")   # [[0, 4, 8, 12], [1, 5, 9, 13], ...] pipeline groups
+    lay.submesh(1)     # stage 1's (dp, tp) mesh: ranks 4..7
+    lay.embedding_groups()  # first and last stage of each pipeline group (Megatron's embedding group)
+
+Megatron's ``initialize_model_parallel`` puts tp fastest, then dp, then pp (its default order
+"tp-dp-pp" read from the fastest): so a row-major mesh of shape (pp, dp, tp) is exactly its
+layout, and ``init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))`` gives
+the same groups. Any axis may be absent (size 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nvtp.sharding.axes import MeshError
+from nvtp.sharding.placements import DeviceMesh
+
+ORDER = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every process group along ``axis`` ("pp", "dp" or "tp"), in Megatron's order."""
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        others = [a for a in ORDER if a != axis]
+        out = []
+        for i in range(sizes[others[0]]):
+            for j in range(sizes[others[1]]):
+                ranks = []
+                for k in range(sizes[axis]):
+                    c = {axis: k, others[0]: i, others[1]: j}
+                    ranks.append(self.rank(c["pp"], c["dp"], c["tp"]))
+                out.append(ranks)
+        if axis == "dp":  # Megatron lists data groups by pipeline stage, then tensor rank
+            out.sort(key=lambda g: (self.coords(g[0])[0], self.coords(g[0])[2]))
+        return out
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        return next(g for g in self.groups(axis) if rank in g)
+
+    def embedding_groups(self) -> list[list[int]]:
+        """The first and last stage of each pipeline group: where a weight tied across the first
+        and last stage (embedding and head) has its gradients summed, as in Megatron."""
+        return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
+
+    def stage_names(self) -> tuple[str, ...]:
+        """The axes of a stage's sub-mesh: ("tp",) without dp, else ("dp", "tp")."""
+        return ("dp", "tp") if self.dp > 1 else ("tp",)
+
+    def submesh(self, stage: int) -> DeviceMesh:
+        """Stage ``stage``'s mesh for the sharding passes: its ranks (global ids), 1-D tp, or (dp, tp)."""
+        ranks = tuple(self.rank(stage, d, t) for d in range(self.dp) for t in range(self.tp))
+        if self.dp > 1:
+            return DeviceMesh(ranks, (self.dp, self.tp), ("dp", "tp"))
+        return DeviceMesh(ranks, (self.tp,), ("tp",))
+
+    def position(self, rank: int) -> int:
+        """``rank``'s position in its stage's sub-mesh (row-major)."""
+        _, d, t = self.coords(rank)
+        return d * self.tp + t
+
+    def text(self) -> str:
+        return f"{self.pp}x{self.dp}x{self.tp}"
+
+
+def parse(text: str) -> Layout:
+    """``--mesh PPxDPxTP`` (``4x2x2``)."""
+    parts = str(text).lower().split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise MeshError(f"--mesh {text!r}: a pipeline mesh is PPxDPxTP, three positive integers joined by x (e.g. --mesh 4x2x2: "
+                        "pp=4 stages, dp=2, tp=2 on 16 devices)")
+    return Layout(*(int(p) for p in parts))
+
+
+def layout_of(mesh: Any) -> Layout:
+    """The layout of a mesh with a "pp" axis: torch's ``DeviceMesh`` with ``mesh_dim_names``
+    among ("pp", "dp", "tp") in that order (any but pp absent), nvtp's ``DeviceMesh``, a
+    ``Layout``, a (pp, dp, tp) tuple or "PPxDPxTP". Raises ``MeshError`` naming what to pass."""
+    if isinstance(mesh, Layout):
+        return mesh
+    if isinstance(mesh, str):
+        return parse(mesh)
+    if isinstance(mesh, tuple) and len(mesh) == 3 and all(isinstance(n, int) and n >= 1 for n in mesh):
+        return Layout(*mesh)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "names", ()) or ())
+    shape = tuple(int(n) for n in getattr(mesh, "shape", ()))
+    known = [n for n in ORDER if n in names]
+    if "pp" not in names or len(known) != len(names) or list(names) != known:
+        raise MeshError(f"a pipeline mesh names its axes from ('pp', 'dp', 'tp'), in that order (any but 'pp' may be absent); "
+                        f"got {list(names)}: init_device_mesh('cpu', (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
+    sizes = dict(zip(names, shape))
+    if hasattr(mesh, "mesh"):  # torch's: ranks in order
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        if ranks != list(range(math.prod(shape))):
+            raise MeshError(f"the mesh holds ranks {ranks}; nvtp's pipeline lays out ranks 0..{math.prod(shape) - 1} in order "
+                            "(Megatron's layout): pass init_device_mesh over every rank")
+    return Layout(sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("tp", 1))
+
+
+def has_pp(mesh: Any) -> bool:
+    """Whether ``mesh`` (anything ``nvtp.jit`` takes) has a "pp" axis, or is spelt PPxDPxTP."""
+    if isinstance(mesh, Layout):
+        return True
+    if isinstance(mesh, str):
+        return mesh.lower().count("x") == 2
+    names = getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "names", None) or ()
+    return "pp" in tuple(names)
+
+
+__all__ = ["Layout", "layout_of", "parse", "has_pp"]

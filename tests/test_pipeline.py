@@ -1,0 +1,325 @@
+"""Pipeline parallelism (issue 26): a (pp, dp, tp) mesh laid out as Megatron lays it out.
+
+* ``nvtp.jit(model, mesh=init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp",
+  "tp")), microbatches=M)`` trains like one process on the whole batch, computed here
+  independently by eager PyTorch: every step's loss within 1e-5 relative, final weights within
+  1e-4 (gloo processes; pp=2 in the default tier, the other shapes slow).
+* what a run sends point-to-point equals the plan's ``p2p()``, transfer for transfer, bytes too.
+* a weight tied across the first and last stage stays tied (both copies equal after every step).
+* the rank layout and groups are Megatron's (its docstring's 16-GPU example, by hand).
+* bad input is refused before anything is traced, naming the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.execute.launch import spawn
+from nvtp.models import gpt
+from nvtp.pipeline import schedule as sched
+from nvtp.pipeline.layout import Layout
+
+STEPS = 3
+
+
+def _model(layers: int = 4, tied: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.config("tiny", n_layer=layers, batch=4))
+    if tied:
+        model.lm_head.weight = model.wte.weight
+    return model
+
+
+def _batches(global_batch: int, layers: int = 4):
+    cfg = gpt.config("tiny", n_layer=layers, batch=global_batch)
+    return [gpt.example_tokens(cfg, seed=s) for s in range(STEPS)]
+
+
+def _optimizer(params):
+    # SGD with momentum, not Adam: Adam's first step moves every weight by +-lr whatever its
+    # gradient's size, so a gradient of 1e-9 rounding noise flips a step; SGD's error is the gradient's.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train(model, batches, dp: int, dp_rank: int):
+    opt = _optimizer(model.parameters())
+    losses = []
+    for idx, targets in batches:
+        n = idx.shape[0] // dp
+        loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _eager(layers: int, tied: bool, global_batch: int):
+    model = _model(layers, tied)
+    losses = _train(model, _batches(global_batch, layers), 1, 0)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    names = tuple(n for n, k in zip(("pp", "dp", "tp"), shape) if k > 1 or n == "pp")
+    sizes = tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names)
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    dp = shape[1]
+    model = nvtp.jit(_model(layers, tied), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
+    dp_rank = model.layout.coords(rank)[1]
+    opt = _optimizer(model.module.parameters())
+    losses, tie_gaps, sent = [], [], []
+    for idx, targets in _batches(global_batch, layers):
+        n = idx.shape[0] // dp
+        loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        sent.append(list(model.sent))
+        if tied:  # both stages' copies of the tied weight, compared on every rank
+            whole = model.full_parameters()
+            tie_gaps.append(float((whole["wte.weight"] - _tied_copy(model)).abs().max()))
+    whole = model.full_parameters()
+    held = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    result = {"losses": losses, "params": whole, "sent": sent, "p2p": model.program.p2p(), "stage": model.stage,
+              "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _tied_copy(model) -> torch.Tensor:
+    """The last stage's copy of the tied weight (lm_head.weight), whole, on every rank."""
+    import torch.distributed as dist
+
+    lay = model.layout
+    p = model.module.wte.weight
+    last = lay.pp - 1
+    program = model.program.programs[last]
+    whole = torch.empty(model._shapes["wte.weight"])
+    if model.stage == last:
+        placement = program.parameters["lm_head.weight"]
+        if lay.dp * lay.tp > 1:
+            from nvtp.execute import spmd
+            from nvtp.sharding.placements import local_shape
+
+            parts = [torch.empty(local_shape(whole.shape, placement if isinstance(placement, tuple) else (placement,), program.mesh)) for _ in range(lay.dp * lay.tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=model._groups["stage"])
+            whole = spmd.assemble(parts, placement, whole.shape, program.mesh)
+        else:
+            whole = p.detach().clone()
+    dist.broadcast(whole, lay.rank(last, model.dp_index, model.tp_index), group=model._groups["pp"])
+    return whole
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron"):
+    world = shape[0] * shape[1] * shape[2]
+    global_batch = 4 * shape[1]
+    out = tmp_path / "got.pt"
+    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan) == [0] * world
+    got = torch.load(out, weights_only=False)
+    losses, params = _eager(layers, tied, global_batch)
+    for r, g in enumerate(got):
+        for step, (a, b) in enumerate(zip(g["losses"], losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), (r, step, a, b)
+        for name, want in params.items():
+            assert _close(g["params"][name], want) <= 1e-4, (r, name)
+        # what each rank sent is what the plan lists for its stage, microbatch by microbatch
+        planned = [(p["phase"], p["label"], p["bytes"]) for p in g["p2p"] if p["src"] == g["stage"]]
+        for step in g["sent"]:
+            assert sorted((s["phase"], s["label"], s["bytes"]) for s in step) == sorted(planned * microbatches)
+        assert all(gap == 0.0 for gap in g["tie_gaps"]), g["tie_gaps"]
+    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied).parameters())
+    assert all(g["held"] < whole for g in got), "every rank holds only its stage's parameters"
+    assert all(g["held"] == g["planned_held"] for g in got), [(g["held"], g["planned_held"]) for g in got]
+    return got
+
+
+def test_pp2_trains_like_one_process(tmp_path):
+    got = _check(tmp_path, (2, 1, 1), microbatches=2, layers=2)
+    assert [g["blocks"] for g in got][0] == [[0], [1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,microbatches,schedule", [((4, 1, 1), 4, "1f1b"), ((2, 1, 2), 2, "1f1b"), ((2, 2, 1), 2, "gpipe"),
+                                                         ((2, 1, 1), 4, "gpipe")])
+def test_pipeline_meshes_train_like_one_process(tmp_path, shape, microbatches, schedule):
+    _check(tmp_path, shape, microbatches, schedule)
+
+
+@pytest.mark.slow
+def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
+    _check(tmp_path, (2, 1, 1), microbatches=2, tied=True)
+
+
+# -- the cut ------------------------------------------------------------------------------------
+
+def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
+    from nvtp import driver
+    from nvtp.pipeline.stages import StageError, cut_stages
+
+    model = _model(4)
+    idx, targets = _batches(2)[0]
+    traced = driver.trace(model, (idx, targets), tie=False)
+    balanced = cut_stages(traced, "h", 4, 2)
+    assert [s.blocks for s in balanced.stages] == [(0, 1), (2, 3)]
+    explicit = cut_stages(traced, "h", 4, 2, cut=(1,))
+    assert [s.blocks for s in explicit.stages] == [(0,), (1, 2, 3)]
+    assert max(s.cost.flops for s in balanced.stages) < max(s.cost.flops for s in explicit.stages)
+    # the blocks' costs: four like blocks, the first with the embedding, the last with the head and loss
+    c = balanced.block_costs
+    assert c[1] == c[2] and c[0].flops > c[1].flops and c[3].flops > c[1].flops
+    names = {n for n, _ in model.named_parameters()}
+    for staged in (balanced, explicit):  # every parameter in exactly one stage; what crosses: one activation, its gradient
+        held = [set(s.parameters) for s in staged.stages]
+        assert held[0] | held[1] == names and not held[0] & held[1]
+        assert [(t.phase, t.src, t.dst, t.shape) for t in staged.transfers] == [("forward", 0, 1, (2, 16, 64)),
+                                                                               ("backward", 1, 0, (2, 16, 64))]
+    for bad in ((0,), (4,), (1, 2)):
+        with pytest.raises(StageError, match="cut="):
+            cut_stages(traced, "h", 4, 2, cut=bad)
+
+
+# -- layout, schedules: by hand ------------------------------------------------------------
+
+def test_layout_is_megatrons():
+    """Megatron's initialize_model_parallel docstring: 16 GPUs, t=2, p=4 (so d=2)."""
+    lay = Layout(pp=4, dp=2, tp=2)
+    assert lay.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert lay.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert lay.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+def test_schedules():
+    assert [str(a) for a in sched.actions("1f1b", 0, 4, 6)] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
+    assert [str(a) for a in sched.actions("1f1b", 3, 4, 6)] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
+    assert [sched.in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert sched.in_flight("gpipe", 0, 4, 8) == 8
+    assert sched.bubble("1f1b", 4, 8) == 3 / 11
+
+
+# -- bad input: refused before anything is traced ----------------------------------------------
+
+@pytest.fixture
+def no_trace(monkeypatch):
+    from nvtp import driver
+
+    def must_not_trace(*a, **k):
+        raise AssertionError("traced before refusing bad input")
+
+    monkeypatch.setattr(driver, "trace", must_not_trace)
+
+
+def test_fewer_blocks_than_stages_is_refused(no_trace):
+    from nvtp import driver
+
+    idx, targets = _batches(4, 2)[0]
+    with pytest.raises(ValueError, match=r"2 blocks .* pp=4 stages.*pp <= 2"):
+        driver.compile_pipeline(_model(2), idx, targets, mesh="4x1x1", microbatches=2)
+
+
+def test_a_batch_the_microbatches_do_not_divide_is_refused(no_trace):
+    from nvtp import driver
+
+    idx, targets = _batches(4)[0]
+    with pytest.raises(ValueError, match=r"batch of 4 does not split into microbatches=3.*microbatches=2"):
+        driver.compile_pipeline(_model(), idx, targets, mesh="2x1x1", microbatches=3)
+
+
+def test_a_mesh_unlike_the_world_is_refused(no_trace):
+    with pytest.raises(ValueError, match=r"pp=2 x dp=1 x tp=2 has 4 devices but the process group has 1"):
+        nvtp.jit(_model(), mesh=_FakeMesh((2, 1, 2)), microbatches=2)
+
+
+class _FakeMesh:
+    """Stands in for torch's DeviceMesh without a process group (its names and shape are what nvtp reads)."""
+
+    def __init__(self, shape):
+        self.shape, self.mesh_dim_names = shape, ("pp", "dp", "tp")
+        self.mesh = torch.arange(shape[0] * shape[1] * shape[2]).reshape(shape)
+
+
+# -- nvFuser: each stage's files, with the stage's sub-mesh, built from their text ---------------
+
+def test_each_stage_prints_as_nvfuser_files_that_build_from_their_text(tmp_path):
+    pytest.importorskip("nvfuser_direct", reason="nvfuser_direct builds the printed files (no GPU needed)")
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
+    from nvtp.ir.parser import parse
+
+    idx, targets = _batches(4)[0]
+    program = nvtp.plan(_model(), idx, targets, mesh="2x1x2", microbatches=2, backend="nvfuser")  # what nvtp.jit would run on GPUs
+    assert [s["blocks"] for s in program.as_data()["stages"]] == [[0, 1], [2, 3]]
+    paths = program.write_nvfuser(tmp_path)
+    assert [p.name for p in paths] == ["stage0_fwd.py", "stage0_bwd.py", "stage1_fwd.py", "stage1_bwd.py"]
+    for path in paths:
+        text = path.read_text()
+        stage = int(path.name[5])
+        ranks = program.layout.submesh(stage).devices
+        assert f"nvfuser_direct.multidevice.DeviceMesh([{', '.join(map(str, ranks))}])" in text, path.name
+        fd = build_from_text(text, str(path))
+        assert compare_definition(parse(text, str(path)).fusion, fd) == []
+    # what crosses the cut is a point-to-point step of the plan, with its bytes: the stage's own output
+    (fwd,) = [p for p in program.p2p() if p["phase"] == "forward"]
+    assert fwd["bytes"] == 2 * 16 * 64 * 4 and fwd["local_shape"] == [2, 16, 64]  # whole over tp: a microbatch of 2 x s x e
+
+
+# -- the command line: what a user runs, by subprocess --------------------------------------------
+
+def _nvtp(*args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))  # this checkout's nvtp, whatever is installed
+    return subprocess.run([sys.executable, "-m", "nvtp", *args], capture_output=True, text=True, cwd=root, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_explain_a_4x2x2_pipeline_prints_megatrons_layout_and_the_plan():
+    done = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--layers", "8", "--plan", "megatron", "--mesh", "4x2x2",
+                 "--microbatches", "8", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    d = json.loads(done.stdout)
+    lay = Layout(4, 2, 2)
+    assert d["groups"] == {"tp": lay.groups("tp"), "dp": lay.groups("dp"), "pp": lay.groups("pp"), "embedding": lay.embedding_groups()}
+    assert d["groups"]["pp"][:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
+    assert [s["blocks"] for s in d["stages"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 8 like blocks, head and tail light: 2 each
+    assert d["bubble"] == 3 / 11
+    assert [s["in_flight_microbatches"] for s in d["stages"]] == [4, 3, 2, 1]
+    # each boundary sends one microbatch's activation (2 x 16 x 64 fp32), split over dp=2, whole over tp
+    assert [(p["phase"], p["src"], p["dst"], p["bytes"]) for p in d["p2p"]] == [
+        ("forward", 0, 1, 4096), ("forward", 1, 2, 4096), ("forward", 2, 3, 4096),
+        ("backward", 1, 0, 4096), ("backward", 2, 1, 4096), ("backward", 3, 2, 4096)]
+    text = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--layers", "8", "--plan", "megatron", "--mesh", "4x2x2",
+                 "--microbatches", "8")
+    assert "4 pipeline-parallel groups: [g0, g4, g8, g12], [g1, g5, g9, g13]" in text.stdout
+    assert "bubble (p-1)/(m+p-1) = 3/11" in text.stdout
+
+
+@pytest.mark.slow
+def test_explain_refuses_a_bad_pipeline_mesh():
+    done = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--plan", "megatron", "--mesh", "4x2x0")
+    assert done.returncode != 0 and "PPxDPxTP" in done.stderr
