@@ -136,6 +136,7 @@ class Program:
         (``set_device_mesh``, splits, ``ParallelType.mesh_x``) and the resharding ``set`` ops; each
         rank passes its own shards. nvfuser_direct builds them from their text, anywhere."""
         from nvtp.dump.sharded import write_sharded
+        from nvtp.sharding.schedule import ScheduleError
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +145,14 @@ class Program:
         for phase, sharded in self.phases():
             path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
             command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
-            paths.append(write_sharded(sharded, path, command, data=data))
+            try:
+                paths.append(write_sharded(sharded, path, command, data=data))
+            except ScheduleError as e:
+                if self.backend == "nvfuser":
+                    raise
+                raise ScheduleError(f"this program was sharded for the {self.backend} backend's target, whose placements "
+                                    f"nvFuser's device schedule cannot always express ({e}); write the program nvFuser would run: "
+                                    "nvtp.plan(..., backend='nvfuser') or nvtp.driver.compile(..., backend='nvfuser')") from e
         if "cp" in self.mesh.names:  # the ring attention's per-step fusions (nvtp.sharding.context)
             from nvtp.sharding.context import write_ring_steps
 

@@ -355,3 +355,19 @@ def test_a_misspelt_plan_is_refused_before_anything_is_traced(monkeypatch, capsy
     code = cli.main(["explain", "--model", "nanogpt", "--config", "gpt3", "--layers", "96", "--plan", "megatorn", "--devices", "8"])
     err = capsys.readouterr().err
     assert code == 3 and "unknown plan 'megatorn'" in err, err
+
+
+def test_writing_nvfuser_files_of_a_program_sharded_for_the_reference_target_says_what_to_plan_for(tmp_path):
+    """A reference-target program may hold placements nvFuser's schedule cannot express (a
+    partial through a reshape in the megatron-sp backward): the error names the backend to plan
+    for, not the op nvFuser's schedule could not record."""
+    from nvtp import driver
+    from nvtp.dump import load
+    from nvtp.sharding.schedule import ScheduleError
+    from tests.dumps import tiny_dump
+
+    _, bwd = tiny_dump("fp32", None)
+    program = driver.compile(load(str(bwd)), plan="megatron-sp", mesh=2, backend="reference")
+    with pytest.raises(ScheduleError, match=r"sharded for the reference backend's target.*backend='nvfuser'"):
+        program.write_nvfuser(tmp_path)
+    assert len(driver.compile(load(str(bwd)), plan="megatron-sp", mesh=2, backend="nvfuser").write_nvfuser(tmp_path)) == 2
