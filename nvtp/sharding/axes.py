@@ -2,7 +2,8 @@
 
 "tp" shards by the plan (Megatron's tensor and sequence parallelism), "dp" splits the batch (DDP;
 with ``fsdp`` the weights too); "pp" cuts pipeline stages (``nvtp.pipeline``, split off before these
-passes run on each stage's (dp, tp) sub-mesh); "cp" is reserved for context parallelism.
+passes run on each stage's (dp, tp) sub-mesh); "cp" splits the sequence of every activation and runs
+attention by ring (``nvtp.sharding.context``), weights whole.
 ``roles(mesh)`` refuses, with the names nvtp knows, a name it does not know, one whose strategy is
 not built yet, or a combination of axes the passes do not compose. ``nvtp.mesh`` builds meshes
 with it; ``nvtp.sharding.multi`` and the compile driver ask it which pass runs on which axis.
