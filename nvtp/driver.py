@@ -438,6 +438,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     way = route(source, frontend)
     mb_args, kwargs = bind_call(source, way, mb_args, kwargs)
     traced = trace(source, mb_args, kwargs, frontend=way, batch=layout.dp, tie=False)
+    _check_loss_only(traced, type(source).__name__)
     staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
     tied = aliases(source)
     programs, placed = [], {}
@@ -449,6 +450,21 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
         programs.append(program)
     return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
                            if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name)
+
+
+def _check_loss_only(traced: Traced, model: str) -> None:
+    """A pipeline trains a forward that returns its loss alone: the last stage's one output is
+    what its backward starts from (1/M per microbatch). Anything else (nanoGPT's ``(logits,
+    loss)``) would give the other outputs a gradient eager never gives them: refused."""
+    from nvtp.errors import InputError
+
+    f = traced.forward
+    outs = [v for v in f.outputs if f.role(v.name) == "output"]
+    if len(outs) != 1 or len(outs[0].shape) != 0:
+        got = ", ".join(f"{f.label(v.name)} {list(v.shape)}" for v in outs)
+        raise InputError(f"a pipeline (a mesh with a 'pp' axis) trains a model whose forward returns its loss alone, one scalar; "
+                         f"{model}.forward returns {len(outs)} tensor(s): {got}; return only the loss (e.g. wrap the model: "
+                         "class LossOnly(nn.Module): def forward(self, idx, targets): return self.model(idx, targets)[1])")
 
 
 def plan_names(module: torch.nn.Module) -> list[str]:

@@ -323,3 +323,16 @@ def test_explain_a_4x2x2_pipeline_prints_megatrons_layout_and_the_plan():
 def test_explain_refuses_a_bad_pipeline_mesh():
     done = _nvtp("explain", "--model", "nanogpt", "--config", "tiny", "--plan", "megatron", "--mesh", "4x2x0")
     assert done.returncode != 0 and "PPxDPxTP" in done.stderr
+
+
+def test_a_model_returning_more_than_its_loss_is_refused_before_the_stages_are_cut():
+    """nanoGPT's ``(logits, loss)``: the last stage's backward starts from the loss alone, so the
+    logits would get a gradient eager never gives them; refused, naming what it returns."""
+    from nvtp.errors import InputError
+    from tests.written import GPTConfig, TinyGPT, tokens
+
+    cfg = GPTConfig(n_layer=4)
+    idx, targets = tokens(cfg, batch=4)
+    with pytest.raises(InputError, match=r"returns its loss alone.*TinyGPT.forward returns 2 tensor\(s\): y\[0\] \[2, 16, 64\], "
+                                         r"y\[1\] \[\]; return only the loss"):
+        nvtp.plan(TinyGPT(cfg), idx, targets, mesh="2x1x1", microbatches=2)

@@ -75,6 +75,7 @@ def main() -> int:
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("--mesh", default="", help="DPxTP, or axes by name (cp=2, cp=2,tp=2, dp=2,cp=2): the mesh over the processes (default: a 1-D tp mesh of all)")
     p.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too")
+    p.add_argument("--microbatches", type=int, default=None, help="with a pp axis in --mesh (pp=2, pp=2,tp=2): microbatches a step")
     args = p.parse_args()
 
     import nvtp
@@ -117,7 +118,8 @@ def main() -> int:
         if "dp" in names:  # this rank's coordinate on the dp axis (row-major ranks)
             inner = torch.Size(sizes[names.index("dp") + 1:]).numel()
             dp_index = rank // inner % dp
-    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp)
+    pipeline = {"microbatches": args.microbatches} if args.microbatches else {}
+    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp, **pipeline)
     rows = slice(dp_index * (args.batch // dp), (dp_index + 1) * (args.batch // dp))  # this dp rank's rows (cp and tp ranks: all)
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr) if reference is not None else None
@@ -141,7 +143,11 @@ def main() -> int:
             loss = loss.detach().clone()
             dist.all_reduce(loss)
             loss /= world  # tp and cp ranks of one dp rank hold the same loss
-        if step == 0:
+        if step == 0 and pipeline:
+            stages = sharded.program.as_data()["stages"]
+            say(f"   pipeline of {len(stages)} stages, blocks " + ", ".join(str(st["blocks"]) for st in stages)
+                + f"; {args.microbatches} microbatches, schedule {sharded.schedule}")
+        elif step == 0:
             c = sharded.last
             say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "
                 f"ops, backward {len(list(c.backward.source.compute_ops()))} ops; trace {c.traced.seconds:.1f} s")
@@ -155,7 +161,12 @@ def main() -> int:
             say(f"step {step + 1:3d}/{args.steps}  loss {loss.item():.6f}  one process {want.item():.6f}  {seconds * 1e3:8.1f} ms")
 
     worst_param, held, whole_bytes, split = 0.0, 0, 0, []
-    for name, param in sharded.module.named_parameters():
+    if pipeline:  # a rank holds its stage's parameters only: gather them whole (a collective)
+        wholes = sharded.full_parameters()
+        for name, want in (reference.named_parameters() if reference is not None else ()):
+            whole = wholes[name]
+            worst_param = max(worst_param, ((whole - want.detach()).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+    for name, param in ([] if pipeline else sharded.module.named_parameters()):
         whole = nvtp.full_tensor(param)  # a collective: every rank takes part
         local = param.to_local() if hasattr(param, "to_local") else param
         held += local.numel() * local.element_size()
@@ -166,8 +177,10 @@ def main() -> int:
         if reference is not None:
             want = dict(reference.named_parameters())[name].detach()
             worst_param = max(worst_param, ((whole - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
-    say(f"split weights ({len(split)}): " + ", ".join(split))
-    say(f"rank 0 holds {held:,} of {whole_bytes:,} parameter bytes ({held / whole_bytes:.2f})")
+    if not pipeline:
+        say(f"split weights ({len(split)}): " + ", ".join(split))
+    if not pipeline:
+        say(f"rank 0 holds {held:,} of {whole_bytes:,} parameter bytes ({held / whole_bytes:.2f})")
     ok = worst_loss <= args.loss_tolerance and worst_param <= args.tolerance
     say(f"check against one process: every loss within {worst_loss:.1e} (relative), final weights within {worst_param:.1e}; "
         f"tolerances {args.loss_tolerance:g} / {args.tolerance:g}: {'PASSED' if ok else 'FAILED'}")
