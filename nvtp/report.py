@@ -73,24 +73,29 @@ class ModelReport:
         """Every collective of one training step, in order: {kind, tensor, shape, dtype, bytes,
         phase, region, layer}; a repeated region's collectives once per layer."""
         out = []
+        for phase, r, sharded, layers in self._in_step_order():
+            records = communication_records(sharded)
+            axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
+            ring = ring_records(phase, sharded)  # the cp axis's ring attention: point-to-point steps (nvtp.sharding.context)
+            records, axes = records + ring, axes + ["cp"] * len(ring)
+            for layer in layers:
+                for c, axis in zip(records, axes):
+                    tensor = c["label"] or c["tensor"]
+                    out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
+                                "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
+                                "axis": axis, "region": r.name, "layer": layer})
+        return out
+
+    def _in_step_order(self):
+        """(phase, region, its sharded fusion, its layers) as a step runs them: the forward's
+        regions in order, the backward's reversed; layers None for a region run once."""
         for phase in ("forward", "backward"):
-            regions = self.regions if phase == "forward" else list(reversed(self.regions))
-            for r in regions:
+            for r in (self.regions if phase == "forward" else list(reversed(self.regions))):
                 sharded = r.forward if phase == "forward" else r.backward
                 if sharded is None:
                     continue
-                records = communication_records(sharded)
-                axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
-                ring = ring_records(phase, sharded)  # the cp axis's ring attention: point-to-point steps (nvtp.sharding.context)
-                records, axes = records + ring, axes + ["cp"] * len(ring)
                 layers = range(r.count) if phase == "forward" else reversed(range(r.count))
-                for layer in (layers if r.count > 1 else [None]):
-                    for c, axis in zip(records, axes):
-                        tensor = c["label"] or c["tensor"]
-                        out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
-                                    "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
-                                    "axis": axis, "region": r.name, "layer": layer})
-        return out
+                yield phase, r, sharded, (layers if r.count > 1 else [None])
 
     def collectives(self) -> list[dict[str, Any]]:
         """The collectives one step issues, as started (buckets of the schedule are one each):
@@ -99,15 +104,9 @@ class ModelReport:
         from nvtp.program import issued
 
         out = []
-        for phase in ("forward", "backward"):
-            regions = self.regions if phase == "forward" else list(reversed(self.regions))
-            for r in regions:
-                sharded = r.forward if phase == "forward" else r.backward
-                if sharded is None:
-                    continue
-                layers = range(r.count) if phase == "forward" else reversed(range(r.count))
-                for layer in (layers if r.count > 1 else [None]):
-                    out += [c | {"region": r.name, "layer": layer} for c in issued([(phase, sharded)], r.schedules)]
+        for phase, r, sharded, layers in self._in_step_order():
+            for layer in layers:
+                out += [c | {"region": r.name, "layer": layer} for c in issued([(phase, sharded)], r.schedules)]
         return out
 
     def schedule_summary(self) -> dict[str, Any]:

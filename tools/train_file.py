@@ -179,7 +179,6 @@ def main() -> int:
             worst_param = max(worst_param, ((whole - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
     if not pipeline:
         say(f"split weights ({len(split)}): " + ", ".join(split))
-    if not pipeline:
         say(f"rank 0 holds {held:,} of {whole_bytes:,} parameter bytes ({held / whole_bytes:.2f})")
     ok = worst_loss <= args.loss_tolerance and worst_param <= args.tolerance
     say(f"check against one process: every loss within {worst_loss:.1e} (relative), final weights within {worst_param:.1e}; "
