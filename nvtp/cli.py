@@ -180,7 +180,7 @@ def _explain_model(args) -> int:
                         f"example_kwargs), got {type(made).__name__}")
         model, example, example_kwargs = made if len(made) == 3 else (*made, {})
         result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where,
-                              **example_kwargs)
+                              machine=args.machine, **example_kwargs)
     else:
         from nvtp.models import gpt
 
@@ -189,7 +189,8 @@ def _explain_model(args) -> int:
         except ValueError as e:
             raise Usage(str(e)) from None
         layers = args.layers or cfg.n_layer
-        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, **where)
+        result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, machine=args.machine,
+                                     **where)
     if args.machine is not None:
         from nvtp.sharding.overlap import MACHINES
 
@@ -328,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
-            c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib"],
+            c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib", "cpu-gloo"],
                            help="estimate, on this machine model, what the communication schedule hides per step "
                                 "(h100-nvlink: 8x H100 in one node; h100-ib: dp across nodes over InfiniBand)")
             c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],

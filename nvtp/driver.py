@@ -284,14 +284,18 @@ def trace_dump(dump: Any) -> Traced:
 
 
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
-          fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True) -> Program:
+          fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True,
+          collective_matmul: bool | str = "auto", machine: Any = None) -> Program:
     """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: the plan on the "tp"
     axis, the data plan on "dp" (``fsdp``: weights split over dp too). ``placed`` (label ->
     placement): parameters already placed by an earlier compile of the same module stay there.
     ``overlap``: schedule the collectives (``nvtp.sharding.overlap``: started as soon as their
     inputs exist, small ones bucketed, FSDP's gathers prefetched a bucket ahead); False: each
-    blocks where it stands. Raises ``ShardingError`` before any work when the plan or mesh does
-    not fit."""
+    blocks where it stands. ``collective_matmul`` (with ``overlap``): a gather before a matmul and
+    a reduce-scatter after one run as ring steps beside the matmul's blocks (``overlap.plan_rings``):
+    "auto" where the cost model says it pays on ``machine`` (an ``overlap.Machine`` or its name;
+    by default the backend's: ``overlap.default_machine``), True everywhere it applies, False
+    nowhere. Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
     from nvtp.gcpause import paused
 
     target = as_target(backend)
@@ -306,9 +310,14 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
             forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
         schedules = {}
         if overlap and mesh.size > 1:
-            from nvtp.sharding.overlap import schedule_collectives
+            from nvtp.errors import InputError
+            from nvtp.sharding.overlap import MACHINES, default_machine, plan_rings, schedule_collectives
 
-            schedules = {phase: schedule_collectives(s) for phase, s in (("forward", forward), ("backward", backward)) if s is not None}
+            if collective_matmul not in (True, False, "auto"):
+                raise InputError(f"collective_matmul={collective_matmul!r}: pass True, False or 'auto'")
+            on = MACHINES[machine] if isinstance(machine, str) else machine or default_machine(target.name)
+            schedules = {phase: schedule_collectives(s, rings=plan_rings(s, on, collective_matmul))
+                         for phase, s in (("forward", forward), ("backward", backward)) if s is not None}
     parameters = join_parts(_placed_inputs(forward), traced.parts, mesh)
     return Program(forward, backward, mesh, plan if isinstance(plan, str) else "explicit", target.name, fsdp, traced,
                    parameters, schedules, notes, {"trace": traced.seconds, "shard": time.perf_counter() - start})
@@ -397,10 +406,12 @@ def _placed_inputs(forward) -> list[tuple[str, Any]]:
 
 def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, backend: str | Target = "reference",
             fsdp: bool = False, frontend: str = "auto", regional: bool = True, placed: Mapping[str, Any] | None = None,
-            **kwargs: Any) -> Program:
+            overlap: bool = True, collective_matmul: bool | str = "auto", machine: Any = None, **kwargs: Any) -> Program:
     """``shard(trace(...))``: ``source`` a module called with ``args``/``kwargs`` (on a dp mesh one
     rank's batch, as ``nvtp.jit`` takes it), or a parsed dump. ``mesh``: anything ``make_mesh``
-    takes. The plan is checked against the module's names before anything is traced."""
+    takes. The plan is checked against the module's names before anything is traced. ``overlap``,
+    ``collective_matmul``, ``machine``: the schedule's, as ``shard`` takes them."""
+    schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine)
     from nvtp.ir.parser import Dump
     from nvtp.sharding.plans import check_plan
 
@@ -408,7 +419,7 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     if isinstance(source, Dump):
         if isinstance(plan, str) and "=" not in plan:  # a plan name; entries naming the file's values are checked by annotate
             check_plan(plan, [])
-        return shard(trace_dump(source), plan, mesh, backend, fsdp=fsdp)
+        return shard(trace_dump(source), plan, mesh, backend, fsdp=fsdp, **schedule)
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     args, kwargs = bind_call(source, way, args, kwargs)
@@ -416,7 +427,7 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     dp = mesh.shape[axes["dp"]] if "dp" in axes else 1
     split = tuple(mesh.names) == ("tp",) and plan in ("megatron", "megatron-sp")
     traced = trace(source, args, kwargs, frontend=way, regional=regional, split_parts=split, batch=dp, ring="cp" in axes)
-    return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed)
+    return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed, **schedule)
 
 
 def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,

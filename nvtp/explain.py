@@ -46,7 +46,8 @@ def _axis_size(mesh: DeviceMesh, name: str) -> int:
 
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
-         mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, **example_kwargs) -> ModelReport:
+         mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
+         **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -55,7 +56,10 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     over dp too); on a dp mesh ``example_args`` are one rank's batch, as ``nvtp.jit`` takes them.
     ``backend``: the backend to plan for (default: the one ``nvtp.jit`` would run this model on
     here, ``nvtp.execute.backends.default_name``); "nvfuser" plans for GPUs on any machine.
-    Takes every model ``nvtp.jit`` takes (the FX route for transformers models included)."""
+    Takes every model ``nvtp.jit`` takes (the FX route for transformers models included).
+    ``machine`` (an ``nvtp.sharding.overlap.Machine`` or its name): plan the collective matmuls
+    for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
+    hides there."""
     from nvtp import driver
     from nvtp.execute import backends
     from nvtp.pipeline.layout import has_pp
@@ -71,12 +75,21 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
         backend = backends.default_name(next((p.device.type for p in model.parameters()), "cpu"))
     backends.resolve(backend, run=False)
     args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
-    program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional, **kwargs)
+    program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
+                             machine=machine, **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
         batch = f"traced batch = dp x each rank's batch (the example arguments') = {_axis_size(mesh, 'dp')} x {example_args[0].shape[0]}"
     tp = _axis_size(mesh, "tp") if mesh.ndim > 1 else mesh.size
-    return report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, tp))
+    report = report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, tp))
+    report.machine = _machine(machine)
+    return report
+
+
+def _machine(machine: Any):
+    from nvtp.sharding.overlap import MACHINES
+
+    return MACHINES[machine] if isinstance(machine, str) else machine
 
 
 def _transformer_shape(model: torch.nn.Module, args: tuple, kwargs: dict, tp: int) -> dict[str, int]:
@@ -93,7 +106,7 @@ def _transformer_shape(model: torch.nn.Module, args: tuple, kwargs: dict, tp: in
 
 def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None = None, dtype: torch.dtype = torch.bfloat16,
                 backend: str = "nvfuser", regional: bool = True, mesh: "tuple[int, int] | DeviceMesh | None" = None,
-                fsdp: bool = False, batch: int | None = None) -> ModelReport:
+                fsdp: bool = False, batch: int | None = None, machine: Any = None) -> ModelReport:
     """nvtp's GPT with ``cfg`` at ``layers`` layers, traced on meta tensors, on ``devices``
     devices (default 8) or ``mesh`` = (dp, tp) (``fsdp``: weights split over dp too), for
     ``backend`` (default nvFuser: a model of this size is planned for GPUs). ``batch`` is each
@@ -102,7 +115,7 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
     driver, and counts the block ``layers`` times: exact, because a block's input arrives as the
     plan places activations and it hands its output back the same way (the program ``nvtp.jit``
     splices to full depth has the same placements and steps: tests/test_driver.py);
-    ``regional=False`` traces the whole model (seconds a layer)."""
+    ``regional=False`` traces the whole model (seconds a layer). ``machine``: as ``plan`` takes it."""
     import time
     from dataclasses import replace
 
@@ -118,29 +131,29 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
     start = time.perf_counter()
     shape = {"s": cfg.seq_len, "b": per_rank, "h": cfg.n_embd, "a": cfg.n_head, "t": tp, "L": layers}
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
-    extra = {"backend": backend}
+    extra = {"backend": backend} | ({"machine": _machine(machine)} if machine is not None else {})
     ring = "cp" in mesh.names  # attention claimed whole, for the ring (nvtp.sharding.context)
     if mesh.ndim > 1 or ring:
         extra |= {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
                   "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
-        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp)
+        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp, machine)
         traced = time.perf_counter() - start
         return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward, whole.schedules)],
                            {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
     outer_t, block_t = _trace_gpt(cfg, 0, dtype, ring), _trace_gpt(cfg, None, dtype, ring)
     traced = time.perf_counter() - start
-    outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp) for t in (outer_t, block_t))
+    outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp, machine) for t in (outer_t, block_t))
     regions = [Region("outer", 1, outer.forward, outer.backward, outer.schedules),
                Region("block", layers, block.forward, block.backward, block.schedules)]
     return ModelReport(name, plan, mesh.size, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape,
                        notes=outer.notes + [f"block: {n}" for n in block.notes], **extra)
 
 
-def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool):
+def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool, machine: Any = None):
     from nvtp import driver
 
-    return driver.shard(traced, plan, mesh, backend, fsdp=fsdp)
+    return driver.shard(traced, plan, mesh, backend, fsdp=fsdp, machine=machine)
 
 
 @functools.lru_cache(maxsize=8)

@@ -106,7 +106,7 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True):
+                 overlap: bool = True, collective_matmul: bool | str = "auto"):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -127,7 +127,9 @@ class ShardedModule(torch.nn.Module):
         self.backend = backends.resolve(backend, _device_of(module)).name
         if self.backend == "nvfuser" and "cp" in self.mesh.names:  # refused before tracing (nvtp/execute/backends.py says why)
             raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis); use backend='reference' (docs/context.md)")
-        self.overlap = overlap
+        if collective_matmul not in (True, False, "auto"):
+            raise InputError(f"collective_matmul={collective_matmul!r}: pass True, False or 'auto'")
+        self.overlap, self.collective_matmul = overlap, collective_matmul
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -271,7 +273,7 @@ class ShardedModule(torch.nn.Module):
                               batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module,
                               ring="cp" in self.mesh.names)
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
-                               overlap=self.overlap)
+                               overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
@@ -506,7 +508,8 @@ def _whole(placement) -> bool:
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-        overlap: bool = True, microbatches: int | None = None, schedule: str = "1f1b", cut: Any = None) -> ShardedModule:
+        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str = "1f1b",
+        cut: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -526,7 +529,11 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     refused at once. ``model.last`` is the ``nvtp.program.Program`` of the latest call: what
     ``nvtp.plan`` reports for the same model, mesh and backend. ``overlap`` (default on): the
     program's collectives start as soon as their inputs exist and small ones go together
-    (``nvtp.sharding.overlap``); False runs each where it stands, blocking.
+    (``nvtp.sharding.overlap``); False runs each where it stands, blocking. ``collective_matmul``
+    (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
+    projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
+    the cost model says it pays on the backend's machine (``overlap.default_machine``), True
+    wherever it applies, False never.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -549,7 +556,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
                          "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap)
+                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

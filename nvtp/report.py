@@ -23,6 +23,8 @@ Memory per rank (bytes; each tensor's local part under all its mesh axes' placem
 
 from __future__ import annotations
 
+import collections
+
 import functools
 import re
 from dataclasses import dataclass, field
@@ -336,10 +338,16 @@ class ModelReport:
         issued = self.collectives()
         if any(r.schedules for r in self.regions):
             for phase in ("forward", "backward"):
-                cs = [c for c in issued if c["phase"] == phase]
+                cs = [c for c in issued if c["phase"] == phase and "ring" not in c]
                 moved = sum(len(c["tensors"]) for c in cs)
                 lines.append(f"  {phase} as issued: {len(cs)} collectives for {moved} tensors (started as soon as their inputs "
                              f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
+                ring_steps = [c for c in issued if c["phase"] == phase and "ring" in c]
+                steps = collections.Counter(c["ring"] for c in ring_steps)
+                rings = collections.Counter(kind for kind, _ in {(c["ring"], c["tensors"][0]) for c in ring_steps})
+                if ring_steps:
+                    lines.append(f"  {phase} collective matmuls (ring steps, each beside a block of the matmul): " + ", ".join(
+                        f"{rings[kind]} {kind} in {n} steps" for kind, n in steps.items()))
         if self.machine is not None:
             summary = self.schedule_summary()
             lines.append(f"schedule on {self.machine.name} ({self.machine.describe}), estimated per step:")

@@ -178,3 +178,138 @@ def test_on_gloo_processes_the_asynchronous_program_computes_the_same(tmp_path):
     assert got[True]["issued"] < got[False]["issued"]
     assert all(torch.equal(a, b) for a, b in zip(got[False]["losses"], got[True]["losses"]))
     assert all(torch.equal(a, b) for a, b in zip(got[False]["params"], got[True]["params"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# collective matmul: Megatron-SP's gathers before, and reduce-scatters after, the projections as ring steps
+
+
+def _train_ring(mesh, collective_matmul, args, steps=2):
+    """``steps`` SGD steps of megatron-sp on simulated ranks; (rank 0's losses, rank 0's
+    parameters, the program, the point-to-point steps every rank sent in the first step)."""
+    from nvtp.execute import ring
+
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(_gpt(), plan="megatron-sp", mesh=mesh, comm=threads.comm(r), collective_matmul=collective_matmul)
+             for r in range(mesh.size)]
+    ranks[0].compile(*args)
+    for m in ranks[1:]:
+        m.share_compiled(ranks[0])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ranks]
+
+    def train(r):
+        losses = []
+        for _ in range(steps):
+            loss = ranks[r](*args)
+            opts[r].zero_grad()
+            loss.backward()
+            opts[r].step()
+            losses.append(loss.detach())
+        return losses
+
+    with ring.recording() as sent:
+        losses = spmd.on_threads(train, threads)
+    return losses[0], [p.detach().clone() for p in ranks[0].module.parameters()], ranks[0].last, len(sent) // (mesh.size * steps), sent
+
+
+@pytest.mark.parametrize("mesh", [DeviceMesh.of_size(4), MESH_2X2], ids=["tp4", "dp2xtp2"])
+def test_collective_matmul_computes_what_the_collectives_compute(mesh):
+    """Every gather before a projection and reduce-scatter after one, run as ring steps
+    (collective_matmul=True), trains as the program with the collectives does, within rounding
+    (the blocks are summed in another order); the steps sent are the plan's, byte for byte."""
+    idx, tgt = gpt.example_tokens(CFG)
+    args = (idx, tgt) if mesh.ndim == 1 else (idx[:1], tgt[:1])
+    plain = _train_ring(mesh, False, args)
+    ringed = _train_ring(mesh, True, args)
+    rings = ringed[2].schedules["forward"].rings
+    kinds = {r.kind for r in rings}
+    assert kinds == {"allgather-linear", "linear-reducescatter"} and len(rings) == 4 * CFG.n_layer + 1  # 4 a layer (2 gathers, 2 reduce-scatters), and the head's gather
+    assert not plain[2].schedules["forward"].rings and plain[3] == 0
+    for a, b in zip(plain[0], ringed[0]):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
+    for p, q in zip(plain[1], ringed[1]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    planned = [(c["tensors"][0], c["bytes"]) for c in ringed[2].collectives() if c["kind"] == "sendrecv"]
+    n = mesh.shape[mesh.names.index("tp")] if mesh.ndim > 1 else mesh.size
+    assert len(planned) == len(rings) * (n - 1) == ringed[3]
+    assert sorted(ringed[4][:len(planned) * mesh.size]) == sorted(planned * mesh.size)
+    ring_sets = {r.name for r in rings}  # none of them runs as a collective any more
+    assert not any(set(i.sets) & ring_sets for i in ringed[2].schedules["forward"].issues)
+
+
+def test_the_cost_model_takes_a_ring_where_it_pays():
+    """On the H100 machine model a GPT-3 layer's projections pay as rings; on this CPU's gloo
+    model the tiny GPT's (a few KiB a step, 0.5 ms a step) do not, so "auto" leaves them."""
+    from nvtp.sharding.overlap import MACHINES, find_rings, plan_rings, ring_seconds
+
+    program = _program(DeviceMesh.of_size(4), plan="megatron-sp")
+    candidates = find_rings(program.forward)
+    assert len(candidates) == 4 * CFG.n_layer + 1
+    assert plan_rings(program.forward, MACHINES["cpu-gloo"], "auto") == []
+    assert len(plan_rings(program.forward, MACHINES["cpu-gloo"], True)) == len(candidates)
+    assert plan_rings(program.forward, MACHINES["cpu-gloo"], False) == []
+    blocking, ringed = ring_seconds(program.forward, candidates[0], MACHINES["cpu-gloo"])
+    assert ringed > blocking  # three 0.5 ms steps for microseconds of matmul
+
+    big = gpt.config("gpt3")
+    from nvtp import explain
+
+    report = explain.explain_gpt(big, layers=1, plan="megatron-sp", devices=8, machine="h100-nvlink")
+    block = report.regions[-1]
+    assert len(block.schedules["forward"].rings) == 4  # q|k|v and fc in: gathers; attention out and fc out: reduce-scatters
+    for r in block.schedules["forward"].rings:
+        blocking, ringed = ring_seconds(block.forward, r, MACHINES["h100-nvlink"])
+        assert ringed < blocking and "h100-nvlink" in r.why
+    summary = report.schedule_summary()["forward"]
+    assert summary["hidden"] > 0.5  # the forward's gathers and reduce-scatters hide behind the projections
+    assert "collective matmuls" in report.as_text()
+
+
+def test_collective_matmul_is_refused_when_misspelt():
+    with pytest.raises(nvtp.errors.InputError, match="collective_matmul"):
+        nvtp.jit(_gpt(), plan="megatron-sp", mesh=DeviceMesh.of_size(2), comm=spmd.ThreadMesh(DeviceMesh.of_size(2)).comm(0),
+                 collective_matmul="yes")
+
+
+def _gloo_ring_worker(rank, world, init_method, out, collective_matmul):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.execute.launch import _quiet_stdout, init_group
+
+    init_group(rank, world, init_method)
+    with _quiet_stdout():
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = nvtp.jit(_gpt(), plan="megatron-sp", mesh=mesh, collective_matmul=collective_matmul)
+    idx, tgt = gpt.example_tokens(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = model(idx, tgt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    whole = [nvtp.full_tensor(p) for p in model.parameters()]
+    if rank == 0:
+        torch.save({"losses": losses, "params": whole, "rings": len(model.last.schedules["forward"].rings)}, out)
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_on_gloo_processes_collective_matmul_trains_like_the_collectives(tmp_path):
+    """2 gloo processes, megatron-sp: the ring steps (batch_isend_irecv started before each
+    block's matmul, waited for after it) train as the all-gathers and reduce-scatters do."""
+    from nvtp.execute.launch import spawn
+
+    got = {}
+    for on in (False, True):
+        out = tmp_path / f"{on}.pt"
+        assert spawn(_gloo_ring_worker, 2, str(out), on) == [0, 0]
+        got[on] = torch.load(out)
+    assert got[False]["rings"] == 0 and got[True]["rings"] == 4 * CFG.n_layer + 1
+    for a, b in zip(got[False]["losses"], got[True]["losses"]):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
+    for p, q in zip(got[False]["params"], got[True]["params"]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -63,6 +63,8 @@ def lower(
     all_values: bool = False,
     starts: Mapping[int, list[Any]] | None = None,
     start_for: Callable[[Any, list[Op]], Callable[..., Any]] | None = None,
+    rings: Sequence[Any] = (),
+    ring_for: Callable[[Any, Op, list[Op]], Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """``fusion`` as a GraphModule ``forward(ctx, *inputs)`` returning its outputs; with
     ``all_values``, the same graph run by fx's Interpreter, returning every value by name. Ops
@@ -72,7 +74,11 @@ def lower(
     ``starts`` (op index -> the ``nvtp.sharding.overlap.Issue``s started after that op; -1:
     before the first) schedule collectives: after the op, one node ``start_for(issue, set ops)(ctx,
     *their operands)`` starts them and gives one handle per ``set``; each ``set`` op becomes a node
-    that waits for its handle where the op stood."""
+    that waits for its handle where the op stood.
+
+    ``rings`` (``nvtp.sharding.overlap.Ring``s): each runs its ``set`` and ``linear``s as one node
+    ``ring_for(ring, set op, linear ops)(ctx, x, *(weight, bias) of each linear)``, where the
+    ``set`` stands; it gives the ``set``'s result (and, for a gather, each linear's)."""
     g = fx.Graph()
     ctx = g.placeholder("ctx")
     env: dict[str, fx.Node] = {}
@@ -103,9 +109,32 @@ def lower(
                                    name=f"start_{issue.sets[0]}")
             handles.update((name, (node, k)) for k, name in enumerate(issue.sets))
 
+    ring_at = {r.at: r for r in rings}
+    in_rings = {k for r in rings for k in r.linears}
+
+    def ring(r: Any, op: Op) -> None:
+        linears = [fusion.ops[k] for k in r.linears]
+        x = op.operands[0] if r.kind == "allgather-linear" else linears[0].arg("arg1")
+        weights = tuple(a for lin in linears for a in (arg(lin.arg("arg2")), arg(lin.arg("bias"))))
+        node = g.call_function(ring_for(r, op, linears), (ctx, env[x.name], *weights), name=f"ring_{op.outputs[0].name}")
+        if r.kind != "allgather-linear":
+            env[op.outputs[0].name] = node
+            node.meta["value"] = op.outputs[0]
+            return
+        for k, v in enumerate([op.outputs[0]] + [lin.outputs[0] for lin in linears]):
+            env[v.name] = g.call_function(operator.getitem, (node, k), name=v.name)
+            env[v.name].meta["value"] = v
+
     start(-1)
     for index, op in enumerate(fusion.ops):
         if op.kind in ("define_tensor", "define_scalar") or all(v.name in constants for v in op.outputs):
+            start(index)
+            continue
+        if index in in_rings:  # a ring's linear: computed by its ring (a gather's) or inside it (a reduce-scatter's)
+            start(index)
+            continue
+        if index in ring_at:
+            ring(ring_at[index], op)
             start(index)
             continue
         if op.outputs and op.outputs[0].name in handles:  # a scheduled set: wait for it here

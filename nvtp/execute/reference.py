@@ -300,6 +300,24 @@ def _start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
     return start
 
 
+def _ring_for(ring: Any, op: Op, linears: list[Op]) -> Callable[..., Any]:
+    """How a scheduled program runs one collective matmul (``nvtp.sharding.overlap.Ring``):
+    ``nvtp.execute.ring_matmul``, each linear's bias added where its op would add it."""
+    from nvtp.execute import ring_matmul
+
+    name = op.outputs[0].name
+
+    def run(ctx: Context, x: Any, *weights: Any) -> Any:
+        pairs = [(weights[2 * k], weights[2 * k + 1] if bias_applies(ctx, lin) else None) for k, lin in enumerate(linears)]
+        if ring.kind == "allgather-linear":
+            return ring_matmul.allgather_linear(ctx, ring.axis, ring.dim, name, x, pairs)
+        (w, b), = pairs
+        return ring_matmul.linear_reducescatter(ctx, ring.axis, ring.dim, name, x, w, b)
+
+    run.__name__ = run.__qualname__ = ring.kind.replace("-", "_")
+    return run
+
+
 def set_is_local(ctx: Context, op: Op) -> bool:
     """True when a ``set`` moves nothing: no placements, the same ones, or one device (on which
     every placement is the whole tensor)."""
@@ -908,8 +926,9 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
         fused.update(patterns.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype))
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
+    rings = getattr(schedule, "rings", ()) if starts is not None else ()
     module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values,
-                   starts=starts, start_for=_start_for)
+                   starts=starts, start_for=_start_for, rings=rings, ring_for=_ring_for)
     inputs = [(v, ctx.local_shape(v) if isinstance(v, TensorValue) else (), ctx.dtype(v.dtype)) for v in fusion.inputs]
     return Lowered(module, inputs, ctx.shapes, fused, folded)
 

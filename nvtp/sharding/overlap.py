@@ -29,7 +29,9 @@ runs the fusion as written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import is_partial
@@ -51,10 +53,40 @@ class Issue:
     bytes: int  # sent per rank, all of them together
 
 
+@dataclass(frozen=True)
+class Ring:
+    """A collective decomposed with the matmuls beside it into ring steps (collective matmul):
+
+    * ``"allgather-linear"``: the ``set`` ``name`` gathers a tensor split along ``dim`` over mesh
+      axis ``axis`` and ``linears`` (op indices) multiply it. Each of the n steps multiplies the
+      block at hand while it travels to the next rank: n - 1 point-to-point steps of one block,
+      each overlapped with a block's matmuls.
+    * ``"linear-reducescatter"``: the ``set`` ``name`` reduce-scatters the partial sum the
+      ``linear`` ``linears[0]`` makes. Each step computes one block of the product and adds it to
+      the running sum that arrives from the previous rank: n - 1 steps, each overlapped with the
+      next block's matmul.
+
+    The result is the same product, summed in another order (within rounding)."""
+
+    kind: str
+    name: str  # the set's result
+    at: int  # the index of the op whose place the ring takes (the set for allgather, the set for reduce-scatter)
+    linears: tuple[int, ...]
+    axis: int
+    dim: int  # the split dimension of the gathered input (allgather) or the scattered output (reduce-scatter)
+    steps: int  # point-to-point steps
+    step_bytes: int  # bytes each step sends
+    why: str = ""  # the cost model's figures
+
+
 @dataclass
 class Schedule:
     issues: list[Issue] = field(default_factory=list)
     bucket_bytes: int = BUCKET_BYTES
+    rings: list[Ring] = field(default_factory=list)
+
+    def ring_of(self, name: str) -> Ring | None:
+        return next((r for r in self.rings if r.name == name), None)
 
     def issue_of(self, name: str) -> Issue | None:
         return next((i for i in self.issues if name in i.sets), None)
@@ -102,12 +134,14 @@ def _collectives(sharded: ShardedFusion) -> list[_Comm]:
     return out
 
 
-def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTES) -> Schedule:
-    """The start point and bucket of every collective of ``sharded`` (see the module docstring).
+def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTES, rings: Sequence[Ring] = ()) -> Schedule:
+    """The start point and bucket of every collective of ``sharded`` (see the module docstring);
+    the ``set``s of ``rings`` (``plan_rings``) run as their rings instead.
     Ensures: every issue starts after its inputs exist and before its first member is waited for;
     members share kind, mesh axis, dtype and reduction; a bucket holds at most ``bucket_bytes``
     of tensor (or one collective larger than that)."""
-    comms = _collectives(sharded)
+    in_rings = {r.name for r in rings}
+    comms = [c for c in _collectives(sharded) if c.name not in in_rings]
     f = sharded.fusion
     names = [op.outputs[0].name if op.outputs else "" for op in f.ops]
     issues: list[Issue] = []
@@ -139,7 +173,7 @@ def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTE
     for bucket in open_buckets.values():
         issues.append(_issue(bucket, max(b.ready for b in bucket), names))
     issues.sort(key=lambda i: (i.at, min(i.waits)))
-    return Schedule(issues, bucket_bytes)
+    return Schedule(issues, bucket_bytes, list(rings))
 
 
 def _consecutive_buckets(comms: list[_Comm], bucket_bytes: int) -> list[list[_Comm]]:
@@ -186,7 +220,16 @@ MACHINES: dict[str, Machine] = {m.name: m for m in (
             links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 50e9, 20e-6)},
             describe="H100 nodes: tp inside a node over NVLink (450 GB/s at 80%), dp across nodes over 400 Gb/s "
                      "InfiniBand a GPU (50 GB/s at 80%), 20 us a collective across nodes"),
+    Machine("cpu-gloo", flops=40e9, memory=10e9, links={"tp": (1.2e9, 500e-6), "dp": (1.2e9, 500e-6)},
+            describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
+                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)"),
 )}
+
+
+def default_machine(target: str) -> Machine:
+    """The machine a program for ``target`` is planned for when none is named: GPUs over NVLink
+    for nvFuser, CPU processes over gloo for the reference backend."""
+    return MACHINES["h100-nvlink" if target == "nvfuser" else "cpu-gloo"]
 
 
 def op_seconds(op, machine: Machine, local_shape) -> float:
@@ -255,11 +298,17 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         link_free[issue.axis] = end
         done.update((name, end) for name in issue.sets)
 
+    rings = {r.at: r for r in getattr(schedule, "rings", ())}
+    in_rings = {k for r in rings.values() for k in r.linears}
     for issue in issues.get(-1, ()):
         launch(issue)
     for i, op in enumerate(f.ops):
         name = op.outputs[0].name if op.outputs else ""
-        if op.kind == "set" and name in comms:
+        if i in in_rings:  # its time is the ring's
+            pass
+        elif i in rings:  # a collective matmul: the ring's steps beside the blocks of its matmuls
+            now += ring_seconds(sharded, rings[i], machine)[1]
+        elif op.kind == "set" and name in comms:
             if name not in done:  # unscheduled: it starts here and blocks
                 launch(Issue(None, i, (name,), (i,), comms[name].axis, comms[name].kind, comms[name].bytes))
             now = max(now, done[name])
@@ -268,3 +317,118 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         for issue in issues.get(i, ()):
             launch(issue)
     return Exposure(compute, ideal, max(0.0, now - compute), ideal)
+
+
+# ---------------------------------------------------------------------------------------------
+# collective matmul: a gather before a matmul, or a reduce-scatter after one, as ring steps
+
+
+def _plain_shard(p) -> int | None:
+    """The dimension of a plain contiguous split (torch's ``Shard``, not strided), else None."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    return p.dim if isinstance(p, Shard) and not isinstance(p, _StridedShard) else None
+
+
+def find_rings(sharded: ShardedFusion) -> list[Ring]:
+    """Every place ``sharded`` could run as a collective matmul (``Ring``), each collective at
+    most once; ``why`` empty (``plan_rings`` decides which pay). Taken: an all-gather of a
+    plain split along a leading dimension whose users include ``linear``s that multiply it (their
+    weights ready before the gather), and a reduce-scatter, to a plain split of a leading
+    dimension, of the partial sum a ``linear`` makes and nothing else uses. The split dimension
+    must be split by no other mesh axis and divide evenly."""
+    from nvtp.sharding.placements import local_shape
+
+    f = sharded.fusion
+    index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
+    users: dict[str, list[int]] = {}
+    for i, op in enumerate(f.ops):
+        for v in op.operands:
+            users.setdefault(v.name, []).append(i)
+
+    def local(v):
+        return local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)
+
+    def ready_before(op, at: int) -> bool:  # every operand but the gathered one made before the gather
+        return all(index.get(v.name, -1) < at for v in op.operands if v.name != f.ops[at].outputs[0].name)
+
+    rings = []
+    for i, op in enumerate(f.ops):
+        if op.kind != "set" or not op.outputs:
+            continue
+        out = op.outputs[0]
+        step = sharded.set_steps.get(out.name)
+        if step is None or not step.is_communication or out.name not in sharded.shardings:
+            continue
+        n = sharded.mesh.shape[step.axis]
+        src = sharded.shardings[op.operands[0].name]
+        if step.kind == "allgather":
+            dim = _plain_shard(step.src)
+            x = op.operands[0]
+            if dim is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim):
+                continue
+            linears = tuple(u for u in users.get(out.name, ()) if f.ops[u].kind == "linear"
+                            and f.ops[u].arg("arg1").name == out.name and ready_before(f.ops[u], i))
+            if not linears or x.shape[dim] % n:
+                continue
+            block = local(x)
+            rings.append(Ring("allgather-linear", out.name, i, linears, step.axis, dim, n - 1,
+                              math.prod(block) * x.dtype.itemsize))
+        elif step.kind == "reduce_scatter":
+            dim = _plain_shard(step.dst)
+            x = op.operands[0]
+            maker = index.get(x.name)
+            if dim is None or maker is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim):
+                continue
+            lin = f.ops[maker]
+            if lin.kind != "linear" or users.get(x.name) != [i] or x.name in {v.name for v in f.outputs} or x.shape[dim] % n:
+                continue
+            block = local(out)
+            rings.append(Ring("linear-reducescatter", out.name, i, (maker,), step.axis, dim, n - 1,
+                              math.prod(block) * out.dtype.itemsize))
+    return rings
+
+
+def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
+    from nvtp.sharding.placements import axis_split
+
+    return any(a != axis and (axis_split(p) or (None,))[0] == dim for a, p in enumerate(sharding))
+
+
+def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
+    """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
+    blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
+    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block."""
+    from nvtp.sharding.placements import local_shape as shape_of
+
+    f = sharded.fusion
+
+    def local(v):
+        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
+
+    n = ring.steps + 1
+    bw, latency = machine.links.get(sharded.mesh.names[ring.axis], next(iter(machine.links.values())))
+    step = sharded.set_steps[ring.name]
+    collective = latency + step.bytes / bw
+    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
+    one_step = latency + ring.step_bytes / bw
+    block = compute / n
+    return collective + compute, (n - 1) * max(one_step, block) + block
+
+
+def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str = "auto") -> list[Ring]:
+    """The collective matmuls to run: ``mode`` True every candidate (``find_rings``), False none,
+    "auto" those the cost model (``ring_seconds`` on ``machine``) says are faster as a ring."""
+    if mode is False or sharded.mesh.size == 1:
+        return []
+    out = []
+    for ring in find_rings(sharded):
+        if machine is None:
+            if mode is True:
+                out.append(ring)
+            continue
+        blocking, ringed = ring_seconds(sharded, ring, machine)
+        why = f"{blocking * 1e6:.1f} us blocking, {ringed * 1e6:.1f} us as {ring.steps + 1} ring steps on {machine.name}"
+        if mode is True or ringed < blocking:
+            out.append(Ring(ring.kind, ring.name, ring.at, ring.linears, ring.axis, ring.dim, ring.steps, ring.step_bytes, why))
+    return out

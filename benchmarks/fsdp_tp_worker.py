@@ -1,0 +1,210 @@
+"""One rank of the FSDP + TP benchmark: a Llama-style model trained on (dp, tp) = (2, 2) by nvtp
+and by PyTorch's own FSDP2 + TP plan, side by side in the same 4 processes.
+
+The model is ``tests/complex_rotary.py``'s ``ComplexRotaryLM`` (complex rotary embeddings,
+RMSNorm, SwiGLU, grouped-query attention), written like pytorch/examples' ``llama2_model.py``.
+Both sides start from the same seed's weights and train on the same global batch (each dp rank
+its rows) with a whole step: forward, cross-entropy, backward, ``clip_grad_norm_(1.0)``, AdamW.
+
+* nvtp: ``nvtp.jit(model, plan="megatron-sp", mesh=(dp, tp), fsdp=True)``: the plan derived
+  from the graph, its collectives scheduled (``overlap=True``, the default).
+* PyTorch: the plan of pytorch/examples' ``fsdp_tp_example.py``, by module name:
+  ``parallelize_module`` with the embedding row-wise to a sequence-sharded output, the norms
+  ``SequenceParallel``, q/k/v and the MLP's up projections column-wise, the attention output and
+  MLP down projection row-wise to a sequence-sharded output, the head column-wise to a replicated
+  output (heads divided by tp, as that example does); then ``fully_shard`` over dp, each block
+  and the model.
+
+Timed in interleaved rounds (``tp_worker.timed_rounds``). Memory per rank: the bytes of the
+parameters, gradients and AdamW state a rank holds (counted, exact), and the growth of the
+process's peak resident memory over one step (Linux's VmHWM, reset through
+``/proc/self/clear_refs`` before the step: measured, including the allocator's slack).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Job:
+    out: str
+    dim: int = 256
+    layers: int = 2
+    heads: int = 16
+    kv_heads: int = 16
+    hidden: int = 704
+    vocab: int = 512
+    seq: int = 64
+    batch: int = 4  # global: each dp rank trains on batch // dp rows
+    dp: int = 2
+    tp: int = 2
+    rounds: int = 10
+    warmup: int = 2
+    threads: int = 1
+    profile: bool = False  # also write a torch.profiler table per side (rank 0)
+
+    def config(self):
+        from tests.complex_rotary import Config
+
+        return Config(dim=self.dim, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads, vocab=self.vocab,
+                      hidden=self.hidden, max_seq=self.seq)
+
+
+def pytorch_plan(model, mesh) -> torch.nn.Module:
+    """fsdp_tp_example.py's plan on ``ComplexRotaryLM``'s module names."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    tp, dp = mesh["tp"], mesh["dp"]
+    parallelize_module(model, tp, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.blocks:
+        parallelize_module(block, tp, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "w1": ColwiseParallel(input_layouts=Shard(1)), "w3": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+        block.attn.heads //= tp.size()
+        block.attn.kv_heads //= tp.size()
+    for block in model.blocks:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (its shards)."""
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in model.parameters():
+        total += local(p).nbytes + (local(p.grad).nbytes if p.grad is not None else 0)
+    for state in optimizer.state.values():
+        total += sum(local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def peak_growth(step) -> int:
+    """Bytes the process's peak resident memory grows over one call of ``step``."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before = _rss_kib("VmRSS:")
+    step()
+    return (_rss_kib("VmHWM:") - before) * 1024
+
+
+def worker(rank: int, world: int, init_method: str, job: Job) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import nvtp
+    from benchmarks.tp_worker import timed_rounds
+    from nvtp.execute.launch import init_group
+    from tests.complex_rotary import ComplexRotaryLM
+
+    init_group(rank, world, init_method, timeout_s=900.0)
+    torch.set_num_threads(job.threads)
+    try:
+        mesh = init_device_mesh("cpu", (job.dp, job.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh.get_local_rank("dp")
+        torch.manual_seed(0)
+        model = ComplexRotaryLM(job.config())
+        rows = job.batch // job.dp
+        data = torch.randint(0, job.vocab, (job.batch, job.seq + 1), generator=torch.Generator().manual_seed(1))
+        idx, targets = data[dp_rank * rows:(dp_rank + 1) * rows, :-1], data[dp_rank * rows:(dp_rank + 1) * rows, 1:]
+
+        sides = {"nvtp": nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, fsdp=True),
+                 "pytorch": pytorch_plan(copy.deepcopy(model), mesh)}
+        optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in sides.items()}
+        losses: dict[str, list[float]] = {n: [] for n in sides}
+
+        def step(name):
+            m, opt = sides[name], optimizers[name]
+            logits = m(idx)
+            loss = F.cross_entropy(logits.reshape(-1, job.vocab), targets.reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        first = {}
+        for name in sides:  # the first step compiles nvtp's program
+            start = time.perf_counter()
+            losses[name].append(float(step(name)))
+            first[name] = time.perf_counter() - start
+
+        def timed(name):
+            losses[name].append(float(step(name)))
+
+        seconds = timed_rounds({n: (lambda n=n: timed(n)) for n in sides}, job.rounds, job.warmup)
+        held = {n: held_bytes(sides[n], optimizers[n]) for n in sides}
+        growth = {n: peak_growth(lambda n=n: timed(n)) for n in sides}
+        memory = torch.tensor([[held[n], growth[n]] for n in sides], dtype=torch.float64)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        profiles = {}
+        if job.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for n in sides:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    timed(n)
+                profiles[n] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        if rank == 0:
+            with open(job.out, "w") as f:
+                json.dump({"job": asdict(job), "world": world, "seconds": seconds, "losses": losses, "first_call_seconds": first,
+                           "held_bytes": {n: memory[i, 0].item() for i, n in enumerate(sides)},
+                           "peak_growth_bytes": {n: memory[i, 1].item() for i, n in enumerate(sides)},
+                           "profiles": profiles}, f)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def eager_losses(job: Job, steps: int) -> list[float]:
+    """One process on the whole batch, the same whole step: the losses both sides must reproduce
+    (each dp rank's loss is its rows' mean; the mean over dp ranks is the whole batch's)."""
+    from tests.complex_rotary import ComplexRotaryLM
+
+    torch.manual_seed(0)
+    model = ComplexRotaryLM(job.config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, job.vocab, (job.batch, job.seq + 1), generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(steps):
+        rows = job.batch // job.dp
+        per_rank = []
+        logits = model(data[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, job.vocab), data[:, 1:].reshape(-1))
+        for r in range(job.dp):
+            part = logits[r * rows:(r + 1) * rows]
+            per_rank.append(F.cross_entropy(part.reshape(-1, job.vocab), data[r * rows:(r + 1) * rows, 1:].reshape(-1)).item())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(per_rank[0])
+    return out

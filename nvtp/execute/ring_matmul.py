@@ -1,0 +1,99 @@
+"""Collective matmul: a gather before ``linear``s, or a reduce-scatter after one, run as ring steps.
+
+The schedule (``nvtp.sharding.overlap.Ring``, chosen by ``plan_rings``) names the ``set`` and the
+``linear``s; the reference backend's lowering (``nvtp.execute.lower``) runs them here as one node.
+Each of the n ranks of the mesh axis holds one block of the split dimension:
+
+* **all-gather + linear** (a column-parallel projection of sequence-parallel activations): the
+  rank multiplies the block it holds while sending it on to the next rank and receiving the
+  previous rank's, n blocks in n steps (n - 1 transfers, each beside a block's matmuls). The
+  products and the gathered tensor are assembled in rank order, as the all-gather would give.
+* **linear + reduce-scatter** (a row-parallel projection back to sequence-parallel): at step s
+  the rank computes its partial product for block (rank - 1 - s) mod n and adds it to the
+  running sum arriving from the previous rank; after n - 1 transfers the sum it holds is its
+  own block, summed over every rank (the next block's matmul runs while a sum travels).
+
+On torch.distributed each transfer is ``batch_isend_irecv`` started before the block's matmul
+and waited for after it; between the threads of the simulated tier it is an exchange. Every
+transfer is logged as a ``sendrecv`` on the axis with its bytes, as the schedule plans it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nvtp.execute.collectives import PROGRESS, DistComm, on_axis
+from nvtp.execute import ring
+from nvtp.execute.ring import shift
+
+
+class _Transfer:
+    """One point-to-point step under way: ``wait()`` gives the previous rank's tensor."""
+
+    def __init__(self, t: torch.Tensor, comm: Any):
+        self.comm, self.out, self.works = comm, None, None
+        if isinstance(comm, DistComm) and comm.size > 1:
+            dist = comm.dist
+            ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(dist.get_world_size()))
+            t = t.contiguous()
+            self.out = torch.empty_like(t)
+            self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, ranks[(comm.rank + 1) % comm.size], comm.group),
+                                                 dist.P2POp(dist.irecv, self.out, ranks[(comm.rank - 1) % comm.size], comm.group)])
+        else:  # threads of one process (an exchange, done now), or any other Comm
+            self.out = shift(t, comm)
+
+    def wait(self) -> torch.Tensor:
+        if self.works is not None:
+            with PROGRESS:
+                for w in self.works:
+                    w.wait()
+            self.works = None
+        return self.out
+
+
+def _send(ctx: Any, t: torch.Tensor, comm: Any, axis: int, name: str) -> _Transfer:
+    from nvtp.execute.reference import Communication
+
+    nbytes = t.numel() * t.element_size()
+    for record in ring._RECORDS:  # an open ``nvtp.execute.ring.recording()``
+        record.append((name, nbytes))
+    ctx.log.append(Communication("sendrecv", name, nbytes, axis))
+    return _Transfer(t, comm)
+
+
+def allgather_linear(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor,
+                     linears: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """[the gathered x, linear(gathered x, w, b) for each (w, b) of ``linears``]: x is this
+    rank's block of ``dim`` on mesh axis ``axis``."""
+    comm = on_axis(ctx.comm, axis)
+    n, r = comm.size, comm.rank
+    blocks: list[torch.Tensor | None] = [None] * n
+    outs: list[list[torch.Tensor | None]] = [[None] * n for _ in linears]
+    held = x
+    for s in range(n):
+        index = (r - s) % n
+        transfer = _send(ctx, held, comm, axis, name) if s < n - 1 else None
+        blocks[index] = held
+        for k, (w, b) in enumerate(linears):
+            outs[k][index] = F.linear(held, w, b)
+        if transfer is not None:
+            held = transfer.wait()
+    return [torch.cat(blocks, dim)] + [torch.cat(o, dim) for o in outs]
+
+
+def linear_reducescatter(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor, w: torch.Tensor,
+                         b: torch.Tensor | None) -> torch.Tensor:
+    """This rank's block (of ``dim``, on mesh axis ``axis``) of linear(x, w, b) summed over the
+    axis's ranks: x and w are this rank's parts of a contraction split over the axis."""
+    comm = on_axis(ctx.comm, axis)
+    n, r = comm.size, comm.rank
+    xs = x.chunk(n, dim)
+    total, transfer = None, None
+    for s in range(n):
+        part = F.linear(xs[(r - 1 - s) % n], w, b)
+        total = part if transfer is None else transfer.wait() + part
+        transfer = _send(ctx, total, comm, axis, name) if s < n - 1 else None
+    return total
