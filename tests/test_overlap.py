@@ -221,9 +221,14 @@ def test_collective_matmul_computes_what_the_collectives_compute(mesh):
     args = (idx, tgt) if mesh.ndim == 1 else (idx[:1], tgt[:1])
     plain = _train_ring(mesh, False, args)
     ringed = _train_ring(mesh, True, args)
-    rings = ringed[2].schedules["forward"].rings
-    kinds = {r.kind for r in rings}
-    assert kinds == {"allgather-linear", "linear-reducescatter"} and len(rings) == 4 * CFG.n_layer + 1  # 4 a layer (2 gathers, 2 reduce-scatters), and the head's gather
+    forward, backward = ringed[2].schedules["forward"].rings, ringed[2].schedules["backward"].rings
+    rings = forward + backward
+    assert {r.kind for r in forward} == {"allgather-linear", "linear-reducescatter"}
+    assert len(forward) == 4 * CFG.n_layer + 1  # 4 a layer (2 gathers, 2 reduce-scatters), and the head's gather
+    # The backward's gathers before the products by the weights (reshape -> matmul -> reshape); its
+    # reduce-scatters stay collectives (the partial sums feed a sum too).
+    assert {r.kind for r in backward} == {"allgather-linear"} and len(backward) == 2 * CFG.n_layer
+    assert all(len(c) == 3 for r in backward for c in r.chains)
     assert not plain[2].schedules["forward"].rings and plain[3] == 0
     for a, b in zip(plain[0], ringed[0]):
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
@@ -234,7 +239,7 @@ def test_collective_matmul_computes_what_the_collectives_compute(mesh):
     assert len(planned) == len(rings) * (n - 1) == ringed[3]
     assert sorted(ringed[4][:len(planned) * mesh.size]) == sorted(planned * mesh.size)
     ring_sets = {r.name for r in rings}  # none of them runs as a collective any more
-    assert not any(set(i.sets) & ring_sets for i in ringed[2].schedules["forward"].issues)
+    assert not any(set(i.sets) & ring_sets for phase in ("forward", "backward") for i in ringed[2].schedules[phase].issues)
 
 
 def test_the_cost_model_takes_a_ring_where_it_pays():

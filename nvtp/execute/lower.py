@@ -110,18 +110,19 @@ def lower(
             handles.update((name, (node, k)) for k, name in enumerate(issue.sets))
 
     ring_at = {r.at: r for r in rings}
-    in_rings = {k for r in rings for k in r.linears}
+    in_rings = {k for r in rings for c in r.chains for k in c}
+    values = fusion.values
 
     def ring(r: Any, op: Op) -> None:
-        linears = [fusion.ops[k] for k in r.linears]
-        x = op.operands[0] if r.kind == "allgather-linear" else linears[0].arg("arg1")
-        weights = tuple(a for lin in linears for a in (arg(lin.arg("arg2")), arg(lin.arg("bias"))))
-        node = g.call_function(ring_for(r, op, linears), (ctx, env[x.name], *weights), name=f"ring_{op.outputs[0].name}")
+        products = [fusion.ops[k] for k in r.linears]
+        made = [fusion.ops[c[-1]].outputs[0] for c in r.chains]  # what each product's chain hands on
+        weights = tuple(a for p in products for a in (arg(p.operands[1]), arg(p.arg("bias")) if p.kind == "linear" else None))
+        node = g.call_function(ring_for(r, op, products), (ctx, env[values[r.x].name], *weights), name=f"ring_{op.outputs[0].name}")
         if r.kind != "allgather-linear":
             env[op.outputs[0].name] = node
             node.meta["value"] = op.outputs[0]
             return
-        for k, v in enumerate([op.outputs[0]] + [lin.outputs[0] for lin in linears]):
+        for k, v in enumerate([op.outputs[0]] + made):
             env[v.name] = g.call_function(operator.getitem, (node, k), name=v.name)
             env[v.name].meta["value"] = v
 

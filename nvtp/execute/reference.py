@@ -300,19 +300,20 @@ def _start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
     return start
 
 
-def _ring_for(ring: Any, op: Op, linears: list[Op]) -> Callable[..., Any]:
+def _ring_for(ring: Any, op: Op, products: list[Op]) -> Callable[..., Any]:
     """How a scheduled program runs one collective matmul (``nvtp.sharding.overlap.Ring``):
-    ``nvtp.execute.ring_matmul``, each linear's bias added where its op would add it."""
+    ``nvtp.execute.ring_matmul``, each ``linear``'s bias added where its op would add it."""
     from nvtp.execute import ring_matmul
 
     name = op.outputs[0].name
 
     def run(ctx: Context, x: Any, *weights: Any) -> Any:
-        pairs = [(weights[2 * k], weights[2 * k + 1] if bias_applies(ctx, lin) else None) for k, lin in enumerate(linears)]
+        uses = [(p.kind, weights[2 * k], weights[2 * k + 1] if p.kind == "linear" and bias_applies(ctx, p) else None)
+                for k, p in enumerate(products)]
         if ring.kind == "allgather-linear":
-            return ring_matmul.allgather_linear(ctx, ring.axis, ring.dim, name, x, pairs)
-        (w, b), = pairs
-        return ring_matmul.linear_reducescatter(ctx, ring.axis, ring.dim, name, x, w, b)
+            return ring_matmul.allgather_linear(ctx, ring.axis, ring.dim, name, x, uses)
+        (use,) = uses
+        return ring_matmul.linear_reducescatter(ctx, ring.axis, ring.dim, name, x, use)
 
     run.__name__ = run.__qualname__ = ring.kind.replace("-", "_")
     return run

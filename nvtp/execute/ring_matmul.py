@@ -64,36 +64,46 @@ def _send(ctx: Any, t: torch.Tensor, comm: Any, axis: int, name: str) -> _Transf
     return _Transfer(t, comm)
 
 
+def product(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x, w, b)``, or (``kind`` "matmul") x's rows times w in x's leading shape: the
+    backward's reshape -> matmul -> reshape."""
+    if kind == "linear":
+        return F.linear(x, w, b)
+    return torch.matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
 def allgather_linear(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor,
-                     linears: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """[the gathered x, linear(gathered x, w, b) for each (w, b) of ``linears``]: x is this
-    rank's block of ``dim`` on mesh axis ``axis``."""
+                     uses: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """[the gathered x, the product of the gathered x by w for each (kind, w, b) of ``uses``]: x
+    is this rank's block of ``dim`` on mesh axis ``axis``."""
     comm = on_axis(ctx.comm, axis)
     n, r = comm.size, comm.rank
     blocks: list[torch.Tensor | None] = [None] * n
-    outs: list[list[torch.Tensor | None]] = [[None] * n for _ in linears]
+    outs: list[list[torch.Tensor | None]] = [[None] * n for _ in uses]
     held = x
     for s in range(n):
         index = (r - s) % n
         transfer = _send(ctx, held, comm, axis, name) if s < n - 1 else None
         blocks[index] = held
-        for k, (w, b) in enumerate(linears):
-            outs[k][index] = F.linear(held, w, b)
+        for k, (kind, w, b) in enumerate(uses):
+            outs[k][index] = product(kind, held, w, b)
         if transfer is not None:
             held = transfer.wait()
     return [torch.cat(blocks, dim)] + [torch.cat(o, dim) for o in outs]
 
 
-def linear_reducescatter(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor, w: torch.Tensor,
-                         b: torch.Tensor | None) -> torch.Tensor:
-    """This rank's block (of ``dim``, on mesh axis ``axis``) of linear(x, w, b) summed over the
-    axis's ranks: x and w are this rank's parts of a contraction split over the axis."""
+def linear_reducescatter(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor,
+                         use: tuple[str, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """This rank's block (of ``dim``, on mesh axis ``axis``) of the product ``use`` = (kind, w, b)
+    of x, summed over the axis's ranks: x and w are this rank's parts of a contraction split over
+    the axis."""
+    kind, w, b = use
     comm = on_axis(ctx.comm, axis)
     n, r = comm.size, comm.rank
     xs = x.chunk(n, dim)
     total, transfer = None, None
     for s in range(n):
-        part = F.linear(xs[(r - 1 - s) % n], w, b)
+        part = product(kind, xs[(r - 1 - s) % n], w, b)
         total = part if transfer is None else transfer.wait() + part
         transfer = _send(ctx, total, comm, axis, name) if s < n - 1 else None
     return total

@@ -29,6 +29,7 @@ runs the fusion as written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -58,7 +59,8 @@ class Ring:
     """A collective decomposed with the matmuls beside it into ring steps (collective matmul):
 
     * ``"allgather-linear"``: the ``set`` ``name`` gathers a tensor split along ``dim`` over mesh
-      axis ``axis`` and ``linears`` (op indices) multiply it. Each of the n steps multiplies the
+      axis ``axis`` and the products ``linears`` (op indices: ``linear``, or ``matmul`` between
+      reshapes to rows and back, ``chains``) multiply it. Each of the n steps multiplies the
       block at hand while it travels to the next rank: n - 1 point-to-point steps of one block,
       each overlapped with a block's matmuls.
     * ``"linear-reducescatter"``: the ``set`` ``name`` reduce-scatters the partial sum the
@@ -77,6 +79,8 @@ class Ring:
     steps: int  # point-to-point steps
     step_bytes: int  # bytes each step sends
     why: str = ""  # the cost model's figures
+    x: str = ""  # the value the ring reads: the gathered block, or the rows of the product it reduce-scatters
+    chains: tuple[tuple[int, ...], ...] = ()  # per product, the ops the ring computes: (linear,) or (reshape, matmul, reshape) (a gather's), (matmul, reshape) (a reduce-scatter's)
 
 
 @dataclass
@@ -299,7 +303,7 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         done.update((name, end) for name in issue.sets)
 
     rings = {r.at: r for r in getattr(schedule, "rings", ())}
-    in_rings = {k for r in rings.values() for k in r.linears}
+    in_rings = {k for r in rings.values() for c in r.chains for k in c}
     for issue in issues.get(-1, ()):
         launch(issue)
     for i, op in enumerate(f.ops):
@@ -332,15 +336,20 @@ def _plain_shard(p) -> int | None:
 
 def find_rings(sharded: ShardedFusion) -> list[Ring]:
     """Every place ``sharded`` could run as a collective matmul (``Ring``), each collective at
-    most once; ``why`` empty (``plan_rings`` decides which pay). Taken: an all-gather of a
-    plain split along a leading dimension whose users include ``linear``s that multiply it (their
-    weights ready before the gather), and a reduce-scatter, to a plain split of a leading
-    dimension, of the partial sum a ``linear`` makes and nothing else uses. The split dimension
-    must be split by no other mesh axis and divide evenly."""
+    most once; ``why`` empty (``plan_rings`` decides which pay). Taken:
+
+    * an all-gather of a plain split along a leading dimension, whose users include products
+      by a weight ready before the gather: ``linear(x, w, b)``, or ``reshape`` to rows ->
+      ``matmul(rows, w)`` -> ``reshape`` back (the backward's form of the same product);
+    * a reduce-scatter, to a plain split of a leading dimension, of the partial sum such a product
+      makes and nothing else uses.
+
+    The split dimension must be split by no other mesh axis and divide evenly."""
     from nvtp.sharding.placements import local_shape
 
     f = sharded.fusion
     index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
+    outputs = {v.name for v in f.outputs}
     users: dict[str, list[int]] = {}
     for i, op in enumerate(f.ops):
         for v in op.operands:
@@ -349,8 +358,30 @@ def find_rings(sharded: ShardedFusion) -> list[Ring]:
     def local(v):
         return local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)
 
-    def ready_before(op, at: int) -> bool:  # every operand but the gathered one made before the gather
-        return all(index.get(v.name, -1) < at for v in op.operands if v.name != f.ops[at].outputs[0].name)
+    def only_use(v, k: int) -> bool:
+        return users.get(v.name) == [k] and v.name not in outputs
+
+    def product_of(x, at: int) -> tuple[int, ...] | None:
+        """The ops of a product ``x`` feeds as its rows (``at``: the op making x), or None."""
+        chains = []
+        for u in users.get(x.name, ()):
+            op = f.ops[u]
+            if op.kind == "linear" and op.arg("arg1").name == x.name and all(index.get(v.name, -1) < at for v in op.operands[1:]):
+                chains.append((u,))
+            elif op.kind == "reshape" and len(op.outputs[0].shape) == 2 and op.outputs[0].shape[-1] == x.shape[-1]:
+                rows = op.outputs[0]
+                if len(users.get(rows.name, ())) != 1 or rows.name in outputs:
+                    continue
+                m = users[rows.name][0]
+                mm = f.ops[m]
+                if mm.kind != "matmul" or mm.operands[0].name != rows.name or len(mm.operands[1].shape) != 2 \
+                        or index.get(mm.operands[1].name, -1) >= at or len(users.get(mm.outputs[0].name, ())) != 1:
+                    continue
+                back = users[mm.outputs[0].name][0]
+                r2 = f.ops[back]
+                if only_use(mm.outputs[0], back) and r2.kind == "reshape" and tuple(r2.outputs[0].shape[:-1]) == tuple(x.shape[:-1]):
+                    chains.append((u, m, back))
+        return tuple(chains) or None
 
     rings = []
     for i, op in enumerate(f.ops):
@@ -361,31 +392,36 @@ def find_rings(sharded: ShardedFusion) -> list[Ring]:
         if step is None or not step.is_communication or out.name not in sharded.shardings:
             continue
         n = sharded.mesh.shape[step.axis]
-        src = sharded.shardings[op.operands[0].name]
+        x = op.operands[0]
+        src = sharded.shardings[x.name]
         if step.kind == "allgather":
             dim = _plain_shard(step.src)
-            x = op.operands[0]
-            if dim is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim):
+            if dim is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim) or x.shape[dim] % n:
                 continue
-            linears = tuple(u for u in users.get(out.name, ()) if f.ops[u].kind == "linear"
-                            and f.ops[u].arg("arg1").name == out.name and ready_before(f.ops[u], i))
-            if not linears or x.shape[dim] % n:
-                continue
-            block = local(x)
-            rings.append(Ring("allgather-linear", out.name, i, linears, step.axis, dim, n - 1,
-                              math.prod(block) * x.dtype.itemsize))
+            chains = product_of(out, i)
+            if chains:
+                rings.append(Ring("allgather-linear", out.name, i, tuple(c[len(c) // 2] for c in chains), step.axis, dim, n - 1,
+                                  math.prod(local(x)) * x.dtype.itemsize, chains=chains, x=x.name))
         elif step.kind == "reduce_scatter":
             dim = _plain_shard(step.dst)
-            x = op.operands[0]
             maker = index.get(x.name)
-            if dim is None or maker is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim):
+            if dim is None or maker is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim) \
+                    or x.shape[dim] % n or not only_use(x, i):
                 continue
-            lin = f.ops[maker]
-            if lin.kind != "linear" or users.get(x.name) != [i] or x.name in {v.name for v in f.outputs} or x.shape[dim] % n:
+            last = f.ops[maker]
+            if last.kind == "linear":
+                chain, rows = (maker,), last.arg("arg1")
+            elif last.kind == "reshape" and last.operands[0].name in index and only_use(last.operands[0], maker):
+                m = index[last.operands[0].name]
+                rows = f.ops[m].operands[0] if f.ops[m].kind == "matmul" else None
+                flat = f.ops[index[rows.name]] if rows is not None and rows.name in index else None
+                if flat is None or flat.kind != "reshape" or tuple(flat.operands[0].shape[:-1]) != tuple(x.shape[:-1]):
+                    continue
+                chain, rows = (m, maker), flat.operands[0]
+            else:
                 continue
-            block = local(out)
-            rings.append(Ring("linear-reducescatter", out.name, i, (maker,), step.axis, dim, n - 1,
-                              math.prod(block) * out.dtype.itemsize))
+            rings.append(Ring("linear-reducescatter", out.name, i, (chain[0],), step.axis, dim, n - 1,
+                              math.prod(local(out)) * out.dtype.itemsize, chains=(chain,), x=rows.name))
     return rings
 
 
@@ -430,5 +466,5 @@ def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str
         blocking, ringed = ring_seconds(sharded, ring, machine)
         why = f"{blocking * 1e6:.1f} us blocking, {ringed * 1e6:.1f} us as {ring.steps + 1} ring steps on {machine.name}"
         if mode is True or ringed < blocking:
-            out.append(Ring(ring.kind, ring.name, ring.at, ring.linears, ring.axis, ring.dim, ring.steps, ring.step_bytes, why))
+            out.append(dataclasses.replace(ring, why=why))
     return out
