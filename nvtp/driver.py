@@ -292,7 +292,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     ``overlap``: schedule the collectives (``nvtp.sharding.overlap``: started as soon as their
     inputs exist, small ones bucketed, FSDP's gathers prefetched a bucket ahead); False: each
     blocks where it stands. ``collective_matmul`` (with ``overlap``): a gather before a matmul and
-    a reduce-scatter after one run as ring steps beside the matmul's blocks (``overlap.plan_rings``):
+    a reduce-scatter after one run as ring steps beside the matmul's blocks (``collective_matmul.plan_rings``):
     "auto" where the cost model says it pays on ``machine`` (an ``overlap.Machine`` or its name;
     by default the backend's: ``overlap.default_machine``), True everywhere it applies, False
     nowhere. Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
@@ -311,7 +311,8 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
         schedules = {}
         if overlap and mesh.size > 1:
             from nvtp.errors import InputError
-            from nvtp.sharding.overlap import MACHINES, default_machine, plan_rings, schedule_collectives
+            from nvtp.sharding.collective_matmul import plan_rings
+            from nvtp.sharding.overlap import MACHINES, default_machine, schedule_collectives
 
             if collective_matmul not in (True, False, "auto"):
                 raise InputError(f"collective_matmul={collective_matmul!r}: pass True, False or 'auto'")

@@ -245,7 +245,8 @@ def test_collective_matmul_computes_what_the_collectives_compute(mesh):
 def test_the_cost_model_takes_a_ring_where_it_pays():
     """On the H100 machine model a GPT-3 layer's projections pay as rings; on this CPU's gloo
     model the tiny GPT's (a few KiB a step, 0.5 ms a step) do not, so "auto" leaves them."""
-    from nvtp.sharding.overlap import MACHINES, find_rings, plan_rings, ring_seconds
+    from nvtp.sharding.collective_matmul import find_rings, plan_rings, ring_seconds
+    from nvtp.sharding.overlap import MACHINES
 
     program = _program(DeviceMesh.of_size(4), plan="megatron-sp")
     candidates = find_rings(program.forward)
@@ -318,3 +319,41 @@ def test_on_gloo_processes_collective_matmul_trains_like_the_collectives(tmp_pat
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
     for p, q in zip(got[False]["params"], got[True]["params"]):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_collective_matmuls_print_as_nvfusers_stream_parallel_schedule_and_build(tmp_path):
+    """``write_nvfuser`` of a program with collective matmuls adds, per phase and kind, the
+    product as nvFuser's own overlap tests write it: the gathered input split over devices and
+    the product's rows over streams (``ParallelType.stream``); for a reduce-scatter the
+    contraction split over devices and the set after it reduce-scattering. nvfuser_direct builds
+    each from its text, and nvtp reads back the device placements (streams are no placement)."""
+    from nvtp.execute.nvfuser import build_from_text
+    from nvtp.ir.parser import parse
+    from nvtp.sharding.placements import Partial, Replicate, Shard
+    from nvtp.sharding.schedule import shardings_from_schedule
+
+    idx, tgt = gpt.example_tokens(CFG)
+    program = driver.compile(_gpt(), idx, tgt, plan="megatron-sp", mesh=4, backend="nvfuser", collective_matmul=True)
+    paths = program.write_nvfuser(tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["program_bwd.py", "program_bwd_collective_matmul_allgather.py", "program_fwd.py",
+                     "program_fwd_collective_matmul_allgather.py", "program_fwd_collective_matmul_reducescatter.py"]
+    for path in paths:
+        text = path.read_text()
+        build_from_text(text, str(path))
+        if "collective_matmul" not in path.name:
+            continue
+        assert "parallelize(ParallelType.stream)" in text
+        dump = parse(text, str(path))
+        f = dump.fusion
+        shardings, _ = shardings_from_schedule(f, dump.schedule)
+        x, out = f.inputs[0].name, f.outputs[0].name
+        assert shardings[x] == ((Shard(1),) if "allgather" in path.name else (Shard(2),))
+        if "allgather" in path.name:  # whole rows (the streams are no placement): the column-parallel features split, if any
+            assert shardings[out] in ((Shard(2),), (Replicate(),))
+        else:  # the rows reduce-scattered
+            assert shardings[out] == (Shard(1),)
+        if "reducescatter" in path.name:
+            assert any(s == (Partial("sum"),) for s in shardings.values())
+    no_rings = driver.compile(_gpt(), idx, tgt, plan="megatron-sp", mesh=4, backend="nvfuser", collective_matmul=False)
+    assert len(no_rings.write_nvfuser(tmp_path / "plain")) == 2

@@ -513,15 +513,15 @@ class _FunctionReader:
             return
         if isinstance(func, ast.Attribute):
             method = func.attr
-            # T.axis(i).parallelize(ParallelType.mesh_x)
+            # T.axis(i).parallelize(ParallelType.mesh_x); ParallelType.stream: a host loop over streams (collective matmul)
             if method == "parallelize" and isinstance(func.value, ast.Call) and isinstance(func.value.func, ast.Attribute) and func.value.func.attr == "axis":
                 tensor = self._tensor_name(func.value.func.value)
                 axis = self.expr(func.value.args[0]) if len(func.value.args) == 1 else None
                 ptype = _dotted(call.args[0]) if len(call.args) == 1 else None
                 kind = ptype.rsplit(".", 1)[-1] if ptype is not None and ptype.split(".")[-2:-1] == ["ParallelType"] else None
-                if not isinstance(axis, int) or kind not in ("mesh_x", "mesh_y"):
+                if not isinstance(axis, int) or kind not in ("mesh_x", "mesh_y", "stream"):
                     raise self.fail(call, "expected `T.axis(i).parallelize(ParallelType.mesh_x)` (or `ParallelType.mesh_y` "
-                                          "on a 2-D mesh)")
+                                          "on a 2-D mesh, or `ParallelType.stream`)")
                 mesh = self.meshes.get(tensor)
                 if kind == "mesh_y" and mesh is not None and not (mesh and isinstance(mesh[0], tuple)):
                     raise self.fail(call, f"{tensor} is parallelized with ParallelType.mesh_y, but its mesh {list(mesh)} has one axis "

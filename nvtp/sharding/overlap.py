@@ -29,7 +29,6 @@ runs the fusion as written.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -311,6 +310,8 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         if i in in_rings:  # its time is the ring's
             pass
         elif i in rings:  # a collective matmul: the ring's steps beside the blocks of its matmuls
+            from nvtp.sharding.collective_matmul import ring_seconds
+
             now += ring_seconds(sharded, rings[i], machine)[1]
         elif op.kind == "set" and name in comms:
             if name not in done:  # unscheduled: it starts here and blocks
@@ -321,150 +322,3 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         for issue in issues.get(i, ()):
             launch(issue)
     return Exposure(compute, ideal, max(0.0, now - compute), ideal)
-
-
-# ---------------------------------------------------------------------------------------------
-# collective matmul: a gather before a matmul, or a reduce-scatter after one, as ring steps
-
-
-def _plain_shard(p) -> int | None:
-    """The dimension of a plain contiguous split (torch's ``Shard``, not strided), else None."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
-
-    return p.dim if isinstance(p, Shard) and not isinstance(p, _StridedShard) else None
-
-
-def find_rings(sharded: ShardedFusion) -> list[Ring]:
-    """Every place ``sharded`` could run as a collective matmul (``Ring``), each collective at
-    most once; ``why`` empty (``plan_rings`` decides which pay). Taken:
-
-    * an all-gather of a plain split along a leading dimension, whose users include products
-      by a weight ready before the gather: ``linear(x, w, b)``, or ``reshape`` to rows ->
-      ``matmul(rows, w)`` -> ``reshape`` back (the backward's form of the same product);
-    * a reduce-scatter, to a plain split of a leading dimension, of the partial sum such a product
-      makes and nothing else uses.
-
-    The split dimension must be split by no other mesh axis and divide evenly."""
-    from nvtp.sharding.placements import local_shape
-
-    f = sharded.fusion
-    index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
-    outputs = {v.name for v in f.outputs}
-    users: dict[str, list[int]] = {}
-    for i, op in enumerate(f.ops):
-        for v in op.operands:
-            users.setdefault(v.name, []).append(i)
-
-    def local(v):
-        return local_shape(v.shape, sharded.shardings[v.name], sharded.mesh)
-
-    def only_use(v, k: int) -> bool:
-        return users.get(v.name) == [k] and v.name not in outputs
-
-    def product_of(x, at: int) -> tuple[int, ...] | None:
-        """The ops of a product ``x`` feeds as its rows (``at``: the op making x), or None."""
-        chains = []
-        for u in users.get(x.name, ()):
-            op = f.ops[u]
-            if op.kind == "linear" and op.arg("arg1").name == x.name and all(index.get(v.name, -1) < at for v in op.operands[1:]):
-                chains.append((u,))
-            elif op.kind == "reshape" and len(op.outputs[0].shape) == 2 and op.outputs[0].shape[-1] == x.shape[-1]:
-                rows = op.outputs[0]
-                if len(users.get(rows.name, ())) != 1 or rows.name in outputs:
-                    continue
-                m = users[rows.name][0]
-                mm = f.ops[m]
-                if mm.kind != "matmul" or mm.operands[0].name != rows.name or len(mm.operands[1].shape) != 2 \
-                        or index.get(mm.operands[1].name, -1) >= at or len(users.get(mm.outputs[0].name, ())) != 1:
-                    continue
-                back = users[mm.outputs[0].name][0]
-                r2 = f.ops[back]
-                if only_use(mm.outputs[0], back) and r2.kind == "reshape" and tuple(r2.outputs[0].shape[:-1]) == tuple(x.shape[:-1]):
-                    chains.append((u, m, back))
-        return tuple(chains) or None
-
-    rings = []
-    for i, op in enumerate(f.ops):
-        if op.kind != "set" or not op.outputs:
-            continue
-        out = op.outputs[0]
-        step = sharded.set_steps.get(out.name)
-        if step is None or not step.is_communication or out.name not in sharded.shardings:
-            continue
-        n = sharded.mesh.shape[step.axis]
-        x = op.operands[0]
-        src = sharded.shardings[x.name]
-        if step.kind == "allgather":
-            dim = _plain_shard(step.src)
-            if dim is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim) or x.shape[dim] % n:
-                continue
-            chains = product_of(out, i)
-            if chains:
-                rings.append(Ring("allgather-linear", out.name, i, tuple(c[len(c) // 2] for c in chains), step.axis, dim, n - 1,
-                                  math.prod(local(x)) * x.dtype.itemsize, chains=chains, x=x.name))
-        elif step.kind == "reduce_scatter":
-            dim = _plain_shard(step.dst)
-            maker = index.get(x.name)
-            if dim is None or maker is None or dim >= len(x.shape) - 1 or _split_elsewhere(src, step.axis, dim) \
-                    or x.shape[dim] % n or not only_use(x, i):
-                continue
-            last = f.ops[maker]
-            if last.kind == "linear":
-                chain, rows = (maker,), last.arg("arg1")
-            elif last.kind == "reshape" and last.operands[0].name in index and only_use(last.operands[0], maker):
-                m = index[last.operands[0].name]
-                rows = f.ops[m].operands[0] if f.ops[m].kind == "matmul" else None
-                flat = f.ops[index[rows.name]] if rows is not None and rows.name in index else None
-                if flat is None or flat.kind != "reshape" or tuple(flat.operands[0].shape[:-1]) != tuple(x.shape[:-1]):
-                    continue
-                chain, rows = (m, maker), flat.operands[0]
-            else:
-                continue
-            rings.append(Ring("linear-reducescatter", out.name, i, (chain[0],), step.axis, dim, n - 1,
-                              math.prod(local(out)) * out.dtype.itemsize, chains=(chain,), x=rows.name))
-    return rings
-
-
-def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
-    from nvtp.sharding.placements import axis_split
-
-    return any(a != axis and (axis_split(p) or (None,))[0] == dim for a, p in enumerate(sharding))
-
-
-def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
-    """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
-    blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
-    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block."""
-    from nvtp.sharding.placements import local_shape as shape_of
-
-    f = sharded.fusion
-
-    def local(v):
-        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
-
-    n = ring.steps + 1
-    bw, latency = machine.links.get(sharded.mesh.names[ring.axis], next(iter(machine.links.values())))
-    step = sharded.set_steps[ring.name]
-    collective = latency + step.bytes / bw
-    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
-    one_step = latency + ring.step_bytes / bw
-    block = compute / n
-    return collective + compute, (n - 1) * max(one_step, block) + block
-
-
-def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str = "auto") -> list[Ring]:
-    """The collective matmuls to run: ``mode`` True every candidate (``find_rings``), False none,
-    "auto" those the cost model (``ring_seconds`` on ``machine``) says are faster as a ring."""
-    if mode is False or sharded.mesh.size == 1:
-        return []
-    out = []
-    for ring in find_rings(sharded):
-        if machine is None:
-            if mode is True:
-                out.append(ring)
-            continue
-        blocking, ringed = ring_seconds(sharded, ring, machine)
-        why = f"{blocking * 1e6:.1f} us blocking, {ringed * 1e6:.1f} us as {ring.steps + 1} ring steps on {machine.name}"
-        if mode is True or ringed < blocking:
-            out.append(dataclasses.replace(ring, why=why))
-    return out

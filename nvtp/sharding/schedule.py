@@ -300,6 +300,8 @@ def shardings_from_schedule(fusion: Fusion, steps: list[ScheduleStep]) -> tuple[
             axes[axis:axis + 1] = [_LoopAxis(a.origin, a.outer, outer_size), _LoopAxis(a.origin, a.outer * outer_size, a.size // outer_size)]
         elif step.kind == "parallelize":
             axis, ptype = step.args[0] % len(axes), step.args[1]
+            if ptype == "stream":  # blocks run on streams, one after another on each device: no placement
+                continue
             a = axes[axis]
             kind, j = a.origin
             mark = marks[step.tensor]
