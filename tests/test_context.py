@@ -26,7 +26,7 @@ from nvtp import driver
 from nvtp.execute import ring, spmd
 from nvtp.models import gpt
 from nvtp.sharding.context import ContextError
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, local_indices
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, held, local_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = gpt.config("tiny")  # 2 layers, sequence 16, batch 2
@@ -37,14 +37,15 @@ def _placements(p) -> tuple:
 
 
 def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str = "megatron", loss_of=lambda out: out,
-          lr: float = 0.1):
+          lr: float = 0.1, kwargs: dict | None = None):
     """``steps`` SGD steps of ``nvtp.jit(model)`` on every rank of a simulated ``mesh`` and of
     eager ``model`` on one process. Returns (nvtp's losses, eager's, the ranks, the eager model,
     the ring steps each rank ran per training step)."""
     threads = spmd.ThreadMesh(mesh, timeout=120)
     ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r)) for r in range(mesh.size)]
     args_of = (lambda r: args) if "dp" not in mesh.names else (lambda r: _dp_part(args, mesh, r))  # a dp rank passes its batch
-    ranks[0].compile(*args_of(0))
+    kwargs = kwargs or {}
+    ranks[0].compile(*args_of(0), **kwargs)
     for m in ranks[1:]:
         m.share_compiled(ranks[0])
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in ranks]
@@ -53,7 +54,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
 
     def step(r):
         opts[r].zero_grad()
-        loss = loss_of(ranks[r](*args_of(r)))
+        loss = loss_of(ranks[r](*args_of(r), **kwargs))
         loss.backward()
         opts[r].step()
         return loss.item()
@@ -66,7 +67,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
         assert len(set(losses)) == 1, losses  # every rank gets the whole loss (a dp rank its batch's: here the same mean)
         got.append(losses[0])
         ref_opt.zero_grad()
-        loss = loss_of(ref(*args))
+        loss = loss_of(ref(*args, **kwargs))
         loss.backward()
         ref_opt.step()
         want.append(loss.item())
@@ -190,25 +191,61 @@ def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
 
     # The balanced layout: rank r holds pieces r and 2cp-1-r of the sequence, so the causal work
     # (query-key pairs the mask leaves, each block cut to the rows and columns it reaches) is the
-    # same on every rank; counted here from the program's own placements.
+    # same on every rank every ring step; counted here from the program's own placements.
     program = driver.shard(traced, "megatron", DeviceMesh.of_shape((4,), ("cp",)))
     attn = next(op for op in program.forward.fusion.ops if op.kind == "sdpfa_fwd")
     k = attn.arg("key")
     assert isinstance(program.forward.sharding(k.name)[0], Zigzag)
     positions = [local_indices(CFG.seq_len, program.forward.sharding(k.name)[0], 4, r) for r in range(4)]
-    assert sorted(torch.cat(positions).tolist()) == list(range(CFG.seq_len))
     assert positions[0].tolist() == [0, 1, 14, 15]
-    pairs = [sum(int((q[:, None] >= kp[None, :]).sum()) for kp in positions) for q in positions]
-    assert len(set(pairs)) == 1, pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
-    work = []
-    for q in positions:
-        cells = 0
-        for kp in positions:
+    pairs, cells = ring_work(program)
+    assert all(len(set(step)) == 1 for step in pairs), pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
+    assert [c[0] for c in cells] == [16, 8, 8, 8] and all(len(set(c)) == 1 for c in cells), cells  # the diagonal whole, the others half
+
+    # With tp (megatron-sp splits the sequence over tp too; dp the batch): still the same work
+    # on every cp rank every ring step (cp splitting each of tp's chunks, _StridedShard(1, tp),
+    # gave cp rank 1 three times rank 0's work at the second step of (cp, tp) = (2, 2)).
+    for shape, names in (((2, 2), ("cp", "tp")), ((4, 2), ("cp", "tp")), ((2, 4), ("cp", "tp")), ((2, 2, 2), ("dp", "cp", "tp"))):
+        mesh = DeviceMesh.of_shape(shape, names)
+        program = driver.shard(traced, "megatron-sp", mesh)
+        pairs, cells = ring_work(program)
+        assert all(len(set(step)) == 1 for step in pairs), (shape, names, pairs)
+        assert all(len(set(step)) == 1 for step in cells), (shape, names, cells)
+        # tp still splits the sequence where megatron-sp does (a layer norm's [B, T, C] input): each
+        # token on exactly one (cp, tp) rank
+        norm_in = next(op for op in program.forward.fusion.ops if op.kind == "var_mean").tensor_operands[0]
+        sharding = program.forward.sharding(norm_in.name)
+        tokens = [held(norm_in.shape, sharding, mesh, mesh.coords(r))[1] for r in range(mesh.size)
+                  if "dp" not in names or mesh.coords(r)[0] == 0]
+        assert sorted(torch.cat(tokens).tolist()) == list(range(CFG.seq_len)), (names, sharding)
+
+
+def ring_work(program) -> tuple[list[list[int]], list[list[int]]]:
+    """Per ring step, per cp rank: the query-key pairs the causal mask leaves between the rank's
+    queries and the K/V block at hand, and the cells the ring computes (each block cut to the rows
+    and columns it reaches, ``ring._visible``); positions from the program's placements."""
+    f = program.forward
+    mesh = f.mesh
+    attn = next(op for op in f.fusion.ops if op.kind == "sdpfa_fwd")
+    k = attn.arg("key")
+    axis = mesh.names.index("cp")
+    n = mesh.shape[axis]
+    positions = []
+    for c in range(n):
+        coords = [0] * mesh.ndim
+        coords[axis] = c
+        positions.append(held(k.shape, f.sharding(k.name), mesh, coords)[2])
+    assert sorted(torch.cat(positions).tolist()) == list(range(k.shape[2]))  # every position on one cp rank
+    pairs, cells = [], []
+    for step in range(n):
+        pairs.append([]), cells.append([])
+        for c in range(n):
+            q, kp = positions[c], positions[(c - step) % n]
+            pairs[-1].append(int((q[:, None] >= kp[None, :]).sum()))
             rows, cols = ring._visible(q, kp, True)
-            if not isinstance(rows, str):
-                cells += (q.numel() if rows is None else rows.numel()) * (kp.numel() if cols is None else cols.numel())
-        work.append(cells)
-    assert len(set(work)) == 1 and work[0] == 16 + 3 * 8, work  # the diagonal block whole, the others half
+            cells[-1].append(0 if isinstance(rows, str) else
+                             (q.numel() if rows is None else rows.numel()) * (kp.numel() if cols is None else cols.numel()))
+    return pairs, cells
 
 
 class MaskedAttention(nn.Module):

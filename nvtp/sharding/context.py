@@ -25,13 +25,15 @@ plan and the report. The model is traced with every causal or full attention cla
 (``nvtp.frontend.attention.claim_for_ring``), float32 included; an attention the ring cannot run
 (an arbitrary mask, dropout) is refused before any work, naming the fix.
 
-Layout: on a mesh without tp, balanced (``placements.Zigzag``): of a sequence of 2·cp pieces
-rank r holds pieces r and 2·cp-1-r, one from each end, so every rank does the same causal work
-(the ring computes each block on the rows and columns the mask leaves: half a block off the
-diagonal). With tp, cp splits each of tp's sequence chunks (``_StridedShard(1, tp)``), because
-megatron-sp splits the sequence contiguously over tp and two mesh axes may split one tensor axis
-only along different factors. A dp axis splits the batch (the data plan of
-``nvtp.sharding.multi``, DDP) between tp's pass and cp's.
+Layout: balanced (``placements.Zigzag``): of a sequence of 2·cp pieces rank r holds pieces r
+and 2·cp-1-r, one from each end, so every rank does the same causal work every ring step (the
+ring computes each block on the rows and columns the mask leaves: half a block off the
+diagonal). With tp the sequence is seen as tp's chunks (megatron-sp splits it contiguously over
+tp; two mesh axes may split one tensor axis only along different factors), each pair of chunks a
+zigzag over cp (``Zigzag(1, tp)``, ``chunks``): at tp = 2 rank (c, t) holds piece c (t = 0) or
+2·cp-1-c (t = 1), Megatron-Core's layout (zigzag over cp, then each cp rank's tokens split
+contiguously over tp). A dp axis splits the batch (the data plan of ``nvtp.sharding.multi``,
+DDP) between tp's pass and cp's.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
                            "or a (dp, tp) mesh for FSDP")
     cp = mesh.shape[mesh.names.index("cp")]
     parts = chunks(mesh)
-    layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if balanced(mesh) else
-              f"{cp} x {parts}: cp splits each of tp's {parts} sequence chunks")
+    layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if parts == 2 else
+              f"{cp} x {parts}: the balanced layout gives each cp rank a piece from each end of every pair of the {parts} "
+              "chunks tp's sequence parallelism sees")
     declined = getattr(traced, "declined", [])
     if declined:
         raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
@@ -134,14 +137,14 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
         dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, hoist=False, keep_splits=True)
         passes.append((dp_axis, dps))
         fusion = dps.fusion
-    # With a tp axis the cp axis splits the sequence *across* tp's chunks (rank c of cp holds the
-    # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
-    # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
-    # Without tp the layout is the balanced one (``Zigzag``): each rank holds two pieces, one from each end.
+    # The balanced layout (``Zigzag``): each rank holds a piece from each end of the sequence, or,
+    # with tp, of each pair of tp's chunks (``chunks``): tp's sequence parallelism (megatron-sp)
+    # splits the sequence contiguously, and two mesh axes may split one tensor axis only along
+    # different factors.
     hints = dict(output_hints or {})
     if fusion is not f:  # the tp pass's fusion: its outputs, in the source's order, under their new names
         hints = {out.name: hints[src.name] for src, out in zip(f.outputs, fusion.outputs) if src.name in hints}
-    with _ring(balanced(mesh)):
+    with _ring():
         seq = sequence_inputs(f, traced.arguments, cp, chunks(mesh))
         cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=hints, target=target,
                     hoist=False, keep_splits=True)
@@ -179,7 +182,7 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
     hints.update(output_hints or {})
     if fusion is not backward:
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
-    with _ring(balanced(mesh)):
+    with _ring():
         cpb = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=inputs, output_hints=hints, target=target,
                     hoist=False, keep_splits=True)
     passes.append((cp_axis, cpb))
@@ -188,24 +191,19 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
     return combine(passes, mesh, backward, forward.plan)
 
 
-def balanced(mesh: DeviceMesh) -> bool:
-    """Whether the cp axis lays the sequence out balanced (``Zigzag``): on a mesh without tp."""
-    return "tp" not in mesh.names
-
-
 def chunks(mesh: DeviceMesh) -> int:
-    """The chunks each sequence is seen as, each split over cp: 2 balanced (zigzag), else tp's extent."""
-    return 2 if balanced(mesh) else mesh.shape[mesh.names.index("tp")]
+    """The chunks each sequence is seen as, each split over cp, each pair of chunks a zigzag
+    (``Zigzag``): 2 without tp; with tp the chunks tp's sequence parallelism makes, its extent
+    (doubled when odd, so the chunks pair up)."""
+    tp = mesh.shape[mesh.names.index("tp")] if "tp" in mesh.names else 1
+    return tp if tp % 2 == 0 else 2 * tp
 
 
 class _ring:
     """The attention rules of a cp pass (``rules.RING``), and its layout (``placements.ZIGZAG``), while it runs."""
 
-    def __init__(self, zigzag: bool):
-        self.zigzag = zigzag
-
     def __enter__(self):
-        self.tokens = (RING.set(True), ZIGZAG.set(self.zigzag))
+        self.tokens = (RING.set(True), ZIGZAG.set(True))
 
     def __exit__(self, *exc):
         RING.reset(self.tokens[0])
@@ -317,7 +315,7 @@ def ring_step_fusions(sharded: Any) -> list[tuple[str, Any]]:
     q, v = op.arg("query"), op.arg("value")
     qs = local_shape(q.shape, sharded.shardings[q.name], mesh)
     vs = local_shape(v.shape, sharded.shardings[v.name], mesh)
-    half = qs[2] // 2 if balanced(mesh) else qs[2]
+    half = qs[2] // 2
     dtype = DType.BFloat16  # nvFuser's flash attention takes 16-bit operands; the merge runs in float32
     out = []
     for name, q_len, k_len, causal in (("ring_step_diagonal", qs[2], qs[2], True), ("ring_step_half", qs[2], half, False)):
@@ -365,5 +363,5 @@ def write_ring_steps(sharded: Any, directory: Any, name: str = "program") -> lis
     return paths
 
 
-__all__ = ["ContextError", "RingStep", "balanced", "check_traced", "chunks", "context_header", "has_cp", "ring_axis", "ring_records",
+__all__ = ["ContextError", "RingStep", "check_traced", "chunks", "context_header", "has_cp", "ring_axis", "ring_records",
            "ring_step_fusions", "ring_steps", "sequence_inputs", "shard_backward", "shard_forward", "write_ring_steps"]
