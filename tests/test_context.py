@@ -166,6 +166,41 @@ def test_rotary_llama_style_model_trains_like_one_process(shape):
     check_ring_ran_as_planned(ranks[0].last, sent, mesh)
 
 
+def test_transformers_llama_on_cp2_trains_like_one_process():
+    """A transformers Llama (the FX route; rotary positions, grouped-query attention) passes its
+    causal mask to attention as a tensor built from positions: traced for a cp axis, that mask is
+    read as is_causal=True, and the model trains by ring like one process (3 SGD steps, the loss
+    the model computes from ``labels``)."""
+    from nvtp.models import hf
+
+    model = hf.build("llama")
+    ids = hf.batch(0)
+    mesh = DeviceMesh.of_shape((2,), ("cp",))
+    got, want, ranks, ref, sent = train(model, mesh, (ids,), 3, loss_of=lambda out: out.loss, kwargs={"labels": ids})
+    check_matches(got, want, ranks, ref, mesh)
+    program = ranks[0].last
+    check_ring_ran_as_planned(program, sent, mesh)
+    attn = [op for op in program.forward.fusion.ops if op.kind == "sdpfa_fwd"]
+    assert len(attn) == 2 and all(op.arg("is_causal") is True for op in attn), attn  # one per layer, causal, no mask
+    assert "whole trace" not in program.traced.how, program.traced.how  # the layers still traced once and spliced
+
+
+def test_a_mask_read_as_causal_is_exactly_the_causal_one():
+    """``fx.is_causal_mask``: the pattern ``is_causal=True`` applies (booleans, or 0 and -inf,
+    broadcast over batch and heads) and nothing else."""
+    from nvtp.frontend.fx import is_causal_mask
+
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert is_causal_mask(tril, 6, 6) and is_causal_mask(tril.expand(2, 1, 6, 6), 6, 6)
+    assert is_causal_mask(torch.zeros(6, 6).masked_fill(~tril, float("-inf")), 6, 6)
+    window = tril & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)  # sliding window of 3
+    padded = tril.expand(2, 1, 6, 6).clone()
+    padded[1, :, :, 0] = False  # the second sequence's first token is padding
+    for other in (window, tril.T, torch.ones(6, 6, dtype=torch.bool), padded, torch.ones(6, 6, dtype=torch.bool).tril(1),
+                  torch.zeros(6, 6).masked_fill(~tril, -1.0)):
+        assert not is_causal_mask(other, 6, other.shape[-1]), other
+
+
 def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
     """``nvtp.plan`` at cp = 4: the ring's point-to-point steps with their bytes (each rank sends
     its K and V block cp-1 times a layer in the forward), no all-gather; the activations each
@@ -272,6 +307,18 @@ def test_bad_input_is_refused_before_any_work():
     mask = torch.rand(2, 2, 8, 8) > 0.5
     with pytest.raises(ContextError, match="attn_mask.*is_causal=True"):
         nvtp.plan(MaskedAttention(), x, mask, mesh=DeviceMesh.of_shape((2,), ("cp",)))
+
+
+def test_a_transformers_model_with_a_padding_mask_is_refused_on_cp():
+    """A transformers model called with an ``attention_mask`` (padding): the mask its attention
+    reads depends on an argument, so it is not read as causal, and the cp axis refuses it."""
+    from nvtp.models import hf
+
+    ids = hf.batch(0)
+    padding = torch.ones_like(ids)
+    padding[1, :3] = 0
+    with pytest.raises(ContextError, match="attn_mask.*is_causal=True.*computed from positions alone"):
+        nvtp.plan(hf.build("llama"), ids, attention_mask=padding, labels=ids, mesh=DeviceMesh.of_shape((2,), ("cp",)))
 
 
 @pytest.mark.slow

@@ -76,8 +76,9 @@ def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
         raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
                            f"calls {declined[0]}. Call F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with no mask), "
                            "with dropout_p=0, or shard this model without a 'cp' axis (tp, dp)"
-                           + ("; transformers models pass their causal mask as a tensor, which the cp axis does not read as "
-                              "causal yet (docs/context.md)" if getattr(traced, "route", "") == "fx" else ""))
+                           + ("; a transformers model's mask is read as causal when it is computed from positions alone "
+                              "and is exactly the causal one: call the model without an attention_mask (padding)"
+                              if getattr(traced, "route", "") == "fx" else ""))
     f = traced.forward
     for op in f.ops:
         if op.kind == "sdpfa_fwd":
