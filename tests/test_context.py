@@ -185,6 +185,22 @@ def test_transformers_llama_on_cp2_trains_like_one_process():
     assert "whole trace" not in program.traced.how, program.traced.how  # the layers still traced once and spliced
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family,shape,names,plan", [("gpt2", (2,), ("cp",), "megatron"), ("qwen2", (4,), ("cp",), "megatron"),
+                                                     ("llama", (2, 2), ("cp", "tp"), "megatron-sp")])
+def test_transformers_models_on_cp_meshes_train_like_one_process(family, shape, names, plan):
+    """GPT-2 (learned positions) and Qwen2 on cp alone, Llama on (cp, tp) with sequence parallelism:
+    each mask read as causal, 3 SGD steps like one process."""
+    from nvtp.models import hf
+
+    model = hf.build(family)
+    ids = hf.batch(0)
+    mesh = DeviceMesh.of_shape(shape, names)
+    got, want, ranks, ref, sent = train(model, mesh, (ids,), 3, plan=plan, loss_of=lambda out: out.loss, kwargs={"labels": ids})
+    check_matches(got, want, ranks, ref, mesh)
+    check_ring_ran_as_planned(ranks[0].last, sent, mesh)
+
+
 def test_a_mask_read_as_causal_is_exactly_the_causal_one():
     """``fx.is_causal_mask``: the pattern ``is_causal=True`` applies (booleans, or 0 and -inf,
     broadcast over batch and heads) and nothing else."""
