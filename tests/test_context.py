@@ -37,12 +37,12 @@ def _placements(p) -> tuple:
 
 
 def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str = "megatron", loss_of=lambda out: out,
-          lr: float = 0.1, kwargs: dict | None = None):
+          lr: float = 0.1, kwargs: dict | None = None, fsdp: bool = False):
     """``steps`` SGD steps of ``nvtp.jit(model)`` on every rank of a simulated ``mesh`` and of
     eager ``model`` on one process. Returns (nvtp's losses, eager's, the ranks, the eager model,
     the ring steps each rank ran per training step)."""
     threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r)) for r in range(mesh.size)]
+    ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r), fsdp=fsdp) for r in range(mesh.size)]
     args_of = (lambda r: args) if "dp" not in mesh.names else (lambda r: _dp_part(args, mesh, r))  # a dp rank passes its batch
     kwargs = kwargs or {}
     ranks[0].compile(*args_of(0), **kwargs)
@@ -164,6 +164,24 @@ def test_rotary_llama_style_model_trains_like_one_process(shape):
     got, want, ranks, ref, sent = train(model, mesh, (tokens,), 4, plan=plan, loss_of=loss_of, lr=0.5)
     check_matches(got, want, ranks, ref, mesh)
     check_ring_ran_as_planned(ranks[0].last, sent, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,names,plan", [((2, 2), ("dp", "cp"), "megatron"), ((2, 2, 2), ("dp", "cp", "tp"), "megatron-sp")])
+def test_fsdp_with_cp_trains_like_one_process(shape, names, plan):
+    """``fsdp=True`` on a mesh with dp and cp: the weights split over dp at rest (gathered where
+    used, their gradients reduce-scattered over dp and all-reduced over cp), whole over cp."""
+    torch.manual_seed(0)
+    model = gpt.GPT(CFG)
+    mesh = DeviceMesh.of_shape(shape, names)
+    got, want, ranks, ref, sent = train(model, mesh, gpt.example_tokens(CFG), 4, plan=plan, fsdp=True)
+    check_matches(got, want, ranks, ref, mesh)
+    check_ring_ran_as_planned(ranks[0].last, sent, mesh)
+    dp = mesh.names.index("dp")
+    split = [n for n, _ in model.named_parameters() if axis_split(_placements(ranks[0].placement(n))[dp]) is not None]
+    assert "h.0.mlp.c_fc.weight" in split and "h.0.attn.c_attn.weight" in split, split
+    kinds = {s.kind for s in ranks[0].last.steps() if s.axis == "dp"}
+    assert {"allgather", "reduce_scatter"} <= kinds, kinds
 
 
 def test_transformers_llama_on_cp2_trains_like_one_process():

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes import roles
 from nvtp.sharding.passes import backward_annotations, shard
-from nvtp.sharding.placements import ZIGZAG, DeviceMesh, Placement, axis_split, local_shape, make_shard
+from nvtp.sharding.placements import REPLICATE, ZIGZAG, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.rules import RING
 
@@ -63,9 +63,9 @@ def has_cp(mesh: DeviceMesh) -> bool:
 def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
     """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
     whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""
-    if fsdp:
-        raise ContextError("fsdp=True with a cp axis is not built: weights stay whole over dp and cp (DDP); pass fsdp=False, "
-                           "or a (dp, tp) mesh for FSDP")
+    if fsdp and "dp" not in mesh.names:
+        raise ContextError(f"fsdp=True splits the weights over a dp axis; the mesh {list(mesh.names)} has none: add one "
+                           "(e.g. ('dp', 'cp')) or pass fsdp=False (weights whole over cp, their gradients all-reduced)")
     cp = mesh.shape[mesh.names.index("cp")]
     parts = chunks(mesh)
     layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if parts == 2 else
@@ -114,8 +114,10 @@ def sequence_inputs(fusion: Fusion, arguments: Any, cp: int, chunks: int = 1) ->
 
 def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: Any, *,
                   annotations: Mapping[str, tuple[Placement, ...]] | None = None,
-                  output_hints: Mapping[str, Placement] | None = None):
-    """The forward over a mesh with a cp axis: the plan on "tp" (if any), then the cp pass."""
+                  output_hints: Mapping[str, Placement] | None = None, fsdp: bool = False):
+    """The forward over a mesh with a cp axis: the plan on "tp" (if any), the data plan on "dp"
+    (if any; ``fsdp``: the weights split over dp at rest, gathered where used), then the cp pass.
+    Returns (the sharded forward, the data plan's notes)."""
     from nvtp.sharding.multi import combine
 
     axes = roles(mesh)
@@ -124,18 +126,27 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
     f = traced.forward
     passes = []
     fusion = f
+    tp = _Whole()
+    notes: list[str] = []
     if "tp" in axes:
         tp_axis = axes["tp"]
         ann = {n: s[tp_axis] for n, s in (annotations or {}).items()}
         tp = shard(f, plan, mesh.sub(tp_axis), annotations=ann, output_hints=output_hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
-    if "dp" in axes:  # the data plan (nvtp.sharding.multi): the batch split over dp, weights whole (DDP)
+    if "dp" in axes:  # the data plan (nvtp.sharding.multi): the batch split over dp, weights whole (DDP) or split (FSDP)
         from nvtp.sharding.multi import data_plan
 
         dp_axis = axes["dp"]
-        data = data_plan(f, None, mesh.shape[dp_axis], False, traced.arguments, traced.weights)
-        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, hoist=False, keep_splits=True)
+        data = data_plan(f, tp, mesh.shape[dp_axis], fsdp, traced.arguments, traced.weights)
+        for n, s in (annotations or {}).items():  # parameters already placed stay where they are
+            if not is_replicate(s[dp_axis]):
+                data.at_rest[n] = s[dp_axis]
+            else:
+                data.at_rest.pop(n, None)
+        notes = list(data.notes)
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, at_rest=data.at_rest,
+                    hoist=False, keep_splits=True)
         passes.append((dp_axis, dps))
         fusion = dps.fusion
     # The balanced layout (``Zigzag``): each rank holds a piece from each end of the sequence, or,
@@ -151,8 +162,15 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
                     hoist=False, keep_splits=True)
     passes.append((cp_axis, cpf))
     if mesh.ndim == 1:
-        return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit")
-    return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit")
+        return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit"), notes
+    return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit"), notes
+
+
+class _Whole:
+    """tp's placements on a mesh without tp: every value whole (what ``multi.data_plan`` asks)."""
+
+    def placement(self, name: str) -> Placement:
+        return REPLICATE
 
 
 def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Mapping[str, Placement] | None = None):
@@ -171,12 +189,14 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
         tp = shard(backward, "replicate", mesh.sub(tp_axis), annotations=inputs, output_hints=hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
-    if "dp" in axes:  # gradients contract the batch: partial sums over dp, all-reduced where their weights live (DDP)
+    if "dp" in axes:  # gradients contract the batch: partial sums over dp, all-reduced (DDP) or reduce-scattered (FSDP)
         dp_axis = axes["dp"]
         inputs, hints = backward_annotations(backward, forward.view(dp_axis))
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
-        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=inputs, output_hints=hints, target=target, hoist=False,
-                    keep_splits=True)
+        at_rest = {n: p for n, p in inputs.items() if backward.role(n) == "parameter" and not is_replicate(p)}
+        inputs = {n: (REPLICATE if n in at_rest else p) for n, p in inputs.items()}
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=inputs, output_hints=hints, target=target, at_rest=at_rest,
+                    hoist=False, keep_splits=True)
         passes.append((dp_axis, dps))
         fusion = dps.fusion
     inputs, hints = backward_annotations(backward, forward.view(cp_axis))
