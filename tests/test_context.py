@@ -79,15 +79,15 @@ def _dp_part(args: tuple, mesh: DeviceMesh, rank: int) -> tuple:
     return tuple(a[d * a.shape[0] // n:(d + 1) * a.shape[0] // n] for a in args)
 
 
-def check_matches(got, want, ranks, ref, mesh):
+def check_matches(got, want, ranks, ref, mesh, fsdp: bool = False):
     """Losses within 1e-5, every weight (reassembled from the ranks' parts) within 1e-4;
-    weights whole across cp: only a tp axis splits them."""
+    weights whole across cp (only a tp axis splits them) unless ``fsdp``."""
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (got, want)
     cp = mesh.names.index("cp")
     for name, p in ref.named_parameters():
         placement = _placements(ranks[0].placement(name))
-        assert placement[cp] == REPLICATE, (name, placement)
+        assert fsdp or placement[cp] == REPLICATE, (name, placement)
         parts = [dict(m.module.named_parameters())[name].detach() for m in ranks]
         whole = spmd.assemble(parts, placement, p.shape, mesh)
         assert (whole - p.detach()).abs().max().item() <= 1e-4, name
@@ -169,19 +169,31 @@ def test_rotary_llama_style_model_trains_like_one_process(shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,names,plan", [((2, 2), ("dp", "cp"), "megatron"), ((2, 2, 2), ("dp", "cp", "tp"), "megatron-sp")])
 def test_fsdp_with_cp_trains_like_one_process(shape, names, plan):
-    """``fsdp=True`` on a mesh with dp and cp: the weights split over dp at rest (gathered where
-    used, their gradients reduce-scattered over dp and all-reduced over cp), whole over cp."""
+    """``fsdp=True`` on a mesh with dp and cp: the weights split over dp at rest and, along a
+    dimension tp and dp leave whole, over cp (without tp: a weight [out, in] split over dp by rows,
+    over cp by columns), gathered where used, their gradients reduce-scattered over both."""
     torch.manual_seed(0)
     model = gpt.GPT(CFG)
     mesh = DeviceMesh.of_shape(shape, names)
     got, want, ranks, ref, sent = train(model, mesh, gpt.example_tokens(CFG), 4, plan=plan, fsdp=True)
-    check_matches(got, want, ranks, ref, mesh)
+    check_matches(got, want, ranks, ref, mesh, fsdp=True)
     check_ring_ran_as_planned(ranks[0].last, sent, mesh)
-    dp = mesh.names.index("dp")
+    dp, cp = mesh.names.index("dp"), mesh.names.index("cp")
     split = [n for n, _ in model.named_parameters() if axis_split(_placements(ranks[0].placement(n))[dp]) is not None]
     assert "h.0.mlp.c_fc.weight" in split and "h.0.attn.c_attn.weight" in split, split
-    kinds = {s.kind for s in ranks[0].last.steps() if s.axis == "dp"}
-    assert {"allgather", "reduce_scatter"} <= kinds, kinds
+    on_cp = [n for n, _ in model.named_parameters() if axis_split(_placements(ranks[0].placement(n))[cp]) is not None]
+    held = {n: _numel(dict(ranks[0].module.named_parameters())[n]) / _numel(p) for n, p in model.named_parameters()}
+    if "tp" not in names:  # a weight [out, in]: rows over dp, columns over cp; each rank 1/4 of it
+        assert "h.0.mlp.c_fc.weight" in on_cp and held["h.0.mlp.c_fc.weight"] == 1 / 4, (on_cp, held)
+    else:  # tp and dp take both dimensions of a weight: whole over cp, and said so
+        assert not any(n.endswith("c_fc.weight") for n in on_cp) and any("stays whole on cp" in x for x in ranks[0].notes), ranks[0].notes
+    for axis in ("dp", "cp") if on_cp else ("dp",):
+        kinds = {s.kind for s in ranks[0].last.steps() if s.axis == axis}
+        assert {"allgather", "reduce_scatter"} <= kinds, (axis, kinds)
+
+
+def _numel(t) -> int:
+    return t.numel() if not hasattr(t, "to_local") else t.to_local().numel()
 
 
 def test_transformers_llama_on_cp2_trains_like_one_process():
@@ -270,6 +282,10 @@ def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
     pairs, cells = ring_work(program)
     assert all(len(set(step)) == 1 for step in pairs), pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
     assert [c[0] for c in cells] == [16, 8, 8, 8] and all(len(set(c)) == 1 for c in cells), cells  # the diagonal whole, the others half
+
+    # FSDP over dp x cp, as the report prints it (a (dp, cp) mesh has no tp: the dp traffic is counted on whole weights)
+    text = driver.shard(traced, "megatron", DeviceMesh.of_shape((2, 2), ("dp", "cp")), fsdp=True).report().as_text()
+    assert re.search(r"h\.\{0\.\.1\}\.mlp\.c_fc\.weight\s+dp S\(0\), cp S\(1\)", text), text
 
     # With tp (megatron-sp splits the sequence over tp too; dp the batch): still the same work
     # on every cp rank every ring step (cp splitting each of tp's chunks, _StridedShard(1, tp),

@@ -28,6 +28,11 @@ for shape, names, plan in [((2,2),("cp","tp"),"megatron-sp"), ((4,2),("cp","tp")
     mesh = DeviceMesh.of_shape(shape, names)
     r = train(gpt.GPT(CFG), mesh, gpt.example_tokens(CFG), 5, plan=plan)
     print("gpt", shape, names, plan, "loss err %.2e weight err %.2e" % errs(*r[:4], mesh), flush=True)
+for shape, names, plan in [((2, 2), ("dp", "cp"), "megatron"), ((2, 2, 2), ("dp", "cp", "tp"), "megatron-sp")]:
+    torch.manual_seed(0)
+    mesh = DeviceMesh.of_shape(shape, names)
+    r = train(gpt.GPT(CFG), mesh, gpt.example_tokens(CFG), 4, plan=plan, fsdp=True)
+    print("gpt fsdp", shape, names, plan, "loss err %.2e weight err %.2e" % errs(*r[:4], mesh), flush=True)
 for fam, shape, names, plan in [("llama",(2,),("cp",),"megatron"), ("llama",(2,2),("cp","tp"),"megatron-sp"), ("gpt2",(2,),("cp",),"megatron"), ("qwen2",(4,),("cp",),"megatron")]:
     ids = hf.batch(0)
     mesh = DeviceMesh.of_shape(shape, names)

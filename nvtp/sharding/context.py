@@ -116,8 +116,9 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
                   annotations: Mapping[str, tuple[Placement, ...]] | None = None,
                   output_hints: Mapping[str, Placement] | None = None, fsdp: bool = False):
     """The forward over a mesh with a cp axis: the plan on "tp" (if any), the data plan on "dp"
-    (if any; ``fsdp``: the weights split over dp at rest, gathered where used), then the cp pass.
-    Returns (the sharded forward, the data plan's notes)."""
+    (if any; ``fsdp``: the weights split over dp at rest, gathered where used), then the cp pass
+    (``fsdp``: a weight dp splits is split over cp too, along a dimension tp and dp leave whole,
+    ``cp_at_rest``). Returns (the sharded forward, the notes: weights FSDP leaves whole, and why)."""
     from nvtp.sharding.multi import combine
 
     axes = roles(mesh)
@@ -156,14 +157,39 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
     hints = dict(output_hints or {})
     if fusion is not f:  # the tp pass's fusion: its outputs, in the source's order, under their new names
         hints = {out.name: hints[src.name] for src, out in zip(f.outputs, fusion.outputs) if src.name in hints}
+    at_rest: dict[str, Placement] = {}
+    if fsdp:
+        at_rest, whole = cp_at_rest(f, tp, data.at_rest, cp)
+        notes += whole
+    for n, s in (annotations or {}).items():  # parameters already placed stay where they are
+        if not is_replicate(s[cp_axis]):
+            at_rest[n] = s[cp_axis]
     with _ring():
         seq = sequence_inputs(f, traced.arguments, cp, chunks(mesh))
         cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=hints, target=target,
-                    hoist=False, keep_splits=True)
+                    at_rest=at_rest, hoist=False, keep_splits=True)
     passes.append((cp_axis, cpf))
     if mesh.ndim == 1:
         return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit"), notes
     return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit"), notes
+
+
+def cp_at_rest(f: Fusion, tp: Any, dp_at_rest: Mapping[str, Placement], cp: int) -> tuple[dict[str, Placement], list[str]]:
+    """FSDP over dp x cp (as Megatron's distributed optimizer shards over the dp and cp ranks):
+    each weight dp splits at rest is split over cp too, along the first dimension neither tp nor
+    dp splits that cp divides, so every rank holds 1/(dp·cp) of it; (placements, notes for the
+    weights that stay whole over cp, and why)."""
+    out, notes = {}, []
+    for name, p in dp_at_rest.items():
+        v = f.value(name)
+        taken = {s[0] for s in (axis_split(tp.placement(name)), axis_split(p)) if s is not None}
+        dim = next((d for d, n in enumerate(v.shape) if d not in taken and n % cp == 0), None)
+        if dim is None:
+            notes.append(f"fsdp: {f.label(name) or name} stays whole on cp: no dimension of {list(v.shape)} that tp and dp "
+                         f"leave whole is a multiple of {cp}")
+        else:
+            out[name] = make_shard(dim)
+    return out, notes
 
 
 class _Whole:
@@ -203,9 +229,11 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
     hints.update(output_hints or {})
     if fusion is not backward:
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
+    at_rest = {n: p for n, p in inputs.items() if backward.role(n) == "parameter" and not is_replicate(p)}  # FSDP over cp
+    inputs = {n: (REPLICATE if n in at_rest else p) for n, p in inputs.items()}
     with _ring():
         cpb = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=inputs, output_hints=hints, target=target,
-                    hoist=False, keep_splits=True)
+                    at_rest=at_rest, hoist=False, keep_splits=True)
     passes.append((cp_axis, cpb))
     if mesh.ndim == 1:
         return replace(cpb, mesh=mesh, plan=forward.plan)
