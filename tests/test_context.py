@@ -372,22 +372,27 @@ def test_a_transformers_model_with_a_padding_mask_is_refused_on_cp():
 
 
 @pytest.mark.slow
-def test_cp2_on_two_gloo_processes_by_torchrun(tmp_path):
+@pytest.mark.parametrize("procs,extra", [(2, []), (4, ["dp,cp", "--fsdp"])])
+def test_cp2_on_gloo_processes_by_torchrun(tmp_path, procs, extra):
     """torch.distributed's point-to-point steps (batch_isend_irecv on gloo) on a mesh from
-    ``init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))``; losses against eager."""
+    ``init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))``, and on (dp, cp) = (2, 2) with
+    ``fsdp=True`` (DTensor parameters split over dp x cp); losses and weights against eager."""
     script = ROOT / "tests" / "cp_worker.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "cp.pt"
     from torch.distributed.elastic.utils.distributed import get_free_port
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(get_free_port()),
-                           str(script), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
+                           str(get_free_port()), str(script), str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = torch.load(out)
     for a, b in zip(result["losses"], result["eager"]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), result
     assert result["weight_error"] <= 1e-4, result
     assert result["sendrecv"] == 3 * result["planned"] > 0  # rank 0's steps: 3 training steps of the plan's
+    if extra:  # FSDP over dp x cp: rank 0 holds less than half of the weights (the 2-D weights a quarter)
+        assert result["held"] < 0.5, result
 
 
 def test_the_ring_step_fusions_build_in_nvfuser_from_their_text_and_merge_right(tmp_path):
