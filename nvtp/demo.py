@@ -331,6 +331,8 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
     (``split_sizes`` must divide by the number of processes). (The plan checks the same once
     traced; this says it at once, once, instead of on every rank after tracing.)"""
+    from nvtp.sharding.context import chunks
+    from nvtp.sharding.placements import DeviceMesh
     from nvtp.sharding.plans import check_plan
     from nvtp.sharding.propagate import ShardingError
 
@@ -339,7 +341,7 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     over, choose = f"{devices} processes", "--devices"
     if job.mesh is not None and "dp" not in job.axes:  # (cp,) or (cp, tp): the sequence split over cp
         cp = job.mesh[job.axes.index("cp")]
-        parts = job.mesh[job.axes.index("tp")] if "tp" in job.axes else 2  # the balanced layout: a piece from each end
+        parts = chunks(DeviceMesh.of_shape(job.mesh, job.axes))  # the balanced layout: a piece from each end (of each pair of tp's chunks)
         seq = gpt_seq(job)
         if seq % (cp * parts):
             raise ShardingError(f"--mesh {','.join(f'{n}={k}' for n, k in zip(job.axes, job.mesh))}: the demo's sequence of {seq} "

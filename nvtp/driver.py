@@ -386,11 +386,11 @@ def _shard_cp(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed, fs
     ann = _annotations(traced, placed, 2)
     if mesh.ndim == 1:
         ann = {n: (p,) if not isinstance(p, tuple) else p for n, p in ann.items()}
-    forward = context.shard_forward(traced, plan, mesh, target, annotations=ann, output_hints=out_hints)
+    forward, notes = context.shard_forward(traced, plan, mesh, target, annotations=ann, output_hints=out_hints, fsdp=fsdp)
     backward = None
     if traced.backward is not None:
         backward = context.shard_backward(traced.backward, forward, target, output_hints=grad_hints)
-    return forward, backward, []
+    return forward, backward, notes
 
 
 def _placed_inputs(forward) -> list[tuple[str, Any]]:

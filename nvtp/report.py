@@ -186,7 +186,7 @@ class ModelReport:
         reduce-scattered). None on a 1-D mesh."""
         if self.mesh is None or "dp" not in self.mesh.names:
             return None
-        tp_axis, dp_axis = self.mesh.names.index("tp"), self.mesh.names.index("dp")
+        tp_axis, dp_axis = self.mesh.names.index("tp") if "tp" in self.mesh.names else None, self.mesh.names.index("dp")
         dp = self.mesh.shape[dp_axis]
         itemsize, split, once, whole = {}, 0, 0, 0
         expected: dict[str, float] = {}
@@ -195,7 +195,8 @@ class ModelReport:
                 continue
             itemsize[label] = v.dtype.itemsize
             sharding = r.forward.shardings[v.name]
-            tp_part = _numel(local_shape(v.shape, (sharding[tp_axis],), self.mesh.sub(tp_axis))) * v.dtype.itemsize
+            tp_part = (_numel(v.shape) if tp_axis is None else  # a (dp, cp) mesh: no tp
+                       _numel(local_shape(v.shape, (sharding[tp_axis],), self.mesh.sub(tp_axis)))) * v.dtype.itemsize
             b = r.backward.source if r.backward is not None else None
             read = b is not None and any(b.role(u.name) == "parameter" and b.label(u.name) == label for u in b.inputs)
             if axis_split(sharding[dp_axis]) is None:

@@ -26,7 +26,7 @@ from nvtp import driver
 from nvtp.execute import ring, spmd
 from nvtp.models import gpt
 from nvtp.sharding.context import ContextError
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, local_indices
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, held, local_indices
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = gpt.config("tiny")  # 2 layers, sequence 16, batch 2
@@ -37,14 +37,15 @@ def _placements(p) -> tuple:
 
 
 def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str = "megatron", loss_of=lambda out: out,
-          lr: float = 0.1):
+          lr: float = 0.1, kwargs: dict | None = None, fsdp: bool = False):
     """``steps`` SGD steps of ``nvtp.jit(model)`` on every rank of a simulated ``mesh`` and of
     eager ``model`` on one process. Returns (nvtp's losses, eager's, the ranks, the eager model,
     the ring steps each rank ran per training step)."""
     threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r)) for r in range(mesh.size)]
+    ranks = [nvtp.jit(copy.deepcopy(model), plan=plan, mesh=mesh, comm=threads.comm(r), fsdp=fsdp) for r in range(mesh.size)]
     args_of = (lambda r: args) if "dp" not in mesh.names else (lambda r: _dp_part(args, mesh, r))  # a dp rank passes its batch
-    ranks[0].compile(*args_of(0))
+    kwargs = kwargs or {}
+    ranks[0].compile(*args_of(0), **kwargs)
     for m in ranks[1:]:
         m.share_compiled(ranks[0])
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in ranks]
@@ -53,7 +54,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
 
     def step(r):
         opts[r].zero_grad()
-        loss = loss_of(ranks[r](*args_of(r)))
+        loss = loss_of(ranks[r](*args_of(r), **kwargs))
         loss.backward()
         opts[r].step()
         return loss.item()
@@ -66,7 +67,7 @@ def train(model: nn.Module, mesh: DeviceMesh, args: tuple, steps: int, plan: str
         assert len(set(losses)) == 1, losses  # every rank gets the whole loss (a dp rank its batch's: here the same mean)
         got.append(losses[0])
         ref_opt.zero_grad()
-        loss = loss_of(ref(*args))
+        loss = loss_of(ref(*args, **kwargs))
         loss.backward()
         ref_opt.step()
         want.append(loss.item())
@@ -78,15 +79,15 @@ def _dp_part(args: tuple, mesh: DeviceMesh, rank: int) -> tuple:
     return tuple(a[d * a.shape[0] // n:(d + 1) * a.shape[0] // n] for a in args)
 
 
-def check_matches(got, want, ranks, ref, mesh):
+def check_matches(got, want, ranks, ref, mesh, fsdp: bool = False):
     """Losses within 1e-5, every weight (reassembled from the ranks' parts) within 1e-4;
-    weights whole across cp: only a tp axis splits them."""
+    weights whole across cp (only a tp axis splits them) unless ``fsdp``."""
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (got, want)
     cp = mesh.names.index("cp")
     for name, p in ref.named_parameters():
         placement = _placements(ranks[0].placement(name))
-        assert placement[cp] == REPLICATE, (name, placement)
+        assert fsdp or placement[cp] == REPLICATE, (name, placement)
         parts = [dict(m.module.named_parameters())[name].detach() for m in ranks]
         whole = spmd.assemble(parts, placement, p.shape, mesh)
         assert (whole - p.detach()).abs().max().item() <= 1e-4, name
@@ -165,6 +166,87 @@ def test_rotary_llama_style_model_trains_like_one_process(shape):
     check_ring_ran_as_planned(ranks[0].last, sent, mesh)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,names,plan", [((2, 2), ("dp", "cp"), "megatron"), ((2, 2, 2), ("dp", "cp", "tp"), "megatron-sp")])
+def test_fsdp_with_cp_trains_like_one_process(shape, names, plan):
+    """``fsdp=True`` on a mesh with dp and cp: the weights split over dp at rest and, along a
+    dimension tp and dp leave whole, over cp (without tp: a weight [out, in] split over dp by rows,
+    over cp by columns), gathered where used, their gradients reduce-scattered over both."""
+    torch.manual_seed(0)
+    model = gpt.GPT(CFG)
+    mesh = DeviceMesh.of_shape(shape, names)
+    got, want, ranks, ref, sent = train(model, mesh, gpt.example_tokens(CFG), 4, plan=plan, fsdp=True)
+    check_matches(got, want, ranks, ref, mesh, fsdp=True)
+    check_ring_ran_as_planned(ranks[0].last, sent, mesh)
+    dp, cp = mesh.names.index("dp"), mesh.names.index("cp")
+    split = [n for n, _ in model.named_parameters() if axis_split(_placements(ranks[0].placement(n))[dp]) is not None]
+    assert "h.0.mlp.c_fc.weight" in split and "h.0.attn.c_attn.weight" in split, split
+    on_cp = [n for n, _ in model.named_parameters() if axis_split(_placements(ranks[0].placement(n))[cp]) is not None]
+    held = {n: _numel(dict(ranks[0].module.named_parameters())[n]) / _numel(p) for n, p in model.named_parameters()}
+    if "tp" not in names:  # a weight [out, in]: rows over dp, columns over cp; each rank 1/4 of it
+        assert "h.0.mlp.c_fc.weight" in on_cp and held["h.0.mlp.c_fc.weight"] == 1 / 4, (on_cp, held)
+    else:  # tp and dp take both dimensions of a weight: whole over cp, and said so
+        assert not any(n.endswith("c_fc.weight") for n in on_cp) and any("stays whole on cp" in x for x in ranks[0].notes), ranks[0].notes
+    for axis in ("dp", "cp") if on_cp else ("dp",):
+        kinds = {s.kind for s in ranks[0].last.steps() if s.axis == axis}
+        assert {"allgather", "reduce_scatter"} <= kinds, (axis, kinds)
+
+
+def _numel(t) -> int:
+    return t.numel() if not hasattr(t, "to_local") else t.to_local().numel()
+
+
+def test_transformers_llama_on_cp2_trains_like_one_process():
+    """A transformers Llama (the FX route; rotary positions, grouped-query attention) passes its
+    causal mask to attention as a tensor built from positions: traced for a cp axis, that mask is
+    read as is_causal=True, and the model trains by ring like one process (3 SGD steps, the loss
+    the model computes from ``labels``)."""
+    from nvtp.models import hf
+
+    model = hf.build("llama")
+    ids = hf.batch(0)
+    mesh = DeviceMesh.of_shape((2,), ("cp",))
+    got, want, ranks, ref, sent = train(model, mesh, (ids,), 3, loss_of=lambda out: out.loss, kwargs={"labels": ids})
+    check_matches(got, want, ranks, ref, mesh)
+    program = ranks[0].last
+    check_ring_ran_as_planned(program, sent, mesh)
+    attn = [op for op in program.forward.fusion.ops if op.kind == "sdpfa_fwd"]
+    assert len(attn) == 2 and all(op.arg("is_causal") is True for op in attn), attn  # one per layer, causal, no mask
+    assert "whole trace" not in program.traced.how, program.traced.how  # the layers still traced once and spliced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,shape,names,plan", [("gpt2", (2,), ("cp",), "megatron"), ("qwen2", (4,), ("cp",), "megatron"),
+                                                     ("llama", (2, 2), ("cp", "tp"), "megatron-sp")])
+def test_transformers_models_on_cp_meshes_train_like_one_process(family, shape, names, plan):
+    """GPT-2 (learned positions) and Qwen2 on cp alone, Llama on (cp, tp) with sequence parallelism:
+    each mask read as causal, 3 SGD steps like one process."""
+    from nvtp.models import hf
+
+    model = hf.build(family)
+    ids = hf.batch(0)
+    mesh = DeviceMesh.of_shape(shape, names)
+    got, want, ranks, ref, sent = train(model, mesh, (ids,), 3, plan=plan, loss_of=lambda out: out.loss, kwargs={"labels": ids})
+    check_matches(got, want, ranks, ref, mesh)
+    check_ring_ran_as_planned(ranks[0].last, sent, mesh)
+
+
+def test_a_mask_read_as_causal_is_exactly_the_causal_one():
+    """``fx.is_causal_mask``: the pattern ``is_causal=True`` applies (booleans, or 0 and -inf,
+    broadcast over batch and heads) and nothing else."""
+    from nvtp.frontend.fx import is_causal_mask
+
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert is_causal_mask(tril, 6, 6) and is_causal_mask(tril.expand(2, 1, 6, 6), 6, 6)
+    assert is_causal_mask(torch.zeros(6, 6).masked_fill(~tril, float("-inf")), 6, 6)
+    window = tril & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)  # sliding window of 3
+    padded = tril.expand(2, 1, 6, 6).clone()
+    padded[1, :, :, 0] = False  # the second sequence's first token is padding
+    for other in (window, tril.T, torch.ones(6, 6, dtype=torch.bool), padded, torch.ones(6, 6, dtype=torch.bool).tril(1),
+                  torch.zeros(6, 6).masked_fill(~tril, -1.0)):
+        assert not is_causal_mask(other, 6, other.shape[-1]), other
+
+
 def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
     """``nvtp.plan`` at cp = 4: the ring's point-to-point steps with their bytes (each rank sends
     its K and V block cp-1 times a layer in the forward), no all-gather; the activations each
@@ -190,25 +272,65 @@ def test_plan_at_cp4_shows_the_ring_and_activations_fall_as_1_over_cp():
 
     # The balanced layout: rank r holds pieces r and 2cp-1-r of the sequence, so the causal work
     # (query-key pairs the mask leaves, each block cut to the rows and columns it reaches) is the
-    # same on every rank; counted here from the program's own placements.
+    # same on every rank every ring step; counted here from the program's own placements.
     program = driver.shard(traced, "megatron", DeviceMesh.of_shape((4,), ("cp",)))
     attn = next(op for op in program.forward.fusion.ops if op.kind == "sdpfa_fwd")
     k = attn.arg("key")
     assert isinstance(program.forward.sharding(k.name)[0], Zigzag)
     positions = [local_indices(CFG.seq_len, program.forward.sharding(k.name)[0], 4, r) for r in range(4)]
-    assert sorted(torch.cat(positions).tolist()) == list(range(CFG.seq_len))
     assert positions[0].tolist() == [0, 1, 14, 15]
-    pairs = [sum(int((q[:, None] >= kp[None, :]).sum()) for kp in positions) for q in positions]
-    assert len(set(pairs)) == 1, pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
-    work = []
-    for q in positions:
-        cells = 0
-        for kp in positions:
+    pairs, cells = ring_work(program)
+    assert all(len(set(step)) == 1 for step in pairs), pairs  # contiguous chunks would give 3, 7, 11, 15 blocks' worth
+    assert [c[0] for c in cells] == [16, 8, 8, 8] and all(len(set(c)) == 1 for c in cells), cells  # the diagonal whole, the others half
+
+    # FSDP over dp x cp, as the report prints it (a (dp, cp) mesh has no tp: the dp traffic is counted on whole weights)
+    text = driver.shard(traced, "megatron", DeviceMesh.of_shape((2, 2), ("dp", "cp")), fsdp=True).report().as_text()
+    assert re.search(r"h\.\{0\.\.1\}\.mlp\.c_fc\.weight\s+dp S\(0\), cp S\(1\)", text), text
+
+    # With tp (megatron-sp splits the sequence over tp too; dp the batch): still the same work
+    # on every cp rank every ring step (cp splitting each of tp's chunks, _StridedShard(1, tp),
+    # gave cp rank 1 three times rank 0's work at the second step of (cp, tp) = (2, 2)).
+    for shape, names in (((2, 2), ("cp", "tp")), ((4, 2), ("cp", "tp")), ((2, 4), ("cp", "tp")), ((2, 2, 2), ("dp", "cp", "tp"))):
+        mesh = DeviceMesh.of_shape(shape, names)
+        program = driver.shard(traced, "megatron-sp", mesh)
+        pairs, cells = ring_work(program)
+        assert all(len(set(step)) == 1 for step in pairs), (shape, names, pairs)
+        assert all(len(set(step)) == 1 for step in cells), (shape, names, cells)
+        # tp still splits the sequence where megatron-sp does (a layer norm's [B, T, C] input): each
+        # token on exactly one (cp, tp) rank
+        norm_in = next(op for op in program.forward.fusion.ops if op.kind == "var_mean").tensor_operands[0]
+        sharding = program.forward.sharding(norm_in.name)
+        tokens = [held(norm_in.shape, sharding, mesh, mesh.coords(r))[1] for r in range(mesh.size)
+                  if "dp" not in names or mesh.coords(r)[0] == 0]
+        assert sorted(torch.cat(tokens).tolist()) == list(range(CFG.seq_len)), (names, sharding)
+
+
+def ring_work(program) -> tuple[list[list[int]], list[list[int]]]:
+    """Per ring step, per cp rank: the query-key pairs the causal mask leaves between the rank's
+    queries and the K/V block at hand, and the cells the ring computes (each block cut to the rows
+    and columns it reaches, ``ring._visible``); positions from the program's placements."""
+    f = program.forward
+    mesh = f.mesh
+    attn = next(op for op in f.fusion.ops if op.kind == "sdpfa_fwd")
+    k = attn.arg("key")
+    axis = mesh.names.index("cp")
+    n = mesh.shape[axis]
+    positions = []
+    for c in range(n):
+        coords = [0] * mesh.ndim
+        coords[axis] = c
+        positions.append(held(k.shape, f.sharding(k.name), mesh, coords)[2])
+    assert sorted(torch.cat(positions).tolist()) == list(range(k.shape[2]))  # every position on one cp rank
+    pairs, cells = [], []
+    for step in range(n):
+        pairs.append([]), cells.append([])
+        for c in range(n):
+            q, kp = positions[c], positions[(c - step) % n]
+            pairs[-1].append(int((q[:, None] >= kp[None, :]).sum()))
             rows, cols = ring._visible(q, kp, True)
-            if not isinstance(rows, str):
-                cells += (q.numel() if rows is None else rows.numel()) * (kp.numel() if cols is None else cols.numel())
-        work.append(cells)
-    assert len(set(work)) == 1 and work[0] == 16 + 3 * 8, work  # the diagonal block whole, the others half
+            cells[-1].append(0 if isinstance(rows, str) else
+                             (q.numel() if rows is None else rows.numel()) * (kp.numel() if cols is None else cols.numel()))
+    return pairs, cells
 
 
 class MaskedAttention(nn.Module):
@@ -237,23 +359,40 @@ def test_bad_input_is_refused_before_any_work():
         nvtp.plan(MaskedAttention(), x, mask, mesh=DeviceMesh.of_shape((2,), ("cp",)))
 
 
+def test_a_transformers_model_with_a_padding_mask_is_refused_on_cp():
+    """A transformers model called with an ``attention_mask`` (padding): the mask its attention
+    reads depends on an argument, so it is not read as causal, and the cp axis refuses it."""
+    from nvtp.models import hf
+
+    ids = hf.batch(0)
+    padding = torch.ones_like(ids)
+    padding[1, :3] = 0
+    with pytest.raises(ContextError, match="attn_mask.*is_causal=True.*computed from positions alone"):
+        nvtp.plan(hf.build("llama"), ids, attention_mask=padding, labels=ids, mesh=DeviceMesh.of_shape((2,), ("cp",)))
+
+
 @pytest.mark.slow
-def test_cp2_on_two_gloo_processes_by_torchrun(tmp_path):
+@pytest.mark.parametrize("procs,extra", [(2, []), (4, ["dp,cp", "--fsdp"])])
+def test_cp2_on_gloo_processes_by_torchrun(tmp_path, procs, extra):
     """torch.distributed's point-to-point steps (batch_isend_irecv on gloo) on a mesh from
-    ``init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))``; losses against eager."""
+    ``init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))``, and on (dp, cp) = (2, 2) with
+    ``fsdp=True`` (DTensor parameters split over dp x cp); losses and weights against eager."""
     script = ROOT / "tests" / "cp_worker.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "cp.pt"
     from torch.distributed.elastic.utils.distributed import get_free_port
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(get_free_port()),
-                           str(script), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
+                           str(get_free_port()), str(script), str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = torch.load(out)
     for a, b in zip(result["losses"], result["eager"]):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), result
     assert result["weight_error"] <= 1e-4, result
     assert result["sendrecv"] == 3 * result["planned"] > 0  # rank 0's steps: 3 training steps of the plan's
+    if extra:  # FSDP over dp x cp: rank 0 holds less than half of the weights (the 2-D weights a quarter)
+        assert result["held"] < 0.5, result
 
 
 def test_the_ring_step_fusions_build_in_nvfuser_from_their_text_and_merge_right(tmp_path):

@@ -38,6 +38,11 @@ def claim_for_ring():
         RING_CLAIM.reset(token)
 
 
+def ring_claim_active() -> bool:
+    """Whether a trace for a cp axis is under way (``claim_for_ring``)."""
+    return RING_CLAIM.get() is not None
+
+
 def _fwd_meta(query, key, value, dropout_p=0.0, is_causal=False, *, scale=None):
     b, h, s, _ = query.shape
     return (

@@ -25,13 +25,15 @@ plan and the report. The model is traced with every causal or full attention cla
 (``nvtp.frontend.attention.claim_for_ring``), float32 included; an attention the ring cannot run
 (an arbitrary mask, dropout) is refused before any work, naming the fix.
 
-Layout: on a mesh without tp, balanced (``placements.Zigzag``): of a sequence of 2·cp pieces
-rank r holds pieces r and 2·cp-1-r, one from each end, so every rank does the same causal work
-(the ring computes each block on the rows and columns the mask leaves: half a block off the
-diagonal). With tp, cp splits each of tp's sequence chunks (``_StridedShard(1, tp)``), because
-megatron-sp splits the sequence contiguously over tp and two mesh axes may split one tensor axis
-only along different factors. A dp axis splits the batch (the data plan of
-``nvtp.sharding.multi``, DDP) between tp's pass and cp's.
+Layout: balanced (``placements.Zigzag``): of a sequence of 2·cp pieces rank r holds pieces r
+and 2·cp-1-r, one from each end, so every rank does the same causal work every ring step (the
+ring computes each block on the rows and columns the mask leaves: half a block off the
+diagonal). With tp the sequence is seen as tp's chunks (megatron-sp splits it contiguously over
+tp; two mesh axes may split one tensor axis only along different factors), each pair of chunks a
+zigzag over cp (``Zigzag(1, tp)``, ``chunks``): at tp = 2 rank (c, t) holds piece c (t = 0) or
+2·cp-1-c (t = 1), Megatron-Core's layout (zigzag over cp, then each cp rank's tokens split
+contiguously over tp). A dp axis splits the batch (the data plan of ``nvtp.sharding.multi``,
+DDP) between tp's pass and cp's.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any, Mapping
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes import roles
 from nvtp.sharding.passes import backward_annotations, shard
-from nvtp.sharding.placements import ZIGZAG, DeviceMesh, Placement, axis_split, local_shape, make_shard
+from nvtp.sharding.placements import REPLICATE, ZIGZAG, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.rules import RING
 
@@ -61,20 +63,22 @@ def has_cp(mesh: DeviceMesh) -> bool:
 def check_traced(traced: Any, mesh: DeviceMesh, fsdp: bool = False) -> None:
     """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
     whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""
-    if fsdp:
-        raise ContextError("fsdp=True with a cp axis is not built: weights stay whole over dp and cp (DDP); pass fsdp=False, "
-                           "or a (dp, tp) mesh for FSDP")
+    if fsdp and "dp" not in mesh.names:
+        raise ContextError(f"fsdp=True splits the weights over a dp axis; the mesh {list(mesh.names)} has none: add one "
+                           "(e.g. ('dp', 'cp')) or pass fsdp=False (weights whole over cp, their gradients all-reduced)")
     cp = mesh.shape[mesh.names.index("cp")]
     parts = chunks(mesh)
-    layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if balanced(mesh) else
-              f"{cp} x {parts}: cp splits each of tp's {parts} sequence chunks")
+    layout = (f"{cp} x 2: the balanced layout gives each rank a piece from each end of the sequence" if parts == 2 else
+              f"{cp} x {parts}: the balanced layout gives each cp rank a piece from each end of every pair of the {parts} "
+              "chunks tp's sequence parallelism sees")
     declined = getattr(traced, "declined", [])
     if declined:
         raise ContextError(f"the cp axis runs attention by ring, which needs causal or full attention without a mask; the model "
                            f"calls {declined[0]}. Call F.scaled_dot_product_attention(q, k, v, is_causal=True) (or with no mask), "
                            "with dropout_p=0, or shard this model without a 'cp' axis (tp, dp)"
-                           + ("; transformers models pass their causal mask as a tensor, which the cp axis does not read as "
-                              "causal yet (docs/context.md)" if getattr(traced, "route", "") == "fx" else ""))
+                           + ("; a transformers model's mask is read as causal when it is computed from positions alone "
+                              "and is exactly the causal one: call the model without an attention_mask (padding)"
+                              if getattr(traced, "route", "") == "fx" else ""))
     f = traced.forward
     for op in f.ops:
         if op.kind == "sdpfa_fwd":
@@ -110,8 +114,11 @@ def sequence_inputs(fusion: Fusion, arguments: Any, cp: int, chunks: int = 1) ->
 
 def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, target: Any, *,
                   annotations: Mapping[str, tuple[Placement, ...]] | None = None,
-                  output_hints: Mapping[str, Placement] | None = None):
-    """The forward over a mesh with a cp axis: the plan on "tp" (if any), then the cp pass."""
+                  output_hints: Mapping[str, Placement] | None = None, fsdp: bool = False):
+    """The forward over a mesh with a cp axis: the plan on "tp" (if any), the data plan on "dp"
+    (if any; ``fsdp``: the weights split over dp at rest, gathered where used), then the cp pass
+    (``fsdp``: a weight dp splits is split over cp too, along a dimension tp and dp leave whole,
+    ``cp_at_rest``). Returns (the sharded forward, the notes: weights FSDP leaves whole, and why)."""
     from nvtp.sharding.multi import combine
 
     axes = roles(mesh)
@@ -120,35 +127,76 @@ def shard_forward(traced: Any, plan: str | Mapping[str, Any], mesh: DeviceMesh, 
     f = traced.forward
     passes = []
     fusion = f
+    tp = _Whole()
+    notes: list[str] = []
     if "tp" in axes:
         tp_axis = axes["tp"]
         ann = {n: s[tp_axis] for n, s in (annotations or {}).items()}
         tp = shard(f, plan, mesh.sub(tp_axis), annotations=ann, output_hints=output_hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
-    if "dp" in axes:  # the data plan (nvtp.sharding.multi): the batch split over dp, weights whole (DDP)
+    if "dp" in axes:  # the data plan (nvtp.sharding.multi): the batch split over dp, weights whole (DDP) or split (FSDP)
         from nvtp.sharding.multi import data_plan
 
         dp_axis = axes["dp"]
-        data = data_plan(f, None, mesh.shape[dp_axis], False, traced.arguments, traced.weights)
-        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, hoist=False, keep_splits=True)
+        data = data_plan(f, tp, mesh.shape[dp_axis], fsdp, traced.arguments, traced.weights)
+        for n, s in (annotations or {}).items():  # parameters already placed stay where they are
+            if not is_replicate(s[dp_axis]):
+                data.at_rest[n] = s[dp_axis]
+            else:
+                data.at_rest.pop(n, None)
+        notes = list(data.notes)
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=data.batched, target=target, at_rest=data.at_rest,
+                    hoist=False, keep_splits=True)
         passes.append((dp_axis, dps))
         fusion = dps.fusion
-    # With a tp axis the cp axis splits the sequence *across* tp's chunks (rank c of cp holds the
-    # c-th piece of each of tp's chunks): tp's sequence parallelism (megatron-sp) splits it into
-    # contiguous chunks, and two mesh axes may split one tensor axis only along different factors.
-    # Without tp the layout is the balanced one (``Zigzag``): each rank holds two pieces, one from each end.
+    # The balanced layout (``Zigzag``): each rank holds a piece from each end of the sequence, or,
+    # with tp, of each pair of tp's chunks (``chunks``): tp's sequence parallelism (megatron-sp)
+    # splits the sequence contiguously, and two mesh axes may split one tensor axis only along
+    # different factors.
     hints = dict(output_hints or {})
     if fusion is not f:  # the tp pass's fusion: its outputs, in the source's order, under their new names
         hints = {out.name: hints[src.name] for src, out in zip(f.outputs, fusion.outputs) if src.name in hints}
-    with _ring(balanced(mesh)):
+    at_rest: dict[str, Placement] = {}
+    if fsdp:
+        at_rest, whole = cp_at_rest(f, tp, data.at_rest, cp)
+        notes += whole
+    for n, s in (annotations or {}).items():  # parameters already placed stay where they are
+        if not is_replicate(s[cp_axis]):
+            at_rest[n] = s[cp_axis]
+    with _ring():
         seq = sequence_inputs(f, traced.arguments, cp, chunks(mesh))
         cpf = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=seq, output_hints=hints, target=target,
-                    hoist=False, keep_splits=True)
+                    at_rest=at_rest, hoist=False, keep_splits=True)
     passes.append((cp_axis, cpf))
     if mesh.ndim == 1:
-        return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit")
-    return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit")
+        return replace(cpf, mesh=mesh, plan=plan if isinstance(plan, str) else "explicit"), notes
+    return combine(passes, mesh, f, plan if isinstance(plan, str) else "explicit"), notes
+
+
+def cp_at_rest(f: Fusion, tp: Any, dp_at_rest: Mapping[str, Placement], cp: int) -> tuple[dict[str, Placement], list[str]]:
+    """FSDP over dp x cp (as Megatron's distributed optimizer shards over the dp and cp ranks):
+    each weight dp splits at rest is split over cp too, along the first dimension neither tp nor
+    dp splits that cp divides, so every rank holds 1/(dp·cp) of it; (placements, notes for the
+    weights that stay whole over cp, and why)."""
+    out, notes = {}, []
+    for name, p in dp_at_rest.items():
+        v = f.value(name)
+        taken = {s[0] for s in (axis_split(tp.placement(name)), axis_split(p)) if s is not None}
+        dim = next((d for d, n in enumerate(v.shape) if d not in taken and n % cp == 0), None)
+        if dim is None:
+            notes.append(f"fsdp: {f.label(name) or name} stays whole on cp: no dimension of {list(v.shape)} that tp and dp "
+                         f"leave whole is a multiple of {cp}")
+        else:
+            out[name] = make_shard(dim)
+    return out, notes
+
+
+class _Whole:
+    """tp's placements on a mesh without tp: every value whole (what ``multi.data_plan`` asks)."""
+
+    def placement(self, name: str) -> Placement:
+        return REPLICATE
 
 
 def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Mapping[str, Placement] | None = None):
@@ -167,45 +215,44 @@ def shard_backward(backward: Fusion, forward: Any, target: Any, output_hints: Ma
         tp = shard(backward, "replicate", mesh.sub(tp_axis), annotations=inputs, output_hints=hints, target=target)
         passes.append((tp_axis, tp))
         fusion = tp.fusion
-    if "dp" in axes:  # gradients contract the batch: partial sums over dp, all-reduced where their weights live (DDP)
+    if "dp" in axes:  # gradients contract the batch: partial sums over dp, all-reduced (DDP) or reduce-scattered (FSDP)
         dp_axis = axes["dp"]
         inputs, hints = backward_annotations(backward, forward.view(dp_axis))
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
-        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=inputs, output_hints=hints, target=target, hoist=False,
-                    keep_splits=True)
+        at_rest = {n: p for n, p in inputs.items() if backward.role(n) == "parameter" and not is_replicate(p)}
+        inputs = {n: (REPLICATE if n in at_rest else p) for n, p in inputs.items()}
+        dps = shard(fusion, "replicate", mesh.sub(dp_axis), annotations=inputs, output_hints=hints, target=target, at_rest=at_rest,
+                    hoist=False, keep_splits=True)
         passes.append((dp_axis, dps))
         fusion = dps.fusion
     inputs, hints = backward_annotations(backward, forward.view(cp_axis))
     hints.update(output_hints or {})
     if fusion is not backward:
         hints = {out.name: hints[src.name] for src, out in zip(backward.outputs, fusion.outputs) if src.name in hints}
-    with _ring(balanced(mesh)):
+    at_rest = {n: p for n, p in inputs.items() if backward.role(n) == "parameter" and not is_replicate(p)}  # FSDP over cp
+    inputs = {n: (REPLICATE if n in at_rest else p) for n, p in inputs.items()}
+    with _ring():
         cpb = shard(fusion, "replicate", mesh.sub(cp_axis), annotations=inputs, output_hints=hints, target=target,
-                    hoist=False, keep_splits=True)
+                    at_rest=at_rest, hoist=False, keep_splits=True)
     passes.append((cp_axis, cpb))
     if mesh.ndim == 1:
         return replace(cpb, mesh=mesh, plan=forward.plan)
     return combine(passes, mesh, backward, forward.plan)
 
 
-def balanced(mesh: DeviceMesh) -> bool:
-    """Whether the cp axis lays the sequence out balanced (``Zigzag``): on a mesh without tp."""
-    return "tp" not in mesh.names
-
-
 def chunks(mesh: DeviceMesh) -> int:
-    """The chunks each sequence is seen as, each split over cp: 2 balanced (zigzag), else tp's extent."""
-    return 2 if balanced(mesh) else mesh.shape[mesh.names.index("tp")]
+    """The chunks each sequence is seen as, each split over cp, each pair of chunks a zigzag
+    (``Zigzag``): 2 without tp; with tp the chunks tp's sequence parallelism makes, its extent
+    (doubled when odd, so the chunks pair up)."""
+    tp = mesh.shape[mesh.names.index("tp")] if "tp" in mesh.names else 1
+    return tp if tp % 2 == 0 else 2 * tp
 
 
 class _ring:
     """The attention rules of a cp pass (``rules.RING``), and its layout (``placements.ZIGZAG``), while it runs."""
 
-    def __init__(self, zigzag: bool):
-        self.zigzag = zigzag
-
     def __enter__(self):
-        self.tokens = (RING.set(True), ZIGZAG.set(self.zigzag))
+        self.tokens = (RING.set(True), ZIGZAG.set(True))
 
     def __exit__(self, *exc):
         RING.reset(self.tokens[0])
@@ -317,7 +364,7 @@ def ring_step_fusions(sharded: Any) -> list[tuple[str, Any]]:
     q, v = op.arg("query"), op.arg("value")
     qs = local_shape(q.shape, sharded.shardings[q.name], mesh)
     vs = local_shape(v.shape, sharded.shardings[v.name], mesh)
-    half = qs[2] // 2 if balanced(mesh) else qs[2]
+    half = qs[2] // 2
     dtype = DType.BFloat16  # nvFuser's flash attention takes 16-bit operands; the merge runs in float32
     out = []
     for name, q_len, k_len, causal in (("ring_step_diagonal", qs[2], qs[2], True), ("ring_step_half", qs[2], half, False)):
@@ -365,5 +412,5 @@ def write_ring_steps(sharded: Any, directory: Any, name: str = "program") -> lis
     return paths
 
 
-__all__ = ["ContextError", "RingStep", "balanced", "check_traced", "chunks", "context_header", "has_cp", "ring_axis", "ring_records",
+__all__ = ["ContextError", "RingStep", "check_traced", "chunks", "context_header", "has_cp", "ring_axis", "ring_records",
            "ring_step_fusions", "ring_steps", "sequence_inputs", "shard_backward", "shard_forward", "write_ring_steps"]
