@@ -90,6 +90,10 @@ def _load_sharded(args, backend: str):
     return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=getattr(args, "fsdp", False), backend=backend))
 
 
+def _ring_mode(args) -> bool | str:
+    return {"auto": "auto", "on": True, "off": False}[getattr(args, "collective_matmul", "auto")]
+
+
 def _planning_backend(args) -> str:
     """``--backend``, or the one ``nvtp.jit`` would run a model on here: nvFuser on a machine where
     it runs (a CUDA GPU and nvfuser_direct), the reference backend otherwise."""
@@ -180,7 +184,7 @@ def _explain_model(args) -> int:
                         f"example_kwargs), got {type(made).__name__}")
         model, example, example_kwargs = made if len(made) == 3 else (*made, {})
         result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where,
-                              machine=args.machine, **example_kwargs)
+                              machine=args.machine, collective_matmul=_ring_mode(args), **example_kwargs)
     else:
         from nvtp.models import gpt
 
@@ -190,7 +194,7 @@ def _explain_model(args) -> int:
             raise Usage(str(e)) from None
         layers = args.layers or cfg.n_layer
         result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, machine=args.machine,
-                                     **where)
+                                     collective_matmul=_ring_mode(args), **where)
     if args.machine is not None:
         from nvtp.sharding.overlap import MACHINES
 
@@ -329,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--out", required=True, help="file to write")
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object (with a 'communications' list)")
+            c.add_argument("--collective-matmul", default="auto", choices=["auto", "on", "off"],
+                           help="run megatron-sp's gathers and reduce-scatters around the projections as ring steps beside "
+                                "the matmul: auto where the cost model says it pays on --machine (default: the backend's), "
+                                "on everywhere, off never")
             c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib", "cpu-gloo"],
                            help="estimate, on this machine model, what the communication schedule hides per step "
                                 "(h100-nvlink: 8x H100 in one node; h100-ib: dp across nodes over InfiniBand)")

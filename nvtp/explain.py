@@ -47,7 +47,7 @@ def _axis_size(mesh: DeviceMesh, name: str) -> int:
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
-         **example_kwargs) -> ModelReport:
+         collective_matmul: bool | str = "auto", **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -59,7 +59,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     Takes every model ``nvtp.jit`` takes (the FX route for transformers models included).
     ``machine`` (an ``nvtp.sharding.overlap.Machine`` or its name): plan the collective matmuls
     for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
-    hides there."""
+    hides there; ``collective_matmul``: as ``nvtp.jit`` takes it."""
     from nvtp import driver
     from nvtp.execute import backends
     from nvtp.pipeline.layout import has_pp
@@ -76,7 +76,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     backends.resolve(backend, run=False)
     args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
-                             machine=machine, **kwargs)
+                             machine=machine, collective_matmul=collective_matmul, **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
         batch = f"traced batch = dp x each rank's batch (the example arguments') = {_axis_size(mesh, 'dp')} x {example_args[0].shape[0]}"
@@ -106,7 +106,8 @@ def _transformer_shape(model: torch.nn.Module, args: tuple, kwargs: dict, tp: in
 
 def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None = None, dtype: torch.dtype = torch.bfloat16,
                 backend: str = "nvfuser", regional: bool = True, mesh: "tuple[int, int] | DeviceMesh | None" = None,
-                fsdp: bool = False, batch: int | None = None, machine: Any = None) -> ModelReport:
+                fsdp: bool = False, batch: int | None = None, machine: Any = None,
+                collective_matmul: bool | str = "auto") -> ModelReport:
     """nvtp's GPT with ``cfg`` at ``layers`` layers, traced on meta tensors, on ``devices``
     devices (default 8) or ``mesh`` = (dp, tp) (``fsdp``: weights split over dp too), for
     ``backend`` (default nvFuser: a model of this size is planned for GPUs). ``batch`` is each
@@ -137,23 +138,24 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
         extra |= {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
                   "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
-        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp, machine)
+        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp, machine, collective_matmul)
         traced = time.perf_counter() - start
         return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward, whole.schedules)],
                            {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
     outer_t, block_t = _trace_gpt(cfg, 0, dtype, ring), _trace_gpt(cfg, None, dtype, ring)
     traced = time.perf_counter() - start
-    outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp, machine) for t in (outer_t, block_t))
+    outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp, machine, collective_matmul) for t in (outer_t, block_t))
     regions = [Region("outer", 1, outer.forward, outer.backward, outer.schedules),
                Region("block", layers, block.forward, block.backward, block.schedules)]
     return ModelReport(name, plan, mesh.size, regions, {"trace": traced, "shard": time.perf_counter() - start - traced}, shape,
                        notes=outer.notes + [f"block: {n}" for n in block.notes], **extra)
 
 
-def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool, machine: Any = None):
+def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool, machine: Any = None,
+               collective_matmul: bool | str = "auto"):
     from nvtp import driver
 
-    return driver.shard(traced, plan, mesh, backend, fsdp=fsdp, machine=machine)
+    return driver.shard(traced, plan, mesh, backend, fsdp=fsdp, machine=machine, collective_matmul=collective_matmul)
 
 
 @functools.lru_cache(maxsize=8)

@@ -179,7 +179,8 @@ def issued(phases, schedules: Mapping[str, Any]) -> list[dict[str, Any]]:
                         "at": i.at, "waits": list(i.waits), "overlaps_ops": min(i.waits) - i.at - 1} for i in schedule.issues]
             for r in schedule.rings:  # a collective matmul: its point-to-point steps, each beside a block's matmuls
                 started += [{"phase": phase, "kind": "sendrecv", "axis": names[r.axis], "bytes": r.step_bytes, "tensors": [r.name],
-                             "at": r.at - 1, "waits": [r.at], "overlaps_ops": len(r.linears), "ring": r.kind} for _ in range(r.steps)]
+                             "at": r.at - 1, "waits": [r.at], "overlaps_ops": len(r.linears), "ring": r.kind, "ring_steps": r.steps}
+                            for _ in range(r.steps)]
             out += sorted(started, key=lambda c: c["at"])
             continue
         order = {op.outputs[0].name: k for k, op in enumerate(sharded.fusion.ops) if op.outputs}

@@ -345,10 +345,12 @@ class ModelReport:
                              f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
                 ring_steps = [c for c in issued if c["phase"] == phase and "ring" in c]
                 steps = collections.Counter(c["ring"] for c in ring_steps)
-                rings = collections.Counter(kind for kind, _ in {(c["ring"], c["tensors"][0]) for c in ring_steps})
+                rings = collections.Counter()
+                for c in ring_steps:  # each ring lists its steps
+                    rings[c["ring"]] += 1 / c["ring_steps"]
                 if ring_steps:
                     lines.append(f"  {phase} collective matmuls (ring steps, each beside a block of the matmul): " + ", ".join(
-                        f"{rings[kind]} {kind} in {n} steps" for kind, n in steps.items()))
+                        f"{round(rings[kind])} {kind} in {n} steps" for kind, n in steps.items()))
         if self.machine is not None:
             summary = self.schedule_summary()
             lines.append(f"schedule on {self.machine.name} ({self.machine.describe}), estimated per step:")

@@ -357,3 +357,19 @@ def test_collective_matmuls_print_as_nvfusers_stream_parallel_schedule_and_build
             assert any(s == (Partial("sum"),) for s in shardings.values())
     no_rings = driver.compile(_gpt(), idx, tgt, plan="megatron-sp", mesh=4, backend="nvfuser", collective_matmul=False)
     assert len(no_rings.write_nvfuser(tmp_path / "plain")) == 2
+
+
+def test_explain_lists_and_prices_the_rings_as_typed():
+    """``nvtp explain --plan megatron-sp --collective-matmul on --machine ...``, as typed: the rings
+    per phase and the estimate with them; ``off`` the program without."""
+    from tests.test_cli import run
+
+    typed = ["nvtp", "explain", "--model", "nanogpt", "--config", "tiny", "--plan", "megatron-sp", "--devices", "4", "--machine", "h100-nvlink"]
+    on = run(typed + ["--collective-matmul", "on"])
+    assert on.returncode == 0, on.stderr
+    assert "forward collective matmuls (ring steps, each beside a block of the matmul): " in on.stdout
+    assert "allgather-linear in" in on.stdout and "linear-reducescatter in" in on.stdout
+    off = run(typed + ["--collective-matmul", "off"])
+    assert off.returncode == 0 and "collective matmuls" not in off.stdout
+    bad = run(typed + ["--collective-matmul", "maybe"])
+    assert bad.returncode != 0 and "--collective-matmul" in bad.stderr
