@@ -21,21 +21,37 @@ from nvtp.execute.launch import spawn
 from nvtp.models import gpt
 from nvtp.pipeline import schedule as sched
 from nvtp.pipeline.layout import Layout
+from tests.complex_rotary import ComplexRotaryLM, Config
 
 STEPS = 3
 
 
-def _model(layers: int = 4, tied: bool = False) -> torch.nn.Module:
+def _model(layers: int = 4, tied: bool = False, family: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(0)
+    if family == "llama":
+        return _RotaryLoss(Config(layers=layers))
     model = gpt.GPT(gpt.config("tiny", n_layer=layers, batch=4))
     if tied:
         model.lm_head.weight = model.wte.weight
     return model
 
 
-def _batches(global_batch: int, layers: int = 4):
+def _batches(global_batch: int, layers: int = 4, family: str = "gpt"):
+    if family == "llama":
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randint(0, 128, (global_batch, 16), generator=g), torch.randint(0, 128, (global_batch, 16), generator=g))
+                for _ in range(STEPS)]
     cfg = gpt.config("tiny", n_layer=layers, batch=global_batch)
     return [gpt.example_tokens(cfg, seed=s) for s in range(STEPS)]
+
+
+class _RotaryLoss(ComplexRotaryLM):
+    """The Llama-style model (complex rotary, RMSNorm, SwiGLU, GQA) returning its loss alone, as a
+    pipeline trains; a subclass, so the parameters keep the model's own names."""
+
+    def forward(self, tokens, targets):
+        logits = super().forward(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _optimizer(params):
@@ -57,13 +73,13 @@ def _train(model, batches, dp: int, dp_rank: int):
     return losses
 
 
-def _eager(layers: int, tied: bool, global_batch: int):
-    model = _model(layers, tied)
-    losses = _train(model, _batches(global_batch, layers), 1, 0)
+def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
+    model = _model(layers, tied, family)
+    losses = _train(model, _batches(global_batch, layers, family), 1, 0)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan):
+def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -74,11 +90,11 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
     sizes = tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names)
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     dp = shape[1]
-    model = nvtp.jit(_model(layers, tied), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
+    model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
     dp_rank = model.layout.coords(rank)[1]
     opt = _optimizer(model.module.parameters())
     losses, tie_gaps, sent = [], [], []
-    for idx, targets in _batches(global_batch, layers):
+    for idx, targets in _batches(global_batch, layers, family):
         n = idx.shape[0] // dp
         loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
         opt.zero_grad()
@@ -130,13 +146,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron"):
+def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron", family="gpt"):
     world = shape[0] * shape[1] * shape[2]
     global_batch = 4 * shape[1]
     out = tmp_path / "got.pt"
-    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan) == [0] * world
+    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan, family) == [0] * world
     got = torch.load(out, weights_only=False)
-    losses, params = _eager(layers, tied, global_batch)
+    losses, params = _eager(layers, tied, global_batch, family)
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(g["losses"], losses)):
             assert abs(a - b) <= 1e-5 * abs(b), (r, step, a, b)
@@ -147,7 +163,7 @@ def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=Fals
         for step in g["sent"]:
             assert sorted((s["phase"], s["label"], s["bytes"]) for s in step) == sorted(planned * microbatches)
         assert all(gap == 0.0 for gap in g["tie_gaps"]), g["tie_gaps"]
-    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied).parameters())
+    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied, family).parameters())
     assert all(g["held"] < whole for g in got), "every rank holds only its stage's parameters"
     assert all(g["held"] == g["planned_held"] for g in got), [(g["held"], g["planned_held"]) for g in got]
     return got
@@ -163,6 +179,17 @@ def test_pp2_trains_like_one_process(tmp_path):
                                                          ((2, 1, 1), 4, "gpipe")])
 def test_pipeline_meshes_train_like_one_process(tmp_path, shape, microbatches, schedule):
     _check(tmp_path, shape, microbatches, schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)], ids=["2x1x2", "2x2x1"])
+def test_a_llama_style_model_trains_like_one_process(tmp_path, shape):
+    """tests/complex_rotary.py (complex rotary table as a buffer, RMSNorm, SwiGLU, GQA), traced
+    whole (its blocks take the table too): each block's RMSNorm statistics run in the block's own
+    stage, the table is read by both stages, and the cut sends the residual stream alone."""
+    got = _check(tmp_path, shape, microbatches=2, family="llama")
+    assert got[0]["blocks"] == [[0, 1], [2, 3]]
+    assert [(p["phase"], p["shape"]) for p in got[0]["p2p"]] == [("forward", [2 * shape[1], 16, 64]), ("backward", [2 * shape[1], 16, 64])]
 
 
 @pytest.mark.slow
@@ -196,6 +223,26 @@ def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
     for bad in ((0,), (4,), (1, 2)):
         with pytest.raises(StageError, match="cut="):
             cut_stages(traced, "h", 4, 2, cut=bad)
+
+
+@pytest.mark.slow  # one process, but a whole Thunder trace (13 s on 2 busy cores)
+def test_the_cut_of_a_llama_style_model_puts_each_rmsnorm_in_its_block():
+    """The model's blocks take (x, table), so it is traced whole, with no splice to say which block
+    computes a parameter-free op: block 1's RMSNorm statistics (``rsqrt(mean(x**2) + eps)``) depend
+    on block 0's output only. They run in stage 1 (the stage of the norm's weight), so only the
+    residual stream crosses; left in stage 0, stage 1's backward read them and the cut was refused."""
+    from nvtp import driver
+    from nvtp.pipeline.stages import cut_stages
+
+    idx, targets = _batches(2, 2, "llama")[0]
+    traced = driver.trace(_model(2, family="llama"), (idx, targets), tie=False)
+    staged = cut_stages(traced, "blocks", 2, 2)
+    assert [(t.phase, t.src, t.dst, t.shape) for t in staged.transfers] == [("forward", 0, 1, (2, 16, 64)), ("backward", 1, 0, (2, 16, 64))]
+    held = [set(s.parameters) for s in staged.stages]
+    assert "freqs" in held[0] & held[1]  # the rotary table (a buffer, no gradient) is read by both stages
+    assert held[0] & held[1] == {"freqs"} and "blocks.1.attn_norm.weight" in held[1]
+    f1 = staged.stages[1].traced.forward
+    assert any(op.kind == "rsqrt" for op in f1.ops)  # stage 1 computes its blocks' norm statistics itself
 
 
 # -- layout, schedules: by hand ------------------------------------------------------------

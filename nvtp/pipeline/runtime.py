@@ -158,10 +158,26 @@ class PipelineModule(torch.nn.Module):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         self._params = {label: params[label] for label in self._labels}
+        self._buffers = self._stage_buffers(params)
         seen: set[int] = set()  # one label per parameter object: a tie inside a stage is one autograd input
         self._unique = [lab for lab in self._labels if not (id(params[lab]) in seen or seen.add(id(params[lab])))]
         self._p2p = pp.p2p()
         self.sent: list[dict[str, Any]] = []  # what the last step sent: phase, label, bytes (tests count it against p2p())
+
+    def _stage_buffers(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """What this stage reads of the module that is not a parameter (a rotary table: a buffer or
+        a tensor attribute), by label; whole, as every stage that reads it holds it."""
+        from nvtp.driver import tensor_attributes
+
+        wanted = [label for label in self.program.stages[self.stage].parameters if label not in params]
+        if not wanted:
+            return {}
+        held = dict(self.module.named_buffers()) | tensor_attributes(self.module)
+        missing = [label for label in wanted if label not in held]
+        if missing:
+            raise InputError(f"stage {self.stage} reads {', '.join(missing)}, which {type(self.module).__name__} holds neither as a "
+                             "parameter, a buffer nor a tensor attribute; keep it on the module (or register it with self.register_buffer)")
+        return {label: held[label] for label in wanted}
 
     # -- run --------------------------------------------------------------------------------
 
@@ -219,7 +235,7 @@ class PipelineModule(torch.nn.Module):
         for action in sched.actions(self.schedule, self.stage, lay.pp, m, backward=train):
             i = action.microbatch
             if action.kind == "F":
-                named: dict[str, Any] = dict(self._params)
+                named: dict[str, Any] = dict(self._params) | self._buffers
                 named |= {label: a for label, a in zip(arg_labels, micro[i]) if isinstance(a, torch.Tensor)}
                 for p in recv_f:
                     v = f.value(p["value"])
@@ -241,7 +257,7 @@ class PipelineModule(torch.nn.Module):
             for v in b.inputs:
                 info = b.info[v.name]
                 if info.role == "parameter":
-                    inputs.append(self._params[info.label].data)
+                    inputs.append(self._params[info.label].data if info.label in self._params else self._buffers[info.label])
                 elif info.role == "saved":
                     inputs.append(vals[info.source])
                 elif info.label in received:
