@@ -93,7 +93,7 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
     model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
     dp_rank = model.layout.coords(rank)[1]
     opt = _optimizer(model.module.parameters())
-    losses, tie_gaps, sent = [], [], []
+    losses, tie_gaps, sent, moved = [], [], [], []
     for idx, targets in _batches(global_batch, layers, family):
         n = idx.shape[0] // dp
         loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
@@ -102,12 +102,15 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
         opt.step()
         losses.append(loss.item())
         sent.append(list(model.sent))
+        moved.append(list(model.moved))
         if tied:  # both stages' copies of the tied weight, compared on every rank
             whole = model.full_parameters()
             tie_gaps.append(float((whole["wte.weight"] - _tied_copy(model)).abs().max()))
     whole = model.full_parameters()
     held = sum(p.numel() * p.element_size() for p in model.module.parameters())
-    result = {"losses": losses, "params": whole, "sent": sent, "p2p": model.program.p2p(), "stage": model.stage,
+    planned = [(s.kind, s.phase, s.tensor, int(s.dst.split()[1]) if s.kind == "send" else int(s.src.split()[1]), s.bytes)
+               for s in model.program.steps(model.stage) if s.axis == "pp"]
+    result = {"losses": losses, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -162,6 +165,10 @@ def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=Fals
         planned = [(p["phase"], p["label"], p["bytes"]) for p in g["p2p"] if p["src"] == g["stage"]]
         for step in g["sent"]:
             assert sorted((s["phase"], s["label"], s["bytes"]) for s in step) == sorted(planned * microbatches)
+        # and every send and recv on the pp axis, in order, is the plan's steps(stage), byte for byte
+        for step in g["moved"]:
+            assert [(m["kind"], m["phase"], m["label"], m["peer"], m["bytes"]) for m in step] == g["planned_pp"], (r, step, g["planned_pp"])
+        assert g["planned_pp"] and all(p[4] > 0 for p in g["planned_pp"])
         assert all(gap == 0.0 for gap in g["tie_gaps"]), g["tie_gaps"]
     whole = sum(p.numel() * p.element_size() for p in _model(layers, tied, family).parameters())
     assert all(g["held"] < whole for g in got), "every rank holds only its stage's parameters"
@@ -243,6 +250,23 @@ def test_the_cut_of_a_llama_style_model_puts_each_rmsnorm_in_its_block():
     assert held[0] & held[1] == {"freqs"} and "blocks.1.attn_norm.weight" in held[1]
     f1 = staged.stages[1].traced.forward
     assert any(op.kind == "rsqrt" for op in f1.ops)  # stage 1 computes its blocks' norm statistics itself
+
+
+def test_the_pipeline_programs_steps_hold_its_sends_and_recvs_on_the_pp_axis():
+    """``steps(stage)``: the records ``Program.steps()`` gives, with the p2p on "pp" where the
+    schedule runs them; the report's per-step totals are theirs (a run's count: the slow tests)."""
+    idx, targets = _batches(4, 2)[0]
+    program = nvtp.plan(_model(2), idx, targets, mesh="2x1x1", microbatches=2)  # 1F1B
+    first = [(s.kind, s.phase, s.bytes) for s in program.steps(0) if s.axis == "pp"]
+    last = [(s.kind, s.phase, s.bytes) for s in program.steps(1) if s.axis == "pp"]
+    n = 2 * 16 * 64 * 4  # one microbatch's residual stream, fp32
+    assert first == [("send", "forward", n), ("send", "forward", n), ("recv", "backward", n), ("recv", "backward", n)]  # F0 F1 B0 B1
+    assert last == [("recv", "forward", n), ("send", "backward", n), ("recv", "forward", n), ("send", "backward", n)]  # F0 B0 F1 B1
+    assert all(s.is_communication for s in program.steps(0) if s.axis == "pp")
+    assert program.as_data()["stages"][0]["step"]["pp send"] == {"count": 2, "bytes": 2 * n}
+    assert f"stage 1: 2 pp recv ({2 * n} B), 2 pp send ({2 * n} B)" in program.as_text()
+    with pytest.raises(ValueError, match=r"stage=2: this pipeline has stages 0..1"):
+        program.steps(2)
 
 
 # -- layout, schedules: by hand ------------------------------------------------------------

@@ -163,6 +163,7 @@ class PipelineModule(torch.nn.Module):
         self._unique = [lab for lab in self._labels if not (id(params[lab]) in seen or seen.add(id(params[lab])))]
         self._p2p = pp.p2p()
         self.sent: list[dict[str, Any]] = []  # what the last step sent: phase, label, bytes (tests count it against p2p())
+        self.moved: list[dict[str, Any]] = []  # the last step's sends and recvs in order (tests count it against steps(stage))
 
     def _stage_buffers(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
         """What this stage reads of the module that is not a parameter (a rotary table: a buffer or
@@ -214,6 +215,7 @@ class PipelineModule(torch.nn.Module):
         losses: list[torch.Tensor] = []
         handles = []
         self.sent = []
+        self.moved = []  # every send and recv on the pp axis, in the order this rank ran them
         loss_outputs = [v.name for v in rp.output_values() if not f.label(v.name).startswith("stage")]
 
         def peer(stage: int) -> int:
@@ -226,10 +228,12 @@ class PipelineModule(torch.nn.Module):
                                    f"{p['local_shape']} (a bug in nvtp's pipeline plan)")
             handles.append(dist.isend(t, peer(p["dst"]), tag=tag))
             self.sent.append({"phase": p["phase"], "label": p["label"], "bytes": t.numel() * t.element_size()})
+            self.moved.append({"kind": "send", "phase": p["phase"], "label": p["label"], "peer": p["dst"], "bytes": t.numel() * t.element_size()})
 
         def recv(p: dict, dtype: torch.dtype, tag: int) -> torch.Tensor:
             buf = torch.empty(p["local_shape"], dtype=dtype)
             dist.recv(buf, peer(p["src"]), tag=tag)
+            self.moved.append({"kind": "recv", "phase": p["phase"], "label": p["label"], "peer": p["src"], "bytes": buf.numel() * buf.element_size()})
             return buf
 
         for action in sched.actions(self.schedule, self.stage, lay.pp, m, backward=train):
