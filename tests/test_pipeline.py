@@ -183,7 +183,8 @@ def test_pp2_trains_like_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,microbatches,schedule", [((4, 1, 1), 4, "1f1b"), ((2, 1, 2), 2, "1f1b"), ((2, 2, 1), 2, "gpipe"),
-                                                         ((2, 1, 1), 4, "gpipe")])
+                                                         ((2, 1, 1), 4, "gpipe"), ((2, 2, 2), 2, "1f1b")],
+                         ids=["4x1x1-1f1b-m4", "2x1x2-1f1b", "2x2x1-gpipe", "2x1x1-gpipe-m4", "2x2x2-1f1b"])
 def test_pipeline_meshes_train_like_one_process(tmp_path, shape, microbatches, schedule):
     _check(tmp_path, shape, microbatches, schedule)
 
@@ -202,6 +203,78 @@ def test_a_llama_style_model_trains_like_one_process(tmp_path, shape):
 @pytest.mark.slow
 def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
     _check(tmp_path, (2, 1, 1), microbatches=2, tied=True)
+
+
+# -- checkpoints: DCP, saved on one pipeline shape, loaded on another ----------------------------
+
+def _mesh_of(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(n for n, k in zip(("pp", "dp", "tp"), shape) if k > 1 or n == "pp")
+    return init_device_mesh("cpu", tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names), mesh_dim_names=names)
+
+
+def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
+    """``train``: train STEPS steps on ``shape`` and save; else compile on ``shape`` and load."""
+    import torch.distributed as dist
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    dp = shape[1]
+    model = nvtp.jit(_model(4), plan="megatron", mesh=_mesh_of(shape), microbatches=2)
+    dp_rank = model.layout.coords(rank)[1]
+    batches = _batches(4 * dp)
+    if train:
+        _train(model, batches, dp, dp_rank)
+        nvtp.save_checkpoint(ckpt, model, step=STEPS)
+    else:
+        idx, targets = batches[0]
+        n = idx.shape[0] // dp
+        model.compile(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
+        assert nvtp.load_checkpoint(ckpt, model) == STEPS
+    whole = model.full_parameters()
+    held = {k: tuple(v.shape) for k, v in model.checkpoint_state().items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"params": whole, "held": held, "stage": model.stage})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_one_pipeline_shape_loads_on_another(tmp_path):
+    """DCP: saved on (pp, dp, tp) = (2, 1, 2) after STEPS steps of training (each rank its stage's
+    parameters, DTensors on its (dp, tp) sub-mesh), loaded on (2, 2, 1) and into a plain module in
+    this process; every weight equal to the saved one, and the saved ones within 1e-4 of the same
+    training in one eager process."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt"
+    assert spawn(_ckpt_worker, 4, str(tmp_path / "saved.pt"), str(ckpt), (2, 1, 2), True) == [0] * 4
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    # each rank saved only its stage's parameters, under the model's own names, its tp part of each
+    names = {n for n, _ in _model(4).named_parameters()}
+    held = [set(g["held"]) for g in saved]
+    assert held[0] == held[1] and held[2] == held[3] and held[0] | held[2] == names and not held[0] & held[2]
+    assert saved[0]["held"]["h.0.mlp.c_fc.weight"] == (128, 64)  # [256, 64] split over tp=2
+    _, eager = _eager(4, False, 4)
+    initial = dict(_model(4).named_parameters())
+    want = saved[0]["params"]
+    for name, w in eager.items():
+        assert _close(want[name], w) <= 1e-4, name
+    assert any(not torch.equal(want[n], initial[n]) for n in names)  # training moved the weights: loading is seen
+    assert spawn(_ckpt_worker, 4, str(tmp_path / "loaded.pt"), str(ckpt), (2, 2, 1), False) == [0] * 4
+    for g in torch.load(tmp_path / "loaded.pt", weights_only=False):
+        for name in names:
+            assert torch.equal(g["params"][name], want[name]), (g["stage"], name)
+    plain = _model(4)  # one process, no mesh: DCP reads the whole tensors
+    state = {"model": {n: p.detach().clone() for n, p in plain.named_parameters()}}
+    dcp.load(state, checkpoint_id=ckpt)
+    for name in names:
+        assert torch.equal(state["model"][name], want[name]), name
 
 
 # -- the cut ------------------------------------------------------------------------------------
