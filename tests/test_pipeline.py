@@ -234,7 +234,7 @@ def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
         model.compile(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
         assert nvtp.load_checkpoint(ckpt, model) == STEPS
     whole = model.full_parameters()
-    held = {k: tuple(v.shape) for k, v in model.checkpoint_state().items()}
+    held = {k: (tuple(v.shape), tuple(v.to_local().shape), type(v).__name__) for k, v in model.checkpoint_state().items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"params": whole, "held": held, "stage": model.stage})
     if rank == 0:
@@ -259,7 +259,8 @@ def test_a_checkpoint_saved_on_one_pipeline_shape_loads_on_another(tmp_path):
     names = {n for n, _ in _model(4).named_parameters()}
     held = [set(g["held"]) for g in saved]
     assert held[0] == held[1] and held[2] == held[3] and held[0] | held[2] == names and not held[0] & held[2]
-    assert saved[0]["held"]["h.0.mlp.c_fc.weight"] == (128, 64)  # [256, 64] split over tp=2
+    assert saved[0]["held"]["h.0.mlp.c_fc.weight"] == ((256, 64), (128, 64), "DTensor")  # split over tp=2
+    assert saved[2]["held"]["lm_head.weight"][:2] == ((256, 64), (128, 64))  # the vocabulary split over tp
     _, eager = _eager(4, False, 4)
     initial = dict(_model(4).named_parameters())
     want = saved[0]["params"]

@@ -340,6 +340,51 @@ class PipelineModule(torch.nn.Module):
         return out
 
 
+    # -- checkpoints (torch.distributed.checkpoint) ---------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stage parameters under the model's own names, each a DTensor on the stage's
+        (dp, tp) sub-mesh of torch's (pp, dp, tp) DeviceMesh whose local part is the parameter's
+        storage (no copy): ``dcp.save`` writes each part once, ``dcp.load`` reads into it in place,
+        whatever shape the checkpoint was saved on. A weight tied across stages is under its first
+        name in both stages (equal; DCP writes it once). Every rank calls it (the first call makes
+        the mesh's process groups, in one order)."""
+        from nvtp import dtensor as _dt
+
+        if self.program is None:
+            raise InputError("compile the pipeline before a checkpoint (model.compile(*inputs), or one training step): "
+                             "until then no rank knows its stage's parameters")
+        mine = self.program.programs[self.stage]
+        sub = self._torch_mesh()[tuple(mine.mesh.names)] if self.layout.size > 1 else None
+        out = {}
+        for label in self._unique:
+            name = self._tied.get(label, label)
+            p = self._params[label]
+            out[name] = _dt.as_dtensor(p.data, mine.parameters[label], sub, self._shapes[name]) if sub is not None else p.data
+        return out
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """Take ``state`` (``checkpoint_state()``'s keys, as ``dcp.load`` filled them) into this
+        rank's parameters; a no-op for parts DCP read in place."""
+        from nvtp import dtensor as _dt
+
+        with torch.no_grad():
+            for label in self._unique:
+                p, t = self._params[label], _dt.local(state[self._tied.get(label, label)])
+                if t.data_ptr() != p.data.data_ptr():
+                    p.data.copy_(t)
+
+    def _torch_mesh(self):
+        """torch's DeviceMesh over the whole (pp, dp, tp) layout (rank = (pp*dp + d)*tp + t); made once."""
+        if getattr(self, "_torch_global", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            lay = self.layout
+            self._torch_global = DeviceMesh("cpu", torch.arange(lay.size).reshape(lay.pp, lay.dp, lay.tp),
+                                            mesh_dim_names=("pp", "dp", "tp"))
+        return self._torch_global
+
+
 class _PipeRun(torch.autograd.Function):
     """Forward: the whole schedule (forwards and, when training, backwards). Backward: its gradients."""
 
