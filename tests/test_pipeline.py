@@ -205,6 +205,64 @@ def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
     _check(tmp_path, (2, 1, 1), microbatches=2, tied=True)
 
 
+# -- dropout: fresh draws every call, stage and microbatch ---------------------------------------
+
+def _dropout_worker(rank, world, init_method, out):
+    import torch.distributed as dist
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    torch.manual_seed(0)  # every rank alike: the pipeline's seeds are drawn from torch's generator
+    cfg = gpt.config("tiny", n_layer=2, batch=4, dropout=0.5)
+    model = nvtp.jit(gpt.GPT(cfg), plan="megatron", mesh=_mesh_of((2, 1, 1)), microbatches=2)
+    idx, targets = gpt.example_tokens(cfg, seed=0)  # batch 4; a step's two microbatches are its first 2 rows twice
+    twice = torch.cat([idx[:2], idx[:2]]), torch.cat([targets[:2], targets[:2]])  # two microbatches alike
+    opt = _optimizer(model.module.parameters())
+    loss = model(*twice)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    grads = [float(p.grad.abs().sum()) for p in model.module.parameters() if p.grad is not None]
+    with torch.no_grad():
+        calls = [model(*twice).item() for _ in range(2)]
+    # a pipeline compiled by a call under no_grad is forward only: training it is refused, saying so
+    late = nvtp.jit(gpt.GPT(cfg), plan="megatron", mesh=_mesh_of((2, 1, 1)), microbatches=2)
+    with torch.no_grad():
+        late(*twice)
+    try:
+        late(*twice)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_dropout_under_a_pipeline_draws_fresh_masks_every_call_stage_and_microbatch(tmp_path):
+    """GPT with dropout 0.5 on pp=2: every stage's fusions run with a seed drawn each call (as
+    nvtp.jit's are), distinct per stage and microbatch, so two calls on one batch differ (with one
+    seed for all they were equal), and a training step runs with nonzero gradients on both stages.
+    The masks are nvtp's draws, not torch's: a run with dropout matches no eager run (nor does
+    nvtp.jit's without pp)."""
+    assert spawn(_dropout_worker, 2, str(tmp_path / "got.pt")) == [0] * 2
+    got = torch.load(tmp_path / "got.pt", weights_only=False)
+    for g in got:
+        a, b = g["calls"]
+        assert a != b and abs(a - b) < 0.5 * a, g["calls"]  # fresh masks, the same model
+        assert g["grads"] and all(x > 0 for x in g["grads"])
+    assert got[0]["calls"] == got[1]["calls"]  # the last stage's loss, on every rank
+    seeds = [s for g in got for s in g["seeds"]]  # (stage, microbatch) -> seed, the last call's
+    assert len(set(seeds)) == len(seeds) == 4
+    assert all("compiled by a call under torch.no_grad(), forward only, and cannot train" in g["refused"] for g in got)
+
+
 # -- checkpoints: DCP, saved on one pipeline shape, loaded on another ----------------------------
 
 def _mesh_of(shape):

@@ -192,6 +192,9 @@ class PipelineModule(torch.nn.Module):
             raise InputError(f"the pipeline was compiled for arguments of shapes {list(self._arg_shapes)}, got {list(shapes)}; "
                              "pass the same shapes every step")
         train = torch.is_grad_enabled()
+        if train and self.program.programs[self.stage].backward is None:
+            raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
+                             "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
         params = [self._params[label] for label in self._unique]
         return _PipeRun.apply(self, args, train, *params)
 
@@ -214,7 +217,11 @@ class PipelineModule(torch.nn.Module):
         grads: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         handles = []
+        # random ops (dropout) draw from a seed fresh each call, as nvtp.jit's do, different per stage and
+        # microbatch; every rank draws it alike from torch's generator (seed every rank alike)
+        base = int(torch.randint(0, 2**62, (1,)).item())
         self.sent = []
+        self.seeds = []  # the seed of each forward this call ran (tests: distinct per stage and microbatch)
         self.moved = []  # every send and recv on the pp axis, in the order this rank ran them
         loss_outputs = [v.name for v in rp.output_values() if not f.label(v.name).startswith("stage")]
 
@@ -244,7 +251,8 @@ class PipelineModule(torch.nn.Module):
                 for p in recv_f:
                     v = f.value(p["value"])
                     named[p["label"]] = recv(p, v.dtype.torch, FORWARD_TAG)
-                user, vals = rp.forward(named, seed=0)
+                self.seeds.append(_seed(base, self.stage, i))
+                user, vals = rp.forward(named, seed=self.seeds[-1])
                 by_name = {v.name: t for v, t in zip(rp.output_values(), user)}
                 for p in send_f:
                     send(by_name[p["value"]], p, FORWARD_TAG)
@@ -269,7 +277,7 @@ class PipelineModule(torch.nn.Module):
                 else:  # the loss's gradient: the step's loss is the mean over microbatches
                     shape = local_shape(v.shape, mine.backward.sharding(v.name), mine.mesh)
                     inputs.append(torch.full(shape, 1.0 / m, dtype=v.dtype.torch))
-            outs = rp.run("backward", inputs, seed=0)
+            outs = rp.run("backward", inputs, seed=_seed(base, self.stage, i))
             by_name = {v.name: t for v, t in zip(b.outputs, outs)}
             for p in send_b:
                 send(by_name[p["value"]], p, BACKWARD_TAG)
@@ -383,6 +391,14 @@ class PipelineModule(torch.nn.Module):
             self._torch_global = DeviceMesh("cpu", torch.arange(lay.size).reshape(lay.pp, lay.dp, lay.tp),
                                             mesh_dim_names=("pp", "dp", "tp"))
         return self._torch_global
+
+
+def _seed(base: int, stage: int, microbatch: int) -> int:
+    """The seed of a stage's fusions for one microbatch of a call: distinct per stage and microbatch."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((base, stage, microbatch)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
 
 
 class _PipeRun(torch.autograd.Function):
