@@ -8,7 +8,9 @@ On the first call every rank asks the driver for the same ``PipelineProgram``
 (``nvtp.driver.compile_pipeline``), lowers only its own stage's Program for the backend, and
 keeps only its stage's parameters: each becomes this rank's part of it (plain tensors, placed by
 the stage's plan), every other parameter's storage is freed (``p.data`` empty, its ``.grad``
-stays None, so optimizers skip it; ``full_parameters()`` gathers every parameter whole).
+stays None, so optimizers skip it; ``full_parameters()`` gathers every parameter whole). A buffer
+(a rotary table) is read by every stage that needs it. ``checkpoint_state()`` views the stage's
+parameters as DTensors on its (dp, tp) sub-mesh, for ``nvtp.save_checkpoint`` / ``load_checkpoint``.
 
 A call runs the whole step's schedule inside one ``torch.autograd.Function``: the forwards and
 backwards of every microbatch in the schedule's order (GPipe or 1F1B, ``nvtp.pipeline.schedule``),
@@ -18,6 +20,8 @@ them to autograd. The loss returned is the mean of the microbatches' losses (the
 broadcast from the last stage to every rank. A weight tied across stages (an embedding and the
 output head) has its gradient summed over the stages holding it (Megatron's embedding group), so
 both copies take the same step and stay equal. Under ``torch.no_grad()`` only the forwards run.
+Random ops (dropout) draw from a seed taken from torch's generator each call (seed every rank
+alike, as for ``nvtp.jit``), made distinct per stage and microbatch.
 """
 
 from __future__ import annotations
@@ -178,7 +182,9 @@ class PipelineModule(torch.nn.Module):
         if missing:
             raise InputError(f"stage {self.stage} reads {', '.join(missing)}, which {type(self.module).__name__} holds neither as a "
                              "parameter, a buffer nor a tensor attribute; keep it on the module (or register it with self.register_buffer)")
-        return {label: held[label] for label in wanted}
+        mine = self.program.programs[self.stage]
+        return {label: spmd.shard_tensor(held[label], mine.parameters[label], mine.mesh, self._pos) if label in mine.parameters
+                else held[label] for label in wanted}  # this rank's part, as its parameters are (a table: whole)
 
     # -- run --------------------------------------------------------------------------------
 
@@ -346,7 +352,6 @@ class PipelineModule(torch.nn.Module):
                 dist.broadcast(whole, lay.rank(owner, self.dp_index, self.tp_index), group=self._groups["pp"])
             out[name] = whole
         return out
-
 
     # -- checkpoints (torch.distributed.checkpoint) ---------------------------------------------
 
