@@ -336,6 +336,21 @@ def test_a_checkpoint_saved_on_one_pipeline_shape_loads_on_another(tmp_path):
         assert torch.equal(state["model"][name], want[name]), name
 
 
+def test_a_pipelines_optimizer_state_is_refused_by_name(tmp_path):
+    """Only the parameters are saved on a pp mesh: asking for the optimizer too is refused before
+    any data is written (a stand-in pipeline: the check reads no more of it)."""
+    class Pipelined:
+        rank = 0
+
+        def checkpoint_state(self):
+            raise AssertionError("read the state before refusing")
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match=r"a pipeline's checkpoint holds the model's parameters only.*without it"):
+        nvtp.save_checkpoint(tmp_path / "c", Pipelined(), opt)
+    assert not (tmp_path / "c" / "meta.json").exists()
+
+
 # -- the cut ------------------------------------------------------------------------------------
 
 def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
