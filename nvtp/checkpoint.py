@@ -11,6 +11,10 @@ functions add only the step, the RNG state and a marker that says the checkpoint
 is ``dcp.load`` of ``{"model": get_model_state_dict(model.module), "optim":
 get_optimizer_state_dict(model.module, opt), "step", "rng"}`` followed by ``set_model_state_dict``
 and ``set_optimizer_state_dict``; call DCP yourself the same way if you prefer (docs/usage.md).
+On a pipeline mesh (``nvtp.pipeline``) each rank's state is its stage's parameters under the
+model's own names, DTensors on the stage's (dp, tp) sub-mesh (``PipelineModule.checkpoint_state``),
+so a checkpoint saved on one (pp, dp, tp) shape loads on another, or into a plain module; the
+optimizer's state is not saved there.
 
 Nothing is lost to a killed run: DCP writes every rank's data before its ``.metadata``, and rank 0
 writes ``meta.json`` (atomically) only after ``dcp.save`` has returned, so a directory with
@@ -40,6 +44,11 @@ def _state(model, optimizer: torch.optim.Optimizer | None) -> dict:
     """The DCP state dict: the wrapped module's own keys (DTensors on a mesh) and the optimizer's."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    if hasattr(model, "checkpoint_state"):  # a pipeline (nvtp.pipeline.runtime): each rank its stage's parameters
+        if optimizer is not None:
+            raise ValueError("a pipeline's checkpoint holds the model's parameters only; its optimizer state is not built "
+                             "(docs/pipeline.md): call save_checkpoint(path, model) / load_checkpoint(path, model) without it")
+        return {"model": model.checkpoint_state(), "step": 0, "rng": torch.get_rng_state()}
     if model.mesh.size > 1 and not model.uses_dtensor:
         raise ValueError("checkpoints need the parameters as DTensors, on torch.distributed's own group; "
                          "this module runs on a simulated mesh (comm=), whose ranks are threads of one process")
@@ -61,7 +70,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         (out / MARKER).unlink(missing_ok=True)
     dcp.save(state, checkpoint_id=out)  # returns once every rank's data and the .metadata are written
     if model.rank == 0:
-        meta = {"format": FORMAT, "devices": model.mesh.size, "step": step}
+        meta = {"format": FORMAT, "devices": model.layout.size if hasattr(model, "layout") else model.mesh.size, "step": step}
         _write_atomically(out / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     if _dist_ready():
         import torch.distributed as dist
@@ -121,11 +130,15 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     if meta.get("format") != FORMAT:
         raise ValueError(f"{src}: checkpoint format {meta.get('format')!r}, this nvtp reads format {FORMAT} "
                          "(torch.distributed.checkpoint); format 1 was nvtp's own per-rank .pt files")
-    if model.mesh.size > 1 and model.uses_dtensor and not model._placements:
+    pipeline = hasattr(model, "checkpoint_state")
+    if not pipeline and model.mesh.size > 1 and model.uses_dtensor and not model._placements:
         raise ValueError("compile the model (model.compile(*inputs)) before loading: its parameters are not placed yet")
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=src)
-    set_model_state_dict(model.module, state["model"])
+    if pipeline:  # read in place into each DTensor's local part, the parameter's own storage
+        model.restore(state["model"])
+    else:
+        set_model_state_dict(model.module, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model.module, optimizer, state["optim"])
     torch.set_rng_state(state["rng"])

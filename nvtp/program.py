@@ -30,7 +30,7 @@ class Step:
     """One reshard of a training step, as the program runs it."""
 
     phase: str  # "forward" or "backward"
-    kind: str  # allreduce, allgather, reduce_scatter (communication); slice, partition (local)
+    kind: str  # allreduce, allgather, reduce_scatter, sendrecv (cp), send / recv (pp) (communication); slice, partition (local)
     axis: str  # the mesh axis's name: its process group runs it
     value: str  # the value it reshards (the sharded fusion's name)
     tensor: str  # its label where it has one (a parameter, an argument), else the value's name
@@ -44,7 +44,7 @@ class Step:
     def is_communication(self) -> bool:
         from nvtp.sharding.reshard import COLLECTIVES
 
-        return (self.kind in COLLECTIVES or self.kind == "sendrecv") and self.bytes > 0
+        return (self.kind in COLLECTIVES or self.kind in ("sendrecv", "send", "recv")) and self.bytes > 0  # send, recv: a pipeline's pp axis
 
 
 @dataclass

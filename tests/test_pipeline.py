@@ -21,21 +21,37 @@ from nvtp.execute.launch import spawn
 from nvtp.models import gpt
 from nvtp.pipeline import schedule as sched
 from nvtp.pipeline.layout import Layout
+from tests.complex_rotary import ComplexRotaryLM, Config
 
 STEPS = 3
 
 
-def _model(layers: int = 4, tied: bool = False) -> torch.nn.Module:
+def _model(layers: int = 4, tied: bool = False, family: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(0)
+    if family == "llama":
+        return _RotaryLoss(Config(layers=layers))
     model = gpt.GPT(gpt.config("tiny", n_layer=layers, batch=4))
     if tied:
         model.lm_head.weight = model.wte.weight
     return model
 
 
-def _batches(global_batch: int, layers: int = 4):
+def _batches(global_batch: int, layers: int = 4, family: str = "gpt"):
+    if family == "llama":
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randint(0, 128, (global_batch, 16), generator=g), torch.randint(0, 128, (global_batch, 16), generator=g))
+                for _ in range(STEPS)]
     cfg = gpt.config("tiny", n_layer=layers, batch=global_batch)
     return [gpt.example_tokens(cfg, seed=s) for s in range(STEPS)]
+
+
+class _RotaryLoss(ComplexRotaryLM):
+    """The Llama-style model (complex rotary, RMSNorm, SwiGLU, GQA) returning its loss alone, as a
+    pipeline trains; a subclass, so the parameters keep the model's own names."""
+
+    def forward(self, tokens, targets):
+        logits = super().forward(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _optimizer(params):
@@ -57,13 +73,13 @@ def _train(model, batches, dp: int, dp_rank: int):
     return losses
 
 
-def _eager(layers: int, tied: bool, global_batch: int):
-    model = _model(layers, tied)
-    losses = _train(model, _batches(global_batch, layers), 1, 0)
+def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
+    model = _model(layers, tied, family)
+    losses = _train(model, _batches(global_batch, layers, family), 1, 0)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan):
+def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -74,11 +90,11 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
     sizes = tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names)
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     dp = shape[1]
-    model = nvtp.jit(_model(layers, tied), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
+    model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
     dp_rank = model.layout.coords(rank)[1]
     opt = _optimizer(model.module.parameters())
-    losses, tie_gaps, sent = [], [], []
-    for idx, targets in _batches(global_batch, layers):
+    losses, tie_gaps, sent, moved = [], [], [], []
+    for idx, targets in _batches(global_batch, layers, family):
         n = idx.shape[0] // dp
         loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
         opt.zero_grad()
@@ -86,12 +102,15 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
         opt.step()
         losses.append(loss.item())
         sent.append(list(model.sent))
+        moved.append(list(model.moved))
         if tied:  # both stages' copies of the tied weight, compared on every rank
             whole = model.full_parameters()
             tie_gaps.append(float((whole["wte.weight"] - _tied_copy(model)).abs().max()))
     whole = model.full_parameters()
     held = sum(p.numel() * p.element_size() for p in model.module.parameters())
-    result = {"losses": losses, "params": whole, "sent": sent, "p2p": model.program.p2p(), "stage": model.stage,
+    planned = [(s.kind, s.phase, s.tensor, int(s.dst.split()[1]) if s.kind == "send" else int(s.src.split()[1]), s.bytes)
+               for s in model.program.steps(model.stage) if s.axis == "pp"]
+    result = {"losses": losses, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -130,13 +149,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron"):
+def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron", family="gpt"):
     world = shape[0] * shape[1] * shape[2]
     global_batch = 4 * shape[1]
     out = tmp_path / "got.pt"
-    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan) == [0] * world
+    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan, family) == [0] * world
     got = torch.load(out, weights_only=False)
-    losses, params = _eager(layers, tied, global_batch)
+    losses, params = _eager(layers, tied, global_batch, family)
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(g["losses"], losses)):
             assert abs(a - b) <= 1e-5 * abs(b), (r, step, a, b)
@@ -146,8 +165,12 @@ def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=Fals
         planned = [(p["phase"], p["label"], p["bytes"]) for p in g["p2p"] if p["src"] == g["stage"]]
         for step in g["sent"]:
             assert sorted((s["phase"], s["label"], s["bytes"]) for s in step) == sorted(planned * microbatches)
+        # and every send and recv on the pp axis, in order, is the plan's steps(stage), byte for byte
+        for step in g["moved"]:
+            assert [(m["kind"], m["phase"], m["label"], m["peer"], m["bytes"]) for m in step] == g["planned_pp"], (r, step, g["planned_pp"])
+        assert g["planned_pp"] and all(p[4] > 0 for p in g["planned_pp"])
         assert all(gap == 0.0 for gap in g["tie_gaps"]), g["tie_gaps"]
-    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied).parameters())
+    whole = sum(p.numel() * p.element_size() for p in _model(layers, tied, family).parameters())
     assert all(g["held"] < whole for g in got), "every rank holds only its stage's parameters"
     assert all(g["held"] == g["planned_held"] for g in got), [(g["held"], g["planned_held"]) for g in got]
     return got
@@ -160,14 +183,172 @@ def test_pp2_trains_like_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,microbatches,schedule", [((4, 1, 1), 4, "1f1b"), ((2, 1, 2), 2, "1f1b"), ((2, 2, 1), 2, "gpipe"),
-                                                         ((2, 1, 1), 4, "gpipe")])
+                                                         ((2, 1, 1), 4, "gpipe"), ((2, 2, 2), 2, "1f1b")],
+                         ids=["4x1x1-1f1b-m4", "2x1x2-1f1b", "2x2x1-gpipe", "2x1x1-gpipe-m4", "2x2x2-1f1b"])
 def test_pipeline_meshes_train_like_one_process(tmp_path, shape, microbatches, schedule):
     _check(tmp_path, shape, microbatches, schedule)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)], ids=["2x1x2", "2x2x1"])
+def test_a_llama_style_model_trains_like_one_process(tmp_path, shape):
+    """tests/complex_rotary.py (complex rotary table as a buffer, RMSNorm, SwiGLU, GQA), traced
+    whole (its blocks take the table too): each block's RMSNorm statistics run in the block's own
+    stage, the table is read by both stages, and the cut sends the residual stream alone."""
+    got = _check(tmp_path, shape, microbatches=2, family="llama")
+    assert got[0]["blocks"] == [[0, 1], [2, 3]]
+    assert [(p["phase"], p["shape"]) for p in got[0]["p2p"]] == [("forward", [2 * shape[1], 16, 64]), ("backward", [2 * shape[1], 16, 64])]
+
+
+@pytest.mark.slow
 def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
     _check(tmp_path, (2, 1, 1), microbatches=2, tied=True)
+
+
+# -- dropout: fresh draws every call, stage and microbatch ---------------------------------------
+
+def _dropout_worker(rank, world, init_method, out):
+    import torch.distributed as dist
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    torch.manual_seed(0)  # every rank alike: the pipeline's seeds are drawn from torch's generator
+    cfg = gpt.config("tiny", n_layer=2, batch=4, dropout=0.5)
+    model = nvtp.jit(gpt.GPT(cfg), plan="megatron", mesh=_mesh_of((2, 1, 1)), microbatches=2)
+    idx, targets = gpt.example_tokens(cfg, seed=0)  # batch 4; a step's two microbatches are its first 2 rows twice
+    twice = torch.cat([idx[:2], idx[:2]]), torch.cat([targets[:2], targets[:2]])  # two microbatches alike
+    opt = _optimizer(model.module.parameters())
+    loss = model(*twice)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    grads = [float(p.grad.abs().sum()) for p in model.module.parameters() if p.grad is not None]
+    with torch.no_grad():
+        calls = [model(*twice).item() for _ in range(2)]
+    # a pipeline compiled by a call under no_grad is forward only: training it is refused, saying so
+    late = nvtp.jit(gpt.GPT(cfg), plan="megatron", mesh=_mesh_of((2, 1, 1)), microbatches=2)
+    with torch.no_grad():
+        late(*twice)
+    try:
+        late(*twice)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_dropout_under_a_pipeline_draws_fresh_masks_every_call_stage_and_microbatch(tmp_path):
+    """GPT with dropout 0.5 on pp=2: every stage's fusions run with a seed drawn each call (as
+    nvtp.jit's are), distinct per stage and microbatch, so two calls on one batch differ (with one
+    seed for all they were equal), and a training step runs with nonzero gradients on both stages.
+    The masks are nvtp's draws, not torch's: a run with dropout matches no eager run (nor does
+    nvtp.jit's without pp)."""
+    assert spawn(_dropout_worker, 2, str(tmp_path / "got.pt")) == [0] * 2
+    got = torch.load(tmp_path / "got.pt", weights_only=False)
+    for g in got:
+        a, b = g["calls"]
+        assert a != b and abs(a - b) < 0.5 * a, g["calls"]  # fresh masks, the same model
+        assert g["grads"] and all(x > 0 for x in g["grads"])
+    assert got[0]["calls"] == got[1]["calls"]  # the last stage's loss, on every rank
+    seeds = [s for g in got for s in g["seeds"]]  # (stage, microbatch) -> seed, the last call's
+    assert len(set(seeds)) == len(seeds) == 4
+    assert all("compiled by a call under torch.no_grad(), forward only, and cannot train" in g["refused"] for g in got)
+
+
+# -- checkpoints: DCP, saved on one pipeline shape, loaded on another ----------------------------
+
+def _mesh_of(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(n for n, k in zip(("pp", "dp", "tp"), shape) if k > 1 or n == "pp")
+    return init_device_mesh("cpu", tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names), mesh_dim_names=names)
+
+
+def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
+    """``train``: train STEPS steps on ``shape`` and save; else compile on ``shape`` and load."""
+    import torch.distributed as dist
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    dp = shape[1]
+    model = nvtp.jit(_model(4), plan="megatron", mesh=_mesh_of(shape), microbatches=2)
+    dp_rank = model.layout.coords(rank)[1]
+    batches = _batches(4 * dp)
+    if train:
+        _train(model, batches, dp, dp_rank)
+        nvtp.save_checkpoint(ckpt, model, step=STEPS)
+    else:
+        idx, targets = batches[0]
+        n = idx.shape[0] // dp
+        model.compile(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
+        assert nvtp.load_checkpoint(ckpt, model) == STEPS
+    whole = model.full_parameters()
+    held = {k: (tuple(v.shape), tuple(v.to_local().shape), type(v).__name__) for k, v in model.checkpoint_state().items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"params": whole, "held": held, "stage": model.stage})
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_one_pipeline_shape_loads_on_another(tmp_path):
+    """DCP: saved on (pp, dp, tp) = (2, 1, 2) after STEPS steps of training (each rank its stage's
+    parameters, DTensors on its (dp, tp) sub-mesh), loaded on (2, 2, 1) and into a plain module in
+    this process; every weight equal to the saved one, and the saved ones within 1e-4 of the same
+    training in one eager process."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt"
+    assert spawn(_ckpt_worker, 4, str(tmp_path / "saved.pt"), str(ckpt), (2, 1, 2), True) == [0] * 4
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    # each rank saved only its stage's parameters, under the model's own names, its tp part of each
+    names = {n for n, _ in _model(4).named_parameters()}
+    held = [set(g["held"]) for g in saved]
+    assert held[0] == held[1] and held[2] == held[3] and held[0] | held[2] == names and not held[0] & held[2]
+    assert saved[0]["held"]["h.0.mlp.c_fc.weight"] == ((256, 64), (128, 64), "DTensor")  # split over tp=2
+    assert saved[2]["held"]["lm_head.weight"][:2] == ((256, 64), (128, 64))  # the vocabulary split over tp
+    _, eager = _eager(4, False, 4)
+    initial = dict(_model(4).named_parameters())
+    want = saved[0]["params"]
+    for name, w in eager.items():
+        assert _close(want[name], w) <= 1e-4, name
+    assert any(not torch.equal(want[n], initial[n]) for n in names)  # training moved the weights: loading is seen
+    assert spawn(_ckpt_worker, 4, str(tmp_path / "loaded.pt"), str(ckpt), (2, 2, 1), False) == [0] * 4
+    for g in torch.load(tmp_path / "loaded.pt", weights_only=False):
+        for name in names:
+            assert torch.equal(g["params"][name], want[name]), (g["stage"], name)
+    plain = _model(4)  # one process, no mesh: DCP reads the whole tensors
+    state = {"model": {n: p.detach().clone() for n, p in plain.named_parameters()}}
+    dcp.load(state, checkpoint_id=ckpt)
+    for name in names:
+        assert torch.equal(state["model"][name], want[name]), name
+
+
+def test_a_pipelines_optimizer_state_is_refused_by_name(tmp_path):
+    """Only the parameters are saved on a pp mesh: asking for the optimizer too is refused before
+    any data is written (a stand-in pipeline: the check reads no more of it)."""
+    class Pipelined:
+        rank = 0
+
+        def checkpoint_state(self):
+            raise AssertionError("read the state before refusing")
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match=r"a pipeline's checkpoint holds the model's parameters only.*without it"):
+        nvtp.save_checkpoint(tmp_path / "c", Pipelined(), opt)
+    assert not (tmp_path / "c" / "meta.json").exists()
 
 
 # -- the cut ------------------------------------------------------------------------------------
@@ -196,6 +377,43 @@ def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
     for bad in ((0,), (4,), (1, 2)):
         with pytest.raises(StageError, match="cut="):
             cut_stages(traced, "h", 4, 2, cut=bad)
+
+
+@pytest.mark.slow  # one process, but a whole Thunder trace (13 s on 2 busy cores)
+def test_the_cut_of_a_llama_style_model_puts_each_rmsnorm_in_its_block():
+    """The model's blocks take (x, table), so it is traced whole, with no splice to say which block
+    computes a parameter-free op: block 1's RMSNorm statistics (``rsqrt(mean(x**2) + eps)``) depend
+    on block 0's output only. They run in stage 1 (the stage of the norm's weight), so only the
+    residual stream crosses; left in stage 0, stage 1's backward read them and the cut was refused."""
+    from nvtp import driver
+    from nvtp.pipeline.stages import cut_stages
+
+    idx, targets = _batches(2, 2, "llama")[0]
+    traced = driver.trace(_model(2, family="llama"), (idx, targets), tie=False)
+    staged = cut_stages(traced, "blocks", 2, 2)
+    assert [(t.phase, t.src, t.dst, t.shape) for t in staged.transfers] == [("forward", 0, 1, (2, 16, 64)), ("backward", 1, 0, (2, 16, 64))]
+    held = [set(s.parameters) for s in staged.stages]
+    assert "freqs" in held[0] & held[1]  # the rotary table (a buffer, no gradient) is read by both stages
+    assert held[0] & held[1] == {"freqs"} and "blocks.1.attn_norm.weight" in held[1]
+    f1 = staged.stages[1].traced.forward
+    assert any(op.kind == "rsqrt" for op in f1.ops)  # stage 1 computes its blocks' norm statistics itself
+
+
+def test_the_pipeline_programs_steps_hold_its_sends_and_recvs_on_the_pp_axis():
+    """``steps(stage)``: the records ``Program.steps()`` gives, with the p2p on "pp" where the
+    schedule runs them; the report's per-step totals are theirs (a run's count: the slow tests)."""
+    idx, targets = _batches(4, 2)[0]
+    program = nvtp.plan(_model(2), idx, targets, mesh="2x1x1", microbatches=2)  # 1F1B
+    first = [(s.kind, s.phase, s.bytes) for s in program.steps(0) if s.axis == "pp"]
+    last = [(s.kind, s.phase, s.bytes) for s in program.steps(1) if s.axis == "pp"]
+    n = 2 * 16 * 64 * 4  # one microbatch's residual stream, fp32
+    assert first == [("send", "forward", n), ("send", "forward", n), ("recv", "backward", n), ("recv", "backward", n)]  # F0 F1 B0 B1
+    assert last == [("recv", "forward", n), ("send", "backward", n), ("recv", "forward", n), ("send", "backward", n)]  # F0 B0 F1 B1
+    assert all(s.is_communication for s in program.steps(0) if s.axis == "pp")
+    assert program.as_data()["stages"][0]["step"]["pp send"] == {"count": 2, "bytes": 2 * n}
+    assert f"stage 1: 2 pp recv ({2 * n} B), 2 pp send ({2 * n} B)" in program.as_text()
+    with pytest.raises(ValueError, match=r"stage=2: this pipeline has stages 0..1"):
+        program.steps(2)
 
 
 # -- layout, schedules: by hand ------------------------------------------------------------

@@ -95,7 +95,36 @@ class PipelineProgram:
             local = local_shape(t.shape, self._sharding_of(t.src, t.phase, t.value), mesh)
             itemsize = t.nbytes // max(1, math.prod(t.shape))
             out.append({"phase": t.phase, "src": t.src, "dst": t.dst, "value": t.value, "label": t.label, "shape": list(t.shape),
-                        "local_shape": list(local), "bytes": math.prod(local) * itemsize})
+                        "local_shape": list(local), "dtype": t.dtype, "bytes": math.prod(local) * itemsize})
+        return out
+
+    def steps(self, stage: int, communication_only: bool = False) -> list:
+        """Every step one rank of ``stage`` runs in one training step, in the order it runs them
+        (``nvtp.program.Step`` records, as ``Program.steps()`` gives): for each action of the
+        schedule, the transfers it receives on the pp axis (kind "recv"), the stage Program's
+        steps of that phase (its dp / tp collectives), then the transfers it sends (kind "send").
+        A send's or recv's ``bytes`` is the message's, one rank's part (``p2p()``); ``src`` and
+        ``dst`` name the stages. The loss's broadcast from the last stage and the all-reduce of a
+        weight tied across stages are not listed (they run once a step, outside the schedule)."""
+        from nvtp.program import Step
+
+        if not 0 <= stage < self.layout.pp:
+            raise InputError(f"stage={stage}: this pipeline has stages 0..{self.layout.pp - 1}")
+        by_phase: dict[str, list] = {"forward": [], "backward": []}
+        for st in self.programs[stage].steps(communication_only):
+            by_phase[st.phase].append(st)
+        p2p = self.p2p()
+
+        def moved(kind: str, p: dict) -> Step:
+            return Step(p["phase"], kind, "pp", p["value"], p["label"], tuple(p["local_shape"]), p["dtype"], p["bytes"],
+                        f"stage {p['src']}", f"stage {p['dst']}")
+
+        out = []
+        for action in sched.actions(self.schedule, stage, self.layout.pp, self.microbatches):
+            phase = "forward" if action.kind == "F" else "backward"
+            out += [moved("recv", p) for p in p2p if p["phase"] == phase and p["dst"] == stage]
+            out += by_phase[phase]
+            out += [moved("send", p) for p in p2p if p["phase"] == phase and p["src"] == stage]
         return out
 
     # -- memory ------------------------------------------------------------------------------
@@ -134,7 +163,8 @@ class PipelineProgram:
                            "in_flight_microbatches": self.in_flight(s.index),
                            "activation_bytes_per_rank": self.activation_bytes(s.index) * self.in_flight(s.index),
                            "collectives_per_microbatch": len(comms),
-                           "collective_bytes_per_microbatch": sum(c.bytes for c in comms)})
+                           "collective_bytes_per_microbatch": sum(c.bytes for c in comms),
+                           "step": _totals(self.steps(s.index, communication_only=True))})
         return {"mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "world": lay.size},
                 "groups": {"tp": lay.groups("tp"), "dp": lay.groups("dp"), "pp": lay.groups("pp"),
                            "embedding": lay.embedding_groups()},
@@ -172,6 +202,9 @@ class PipelineProgram:
         per_mb = sum(p["bytes"] for p in d["p2p"])
         lines.append(f"  total per microbatch per rank pair: {per_mb} B; per step ({self.microbatches} microbatches): "
                      f"{per_mb * self.microbatches} B")
+        lines += ["", "one training step, per rank of each stage (steps(stage): the schedule's p2p and each microbatch's collectives):"]
+        for s in d["stages"]:
+            lines.append(f"  stage {s['stage']}: " + ", ".join(f"{t['count']} {k} ({t['bytes']} B)" for k, t in sorted(s["step"].items())))
         lines += ["", f"schedule {self.schedule}, {self.microbatches} microbatches: bubble (p-1)/(m+p-1) = "
                   f"{lay.pp - 1}/{self.microbatches + lay.pp - 1} = {d['bubble']:.3f}"]
         for s in range(lay.pp):
@@ -186,6 +219,16 @@ class PipelineProgram:
         for s, program in enumerate(self.programs):
             paths += program.write_nvfuser(directory, name=f"stage{s}")
         return paths
+
+
+def _totals(steps: list) -> dict[str, dict[str, int]]:
+    """Per (axis, kind) of one rank's training step: how many steps and their bytes."""
+    out: dict[str, dict[str, int]] = {}
+    for st in steps:
+        t = out.setdefault(f"{st.axis} {st.kind}", {"count": 0, "bytes": 0})
+        t["count"] += 1
+        t["bytes"] += st.bytes
+    return out
 
 
 def _mb(n: float) -> str:

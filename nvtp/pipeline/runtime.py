@@ -8,7 +8,9 @@ On the first call every rank asks the driver for the same ``PipelineProgram``
 (``nvtp.driver.compile_pipeline``), lowers only its own stage's Program for the backend, and
 keeps only its stage's parameters: each becomes this rank's part of it (plain tensors, placed by
 the stage's plan), every other parameter's storage is freed (``p.data`` empty, its ``.grad``
-stays None, so optimizers skip it; ``full_parameters()`` gathers every parameter whole).
+stays None, so optimizers skip it; ``full_parameters()`` gathers every parameter whole). A buffer
+(a rotary table) is read by every stage that needs it. ``checkpoint_state()`` views the stage's
+parameters as DTensors on its (dp, tp) sub-mesh, for ``nvtp.save_checkpoint`` / ``load_checkpoint``.
 
 A call runs the whole step's schedule inside one ``torch.autograd.Function``: the forwards and
 backwards of every microbatch in the schedule's order (GPipe or 1F1B, ``nvtp.pipeline.schedule``),
@@ -18,6 +20,8 @@ them to autograd. The loss returned is the mean of the microbatches' losses (the
 broadcast from the last stage to every rank. A weight tied across stages (an embedding and the
 output head) has its gradient summed over the stages holding it (Megatron's embedding group), so
 both copies take the same step and stay equal. Under ``torch.no_grad()`` only the forwards run.
+Random ops (dropout) draw from a seed taken from torch's generator each call (seed every rank
+alike, as for ``nvtp.jit``), made distinct per stage and microbatch.
 """
 
 from __future__ import annotations
@@ -158,10 +162,29 @@ class PipelineModule(torch.nn.Module):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         self._params = {label: params[label] for label in self._labels}
+        self._buffers = self._stage_buffers(params)
         seen: set[int] = set()  # one label per parameter object: a tie inside a stage is one autograd input
         self._unique = [lab for lab in self._labels if not (id(params[lab]) in seen or seen.add(id(params[lab])))]
         self._p2p = pp.p2p()
         self.sent: list[dict[str, Any]] = []  # what the last step sent: phase, label, bytes (tests count it against p2p())
+        self.moved: list[dict[str, Any]] = []  # the last step's sends and recvs in order (tests count it against steps(stage))
+
+    def _stage_buffers(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """What this stage reads of the module that is not a parameter (a rotary table: a buffer or
+        a tensor attribute), by label; whole, as every stage that reads it holds it."""
+        from nvtp.driver import tensor_attributes
+
+        wanted = [label for label in self.program.stages[self.stage].parameters if label not in params]
+        if not wanted:
+            return {}
+        held = dict(self.module.named_buffers()) | tensor_attributes(self.module)
+        missing = [label for label in wanted if label not in held]
+        if missing:
+            raise InputError(f"stage {self.stage} reads {', '.join(missing)}, which {type(self.module).__name__} holds neither as a "
+                             "parameter, a buffer nor a tensor attribute; keep it on the module (or register it with self.register_buffer)")
+        mine = self.program.programs[self.stage]
+        return {label: spmd.shard_tensor(held[label], mine.parameters[label], mine.mesh, self._pos) if label in mine.parameters
+                else held[label] for label in wanted}  # this rank's part, as its parameters are (a table: whole)
 
     # -- run --------------------------------------------------------------------------------
 
@@ -175,6 +198,9 @@ class PipelineModule(torch.nn.Module):
             raise InputError(f"the pipeline was compiled for arguments of shapes {list(self._arg_shapes)}, got {list(shapes)}; "
                              "pass the same shapes every step")
         train = torch.is_grad_enabled()
+        if train and self.program.programs[self.stage].backward is None:
+            raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
+                             "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
         params = [self._params[label] for label in self._unique]
         return _PipeRun.apply(self, args, train, *params)
 
@@ -197,7 +223,12 @@ class PipelineModule(torch.nn.Module):
         grads: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         handles = []
+        # random ops (dropout) draw from a seed fresh each call, as nvtp.jit's do, different per stage and
+        # microbatch; every rank draws it alike from torch's generator (seed every rank alike)
+        base = int(torch.randint(0, 2**62, (1,)).item())
         self.sent = []
+        self.seeds = []  # the seed of each forward this call ran (tests: distinct per stage and microbatch)
+        self.moved = []  # every send and recv on the pp axis, in the order this rank ran them
         loss_outputs = [v.name for v in rp.output_values() if not f.label(v.name).startswith("stage")]
 
         def peer(stage: int) -> int:
@@ -210,21 +241,24 @@ class PipelineModule(torch.nn.Module):
                                    f"{p['local_shape']} (a bug in nvtp's pipeline plan)")
             handles.append(dist.isend(t, peer(p["dst"]), tag=tag))
             self.sent.append({"phase": p["phase"], "label": p["label"], "bytes": t.numel() * t.element_size()})
+            self.moved.append({"kind": "send", "phase": p["phase"], "label": p["label"], "peer": p["dst"], "bytes": t.numel() * t.element_size()})
 
         def recv(p: dict, dtype: torch.dtype, tag: int) -> torch.Tensor:
             buf = torch.empty(p["local_shape"], dtype=dtype)
             dist.recv(buf, peer(p["src"]), tag=tag)
+            self.moved.append({"kind": "recv", "phase": p["phase"], "label": p["label"], "peer": p["src"], "bytes": buf.numel() * buf.element_size()})
             return buf
 
         for action in sched.actions(self.schedule, self.stage, lay.pp, m, backward=train):
             i = action.microbatch
             if action.kind == "F":
-                named: dict[str, Any] = dict(self._params)
+                named: dict[str, Any] = dict(self._params) | self._buffers
                 named |= {label: a for label, a in zip(arg_labels, micro[i]) if isinstance(a, torch.Tensor)}
                 for p in recv_f:
                     v = f.value(p["value"])
                     named[p["label"]] = recv(p, v.dtype.torch, FORWARD_TAG)
-                user, vals = rp.forward(named, seed=0)
+                self.seeds.append(_seed(base, self.stage, i))
+                user, vals = rp.forward(named, seed=self.seeds[-1])
                 by_name = {v.name: t for v, t in zip(rp.output_values(), user)}
                 for p in send_f:
                     send(by_name[p["value"]], p, FORWARD_TAG)
@@ -241,7 +275,7 @@ class PipelineModule(torch.nn.Module):
             for v in b.inputs:
                 info = b.info[v.name]
                 if info.role == "parameter":
-                    inputs.append(self._params[info.label].data)
+                    inputs.append(self._params[info.label].data if info.label in self._params else self._buffers[info.label])
                 elif info.role == "saved":
                     inputs.append(vals[info.source])
                 elif info.label in received:
@@ -249,7 +283,7 @@ class PipelineModule(torch.nn.Module):
                 else:  # the loss's gradient: the step's loss is the mean over microbatches
                     shape = local_shape(v.shape, mine.backward.sharding(v.name), mine.mesh)
                     inputs.append(torch.full(shape, 1.0 / m, dtype=v.dtype.torch))
-            outs = rp.run("backward", inputs, seed=0)
+            outs = rp.run("backward", inputs, seed=_seed(base, self.stage, i))
             by_name = {v.name: t for v, t in zip(b.outputs, outs)}
             for p in send_b:
                 send(by_name[p["value"]], p, BACKWARD_TAG)
@@ -318,6 +352,58 @@ class PipelineModule(torch.nn.Module):
                 dist.broadcast(whole, lay.rank(owner, self.dp_index, self.tp_index), group=self._groups["pp"])
             out[name] = whole
         return out
+
+    # -- checkpoints (torch.distributed.checkpoint) ---------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stage parameters under the model's own names, each a DTensor on the stage's
+        (dp, tp) sub-mesh of torch's (pp, dp, tp) DeviceMesh whose local part is the parameter's
+        storage (no copy): ``dcp.save`` writes each part once, ``dcp.load`` reads into it in place,
+        whatever shape the checkpoint was saved on. A weight tied across stages is under its first
+        name in both stages (equal; DCP writes it once). Every rank calls it (the first call makes
+        the mesh's process groups, in one order)."""
+        from nvtp import dtensor as _dt
+
+        if self.program is None:
+            raise InputError("compile the pipeline before a checkpoint (model.compile(*inputs), or one training step): "
+                             "until then no rank knows its stage's parameters")
+        mine = self.program.programs[self.stage]
+        sub = self._torch_mesh()[tuple(mine.mesh.names)] if self.layout.size > 1 else None
+        out = {}
+        for label in self._unique:
+            name = self._tied.get(label, label)
+            p = self._params[label]
+            out[name] = _dt.as_dtensor(p.data, mine.parameters[label], sub, self._shapes[name]) if sub is not None else p.data
+        return out
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """Take ``state`` (``checkpoint_state()``'s keys, as ``dcp.load`` filled them) into this
+        rank's parameters; a no-op for parts DCP read in place."""
+        from nvtp import dtensor as _dt
+
+        with torch.no_grad():
+            for label in self._unique:
+                p, t = self._params[label], _dt.local(state[self._tied.get(label, label)])
+                if t.data_ptr() != p.data.data_ptr():
+                    p.data.copy_(t)
+
+    def _torch_mesh(self):
+        """torch's DeviceMesh over the whole (pp, dp, tp) layout (rank = (pp*dp + d)*tp + t); made once."""
+        if getattr(self, "_torch_global", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            lay = self.layout
+            self._torch_global = DeviceMesh("cpu", torch.arange(lay.size).reshape(lay.pp, lay.dp, lay.tp),
+                                            mesh_dim_names=("pp", "dp", "tp"))
+        return self._torch_global
+
+
+def _seed(base: int, stage: int, microbatch: int) -> int:
+    """The seed of a stage's fusions for one microbatch of a call: distinct per stage and microbatch."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((base, stage, microbatch)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
 
 
 class _PipeRun(torch.autograd.Function):

@@ -125,6 +125,73 @@ class _Assignment:
     bstage: dict[str, int | None]
 
 
+def _sink(f: Fusion, tag: dict[str, int | None], layers: dict[str, int]) -> None:
+    """Move parameter-free ops forward to the stage that reads them, where that sends nothing new.
+
+    The forward tag (the highest block among the parameters an op depends on) puts a block's
+    parameter-free first ops in the block before: an RMSNorm's ``rsqrt(mean(x**2) + eps)`` of
+    block k depends on block k-1's output only. Unfixed, stage s+1's backward reads stage s's
+    statistics and the cut is refused. A splice's ``layers`` record pins them where the model
+    computes them; a whole trace has no such record, so here an op that reads no block parameter
+    itself moves to the lowest stage among its consumers when each of its operands is already
+    there: made in that stage (by an op moved with it), free, or sent to that stage anyway (read
+    there by an op that does not move). Ops are moved optimistically, then those whose operands
+    would be sent only for them are put back, to a fixed point; tags only grow, never past a
+    consumer's. Edits ``tag`` in place; the GPT's spliced trace (every block op in ``layers``)
+    has nothing to move."""
+    consumers: dict[str, list[int]] = {}
+    producer: dict[str, int] = {}
+    up: dict[int, int | None] = {}
+    cand: list[int] = []
+    for k, op in enumerate(f.ops):
+        if defines_input(op):
+            continue
+        for v in op.outputs:
+            producer[v.name] = k
+        for v in op.operands:
+            consumers.setdefault(v.name, []).append(k)
+        up[k] = next((tag[v.name] for v in op.outputs if tag.get(v.name) is not None), None)
+    for k, t in up.items():
+        op = f.ops[k]
+        reads_param = any(f.role(v.name) == "parameter" and tag.get(v.name) is not None for v in op.operands)
+        if t is None or reads_param or any(v.name in layers or f.role(v.name) == "output" for v in op.outputs):
+            continue
+        cand.append(k)
+    if not cand:
+        return
+    cands = set(cand)
+    new = dict(up)
+    alive = set(cand)
+    while True:
+        for k in reversed(cand):  # the lowest stage among the consumers, moved ones included
+            if k not in alive:
+                new[k] = up[k]
+                continue
+            cons = [new[c] for v in f.ops[k].outputs for c in consumers.get(v.name, []) if new.get(c) is not None]
+            new[k] = max(min(cons), up[k]) if cons else up[k]
+        reverted = False
+        for k in cand:  # each operand already in the new stage, or sent there anyway
+            t = new[k]
+            if t == up[k]:
+                continue
+            for u in f.ops[k].operands:
+                p = producer.get(u.name)
+                if p is None or new.get(p) is None or new[p] >= t:
+                    continue
+                if any(c not in cands or new[c] == up[c] for c in consumers[u.name] if up.get(c) == t):
+                    continue
+                alive.discard(k)
+                new[k] = up[k]
+                reverted = True
+                break
+        if not reverted:
+            break
+    for k in cand:
+        if new[k] != up[k]:
+            for v in f.ops[k].outputs:
+                tag[v.name] = new[k]
+
+
 def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], layers: dict[str, int] | None = None) -> _Assignment:
     """Which stage runs each op, with block ``i`` in stage ``stage_of[i]`` (see the module docstring).
     ``layers``: the splice's own record of which block copy computes each forward value
@@ -146,6 +213,7 @@ def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], l
             t = max(stage_of[block], t if t is not None else 0)
         for v in op.outputs:
             tag[v.name] = t
+    _sink(f, tag, layers)
     producer = {v.name: k for k, op in enumerate(f.ops) for v in op.outputs}
     outputs_needed: dict[str, set[int]] = {}
     for v in f.outputs:
@@ -492,9 +560,10 @@ def cut_stages(traced, prefix: str, blocks: int, stages: int, cut: Sequence[int]
                 if g and not g.startswith("stage") and g not in out[s_].parameters:
                     raise StageError(f"stage {s_}'s backward makes the gradient of {g}, which stage {s_} does not hold; "
                                      "cut at other block boundaries")
+    trained = set() if b is None else {b.grad_of(v.name) for v in b.outputs}
     for label, st in a.pstage.items():
         holders = [s.index for s in out if label in s.parameters]
-        if len(holders) > 1:
+        if len(holders) > 1 and label in trained:  # a buffer (no gradient: a rotary table) is read where needed
             raise StageError(f"parameter {label} is read by stages {holders}; nvtp holds a parameter in one stage "
                              "(a weight tied across stages is one parameter under two names, each read by one stage)")
     return Staged(out, transfers, block_costs, prefix, blocks, chosen)
