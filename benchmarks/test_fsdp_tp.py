@@ -46,9 +46,15 @@ def test_fsdp_tp_step_against_pytorch(benchmark, tmp_path, request):
                   + f"; held per rank nvtp {held['nvtp'] / 2**20:.2f} MiB, PyTorch {held['pytorch'] / 2**20:.2f} MiB")
     benchmark.extra_info.update(data)
     assert held["nvtp"] <= held["pytorch"] * 1.001, f"nvtp holds more than FSDP2 + TP per rank: {held}"
+    # No slower than before the schedule's work by a margin (1.47x in issue 25), and 0.8 where met.
+    check_target("nvtp / FSDP2 + TP step time at (2, 2)", ratio, 1.25, "x", own_threads=job.dp * job.tp * job.threads)
     if ratio.value - ratio.noise > 0.8:
         pytest.xfail(f"nvtp / FSDP2 + TP {ratio.value:.2f}x misses 0.8: {KNOWN_MISS}")
-    check_target("nvtp / FSDP2 + TP step time at (2, 2)", ratio, 0.8, "x", own_threads=job.dp * job.tp * job.threads)
 
 
-KNOWN_MISS = "see docs/benchmarks.md, 'FSDP + TP against PyTorch': where the time goes, profiled per rank"
+# Profiled 2026-11-24 (torch.profiler, rank 0, one whole step each, docs/benchmarks.md): nvtp's 255 ms
+# of CPU time are 106 ms interpreting its fusions op by op (_Run, _RunBackward self time), 53 ms of
+# DTensor dispatch in clip_grad_norm_ and AdamW over its DTensor parameters, 12 ms of matmul;
+# PyTorch's 321 ms are 124 ms waiting in collectives and 50 ms of DTensor dispatch.
+KNOWN_MISS = ("nvtp waits little in collectives, but interprets its fusions op by op in Python (about 40% of its step), "
+              "where PyTorch runs eager modules; 0.8 needs that overhead gone (fused ops, nvFuser on GPUs)")

@@ -56,7 +56,19 @@ def test_tensor_parallel_step(benchmark, d, tmp_path, request):
     benchmark.extra_info.update(data)
     # Both must compute the unsharded block's numbers; a wrong result is no benchmark.
     assert result["errors"]["nvtp"] <= 1e-5 and result["errors"]["dtensor"] <= 1e-5, result["errors"]
-    # The target: faster than DTensor at d = 2 and 4 (at d = 1 DTensor is plain eager: no target).
+    # At d = 2 and 4 (at d = 1 DTensor is plain eager: no target): never slower than DTensor, and
+    # issue 25's target, 0.8, where it is met; a miss of 0.8 is the known one (KNOWN_MISS).
     if d >= 2:
-        check_target(f"sharded d={d}: nvtp / DTensor step time", paired_ratio(result["seconds"], "dtensor"), 1.0, "x",
-                     own_threads=d * job.threads)
+        ratio = paired_ratio(result["seconds"], "dtensor")
+        check_target(f"sharded d={d}: nvtp / DTensor step time", ratio, 1.0, "x", own_threads=d * job.threads)
+        if ratio.value - ratio.noise > 0.8:
+            pytest.xfail(f"nvtp / DTensor {ratio.value:.2f}x at d = {d} misses 0.8: {KNOWN_MISS}")
+
+
+# Profiled 2026-11-24 (torch.profiler, rank 0, 3 steps at d = 2, docs/benchmarks.md): both run the
+# same matmuls (aten::mm + addmm 188 ms of nvtp's 311 ms and of DTensor's 310 ms); DTensor waits 53
+# ms in collectives, nvtp spends 86 ms interpreting its fusions op by op in Python (_Run,
+# _RunBackward self time). 0.8 needs nearly all of that gone: fewer, fused ops (nvFuser on a GPU)
+# or a compiled reference backend.
+KNOWN_MISS = ("the step is the same matmuls on both sides (60% of it); the rest is the reference backend's per-op Python "
+              "(nvtp) against DTensor's waits in collectives, so 0.8 needs the per-op overhead gone (docs/benchmarks.md)")

@@ -30,6 +30,7 @@ class Job:
     rounds: int = 10
     warmup: int = 2
     threads: int = 1
+    profile: bool = False  # also write a torch.profiler table per side (rank 0, 3 steps)
 
 
 class CountingComm:
@@ -145,6 +146,16 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
         compiled = nv.last
 
         seconds = timed_rounds({"dtensor": lambda: step(dt), "nvtp": lambda: step(nv)}, job.rounds, job.warmup)
+        profiles = {}
+        if job.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for name, m in (("nvtp", nv), ("dtensor", dt)):
+                dist.barrier()
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(3):
+                        step(m)
+                profiles[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         if rank == 0:
             result = {
                 "job": asdict(job), "world": world, "errors": errors,
@@ -154,6 +165,7 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
                 "nvtp_planned": {"forward": [c.kind for c in compiled.forward.communications],
                                  "backward": [c.kind for c in compiled.backward.communications]},
                 "dtensor_collectives": dtensor_comms,
+                "profiles": profiles,
             }
             with open(job.out, "w") as f:
                 json.dump(result, f)

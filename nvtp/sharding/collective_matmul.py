@@ -133,7 +133,8 @@ def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
 def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
     """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
     blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
-    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block."""
+    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block, plus the machine's
+    ``block_overhead`` for each of the n smaller matmuls."""
     from nvtp.sharding.placements import local_shape as shape_of
 
     f = sharded.fusion
@@ -148,7 +149,7 @@ def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[
     compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
     one_step = latency + ring.step_bytes / bw
     block = compute / n
-    return collective + compute, (n - 1) * max(one_step, block) + block
+    return collective + compute, (n - 1) * max(one_step, block) + block + n * machine.block_overhead
 
 
 def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str = "auto") -> list[Ring]:

@@ -212,6 +212,7 @@ class Machine:
     memory: float  # bytes/s (HBM)
     links: dict[str, tuple[float, float]]  # mesh axis name -> (bytes/s per rank, seconds of latency per collective)
     describe: str = ""
+    block_overhead: float = 5e-6  # seconds one more, smaller matmul costs (a kernel launch and a stream switch; on CPU, Python)
 
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (
@@ -225,7 +226,7 @@ MACHINES: dict[str, Machine] = {m.name: m for m in (
                      "InfiniBand a GPU (50 GB/s at 80%), 20 us a collective across nodes"),
     Machine("cpu-gloo", flops=40e9, memory=10e9, links={"tp": (1.2e9, 500e-6), "dp": (1.2e9, 500e-6)},
             describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
-                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)"),
+                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6),
 )}
 
 
