@@ -75,6 +75,8 @@ def main() -> int:
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("--mesh", default="", help="DPxTP, or axes by name (cp=2, cp=2,tp=2, dp=2,cp=2): the mesh over the processes (default: a 1-D tp mesh of all)")
     p.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too")
+    p.add_argument("--collective-matmul", default="auto", choices=["auto", "on", "off"],
+                   help="megatron-sp's gathers and reduce-scatters around the projections as ring steps (nvtp.jit's collective_matmul)")
     p.add_argument("--microbatches", type=int, default=None, help="with a pp axis in --mesh (pp=2, pp=2,tp=2): microbatches a step")
     args = p.parse_args()
 
@@ -119,7 +121,8 @@ def main() -> int:
             inner = torch.Size(sizes[names.index("dp") + 1:]).numel()
             dp_index = rank // inner % dp
     pipeline = {"microbatches": args.microbatches} if args.microbatches else {}
-    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp, **pipeline)
+    rings = {} if pipeline else {"collective_matmul": {"auto": "auto", "on": True, "off": False}[args.collective_matmul]}
+    sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp, **pipeline, **rings)
     rows = slice(dp_index * (args.batch // dp), (dp_index + 1) * (args.batch // dp))  # this dp rank's rows (cp and tp ranks: all)
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr) if reference is not None else None
@@ -151,6 +154,9 @@ def main() -> int:
             c = sharded.last
             say(f"   route {c.traced.route} ({c.traced.how}); forward fusion {len(list(c.forward.source.compute_ops()))} "
                 f"ops, backward {len(list(c.backward.source.compute_ops()))} ops; trace {c.traced.seconds:.1f} s")
+            rings = {phase: len(getattr(s, "rings", ())) for phase, s in c.schedules.items()}
+            if any(rings.values()):
+                say("   collective matmuls (ring steps beside the matmul's blocks): " + ", ".join(f"{n} {p}" for p, n in rings.items()))
         if reference is not None:
             want = loss_of(reference, tokens, targets, args.loss, extra)
             ref_opt.zero_grad()
