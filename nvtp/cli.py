@@ -91,7 +91,9 @@ def _load_sharded(args, backend: str):
 
 
 def _ring_mode(args) -> bool | str:
-    return {"auto": "auto", "on": True, "off": False}[getattr(args, "collective_matmul", "auto")]
+    from nvtp.sharding.collective_matmul import SPELLED
+
+    return SPELLED[getattr(args, "collective_matmul", "auto")]
 
 
 def _planning_backend(args) -> str:

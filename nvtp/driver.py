@@ -310,12 +310,10 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
             forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
         schedules = {}
         if overlap and mesh.size > 1:
-            from nvtp.errors import InputError
-            from nvtp.sharding.collective_matmul import plan_rings
+            from nvtp.sharding.collective_matmul import check_mode, plan_rings
             from nvtp.sharding.overlap import MACHINES, default_machine, schedule_collectives
 
-            if collective_matmul not in (True, False, "auto"):
-                raise InputError(f"collective_matmul={collective_matmul!r}: pass True, False or 'auto'")
+            check_mode(collective_matmul)
             on = MACHINES[machine] if isinstance(machine, str) else machine or default_machine(target.name)
             schedules = {phase: schedule_collectives(s, rings=plan_rings(s, on, collective_matmul))
                          for phase, s in (("forward", forward), ("backward", backward)) if s is not None}

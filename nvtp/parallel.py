@@ -127,9 +127,9 @@ class ShardedModule(torch.nn.Module):
         self.backend = backends.resolve(backend, _device_of(module)).name
         if self.backend == "nvfuser" and "cp" in self.mesh.names:  # refused before tracing (nvtp/execute/backends.py says why)
             raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis); use backend='reference' (docs/context.md)")
-        if collective_matmul not in (True, False, "auto"):
-            raise InputError(f"collective_matmul={collective_matmul!r}: pass True, False or 'auto'")
-        self.overlap, self.collective_matmul = overlap, collective_matmul
+        from nvtp.sharding.collective_matmul import check_mode
+
+        self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 

@@ -157,13 +157,12 @@ class Program:
             from nvtp.sharding.context import write_ring_steps
 
             paths += write_ring_steps(self.forward, out, name)
-        rings = [r for phase, _ in self.phases() for r in getattr(self.schedules.get(phase), "rings", ())]
-        if rings:  # collective matmuls, as nvFuser's stream-parallel schedule writes them (nvtp.sharding.collective_matmul)
-            from nvtp.sharding.collective_matmul import write_collective_matmuls
+        for phase, sharded in self.phases():  # collective matmuls, as nvFuser's stream-parallel schedule writes them
+            rings = list(getattr(self.schedules.get(phase), "rings", ()))
+            if rings:
+                from nvtp.sharding.collective_matmul import write_collective_matmuls
 
-            for phase, sharded in self.phases():
-                mine = getattr(self.schedules.get(phase), "rings", ())
-                paths += write_collective_matmuls(sharded, list(mine), out, f"{name}_{'fwd' if phase == 'forward' else 'bwd'}") if mine else []
+                paths += write_collective_matmuls(sharded, rings, out, f"{name}_{'fwd' if phase == 'forward' else 'bwd'}")
         return paths
 
 

@@ -98,9 +98,11 @@ def test_fsdp_gathers_are_prefetched_one_bucket_ahead(programs):
             assert after.at == min(before.waits)
 
 
-def _run(model, mesh, overlap, args, fsdp=False, steps=2):
+def _run(model, mesh, args, steps=2, **options):
+    """``steps`` SGD steps of megatron-sp on simulated ranks, ``nvtp.jit(..., **options)``: every
+    rank's losses, every rank's parameters, and rank 0's program."""
     threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, comm=threads.comm(r), fsdp=fsdp, overlap=overlap)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, comm=threads.comm(r), **options)
              for r in range(mesh.size)]
     ranks[0].compile(*args)
     for m in ranks[1:]:
@@ -126,8 +128,8 @@ def test_the_scheduled_program_computes_the_unscheduled_ones_results_bit_for_bit
     idx, tgt = gpt.example_tokens(CFG)
     args = (idx, tgt) if mesh.ndim == 1 else (idx[:1], tgt[:1])
     model = _gpt()
-    plain = _run(model, mesh, False, args, fsdp)
-    scheduled = _run(model, mesh, True, args, fsdp)
+    plain = _run(model, mesh, args, overlap=False, fsdp=fsdp)
+    scheduled = _run(model, mesh, args, overlap=True, fsdp=fsdp)
     assert not plain[2].schedules and scheduled[2].schedules
     assert len(scheduled[2].collectives()) < len(plain[2].collectives())  # buckets: fewer collectives, the same tensors
     for a, b in zip(plain[0], scheduled[0]):
@@ -185,31 +187,13 @@ def test_on_gloo_processes_the_asynchronous_program_computes_the_same(tmp_path):
 
 
 def _train_ring(mesh, collective_matmul, args, steps=2):
-    """``steps`` SGD steps of megatron-sp on simulated ranks; (rank 0's losses, rank 0's
-    parameters, the program, the point-to-point steps every rank sent in the first step)."""
+    """``_run`` with ``collective_matmul``: (rank 0's losses, rank 0's parameters, the program,
+    the point-to-point steps a rank sent per step, every step every rank sent)."""
     from nvtp.execute import ring
 
-    threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(_gpt(), plan="megatron-sp", mesh=mesh, comm=threads.comm(r), collective_matmul=collective_matmul)
-             for r in range(mesh.size)]
-    ranks[0].compile(*args)
-    for m in ranks[1:]:
-        m.share_compiled(ranks[0])
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ranks]
-
-    def train(r):
-        losses = []
-        for _ in range(steps):
-            loss = ranks[r](*args)
-            opts[r].zero_grad()
-            loss.backward()
-            opts[r].step()
-            losses.append(loss.detach())
-        return losses
-
     with ring.recording() as sent:
-        losses = spmd.on_threads(train, threads)
-    return losses[0], [p.detach().clone() for p in ranks[0].module.parameters()], ranks[0].last, len(sent) // (mesh.size * steps), sent
+        losses, params, program = _run(_gpt(), mesh, args, steps, collective_matmul=collective_matmul)
+    return losses[0], params[0], program, len(sent) // (mesh.size * steps), sent
 
 
 @pytest.mark.parametrize("mesh", [DeviceMesh.of_size(4), MESH_2X2], ids=["tp4", "dp2xtp2"])

@@ -79,6 +79,20 @@ def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _hand_in(out, world: int, result) -> int:
+    """The end of every worker: each rank's ``result`` gathered to rank 0, which saves the list
+    to ``out``; then the process group ends."""
+    import torch.distributed as dist
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -112,13 +126,7 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
                for s in model.program.steps(model.stage) if s.axis == "pp"]
     result = {"losses": losses, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return _hand_in(out, world, result)
 
 
 def _tied_copy(model) -> torch.Tensor:
@@ -235,13 +243,7 @@ def _dropout_worker(rank, world, init_method, out):
         refused = ""
     except ValueError as e:
         refused = str(e)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused})
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return _hand_in(out, world, {"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused})
 
 
 @pytest.mark.slow
@@ -293,13 +295,7 @@ def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
         assert nvtp.load_checkpoint(ckpt, model) == STEPS
     whole = model.full_parameters()
     held = {k: (tuple(v.shape), tuple(v.to_local().shape), type(v).__name__) for k, v in model.checkpoint_state().items()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"params": whole, "held": held, "stage": model.stage})
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return _hand_in(out, world, {"params": whole, "held": held, "stage": model.stage})
 
 
 @pytest.mark.slow

@@ -121,7 +121,9 @@ def main() -> int:
             inner = torch.Size(sizes[names.index("dp") + 1:]).numel()
             dp_index = rank // inner % dp
     pipeline = {"microbatches": args.microbatches} if args.microbatches else {}
-    rings = {} if pipeline else {"collective_matmul": {"auto": "auto", "on": True, "off": False}[args.collective_matmul]}
+    from nvtp.sharding.collective_matmul import SPELLED
+
+    rings = {} if pipeline else {"collective_matmul": SPELLED[args.collective_matmul]}
     sharded = nvtp.jit(model, plan=args.plan, frontend=args.frontend, mesh=mesh, fsdp=args.fsdp, **pipeline, **rings)
     rows = slice(dp_index * (args.batch // dp), (dp_index + 1) * (args.batch // dp))  # this dp rank's rows (cp and tp ranks: all)
     opt = torch.optim.SGD(sharded.parameters(), lr=args.lr)

@@ -47,14 +47,31 @@ def recording():
         _RECORDS.remove(sent)
 
 
-def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
-    """Send ``t`` to the next rank of ``comm``'s ring and return the previous rank's tensor."""
+class _Shift:
+    """One ring step under way: ``wait()`` gives the previous rank's tensor."""
+
+    def __init__(self, out: torch.Tensor, works: list | None = None):
+        self.out, self.works = out, works
+
+    def wait(self) -> torch.Tensor:
+        if self.works:
+            with PROGRESS:
+                for w in self.works:
+                    w.wait()
+            self.works = None
+        return self.out
+
+
+def start_shift(t: torch.Tensor, comm: Any) -> _Shift:
+    """Start sending ``t`` to the next rank of ``comm``'s ring and receiving the previous rank's:
+    ``batch_isend_irecv`` on torch.distributed, waited for by ``wait()``; between threads (and on
+    any other Comm, by a collective) the exchange is done here."""
     n = comm.size
     if n == 1:
-        return t
+        return _Shift(t)
     if isinstance(comm, ThreadComm):
         items = comm.group.exchange(comm.rank, t)
-        return items[(comm.rank - 1) % n].clone()
+        return _Shift(items[(comm.rank - 1) % n].clone())
     if isinstance(comm, DistComm):
         dist = comm.dist
         ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(dist.get_world_size()))
@@ -62,22 +79,30 @@ def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
         out = torch.empty_like(t)
         ops = [dist.P2POp(dist.isend, t, ranks[(comm.rank + 1) % n], comm.group),
                dist.P2POp(dist.irecv, out, ranks[(comm.rank - 1) % n], comm.group)]
-        with PROGRESS:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        return out
+        return _Shift(out, dist.batch_isend_irecv(ops))
     parts = comm.all_gather(t)  # any other Comm: the same data, by a collective
-    return parts[(comm.rank - 1) % n]
+    return _Shift(parts[(comm.rank - 1) % n])
 
 
-def _send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> torch.Tensor:
+def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
+    """Send ``t`` to the next rank of ``comm``'s ring and return the previous rank's tensor."""
+    return start_shift(t, comm).wait()
+
+
+def start_send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> _Shift:
+    """``start_shift``, recorded: in any open ``recording()`` as (``name``, bytes) and in the run's
+    log as a ``sendrecv`` of ``op_name`` on mesh axis ``axis``."""
     from nvtp.execute.reference import Communication
 
     nbytes = t.numel() * t.element_size()
     for record in _RECORDS:
         record.append((name, nbytes))
     ctx.log.append(Communication("sendrecv", op_name, nbytes, axis))
-    return shift(t, comm)
+    return start_shift(t, comm)
+
+
+def _send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> torch.Tensor:
+    return start_send(t, comm, name, ctx, axis, op_name).wait()
 
 
 def _positions(ctx: Any, v: Any, axis: int, coord: int) -> torch.Tensor:

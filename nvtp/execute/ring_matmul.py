@@ -25,43 +25,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from nvtp.execute.collectives import PROGRESS, DistComm, on_axis
 from nvtp.execute import ring
-from nvtp.execute.ring import shift
-
-
-class _Transfer:
-    """One point-to-point step under way: ``wait()`` gives the previous rank's tensor."""
-
-    def __init__(self, t: torch.Tensor, comm: Any):
-        self.comm, self.out, self.works = comm, None, None
-        if isinstance(comm, DistComm) and comm.size > 1:
-            dist = comm.dist
-            ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(dist.get_world_size()))
-            t = t.contiguous()
-            self.out = torch.empty_like(t)
-            self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, ranks[(comm.rank + 1) % comm.size], comm.group),
-                                                 dist.P2POp(dist.irecv, self.out, ranks[(comm.rank - 1) % comm.size], comm.group)])
-        else:  # threads of one process (an exchange, done now), or any other Comm
-            self.out = shift(t, comm)
-
-    def wait(self) -> torch.Tensor:
-        if self.works is not None:
-            with PROGRESS:
-                for w in self.works:
-                    w.wait()
-            self.works = None
-        return self.out
-
-
-def _send(ctx: Any, t: torch.Tensor, comm: Any, axis: int, name: str) -> _Transfer:
-    from nvtp.execute.reference import Communication
-
-    nbytes = t.numel() * t.element_size()
-    for record in ring._RECORDS:  # an open ``nvtp.execute.ring.recording()``
-        record.append((name, nbytes))
-    ctx.log.append(Communication("sendrecv", name, nbytes, axis))
-    return _Transfer(t, comm)
+from nvtp.execute.collectives import on_axis
 
 
 def product(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -83,7 +48,7 @@ def allgather_linear(ctx: Any, axis: int, dim: int, name: str, x: torch.Tensor,
     held = x
     for s in range(n):
         index = (r - s) % n
-        transfer = _send(ctx, held, comm, axis, name) if s < n - 1 else None
+        transfer = ring.start_send(held, comm, name, ctx, axis, name) if s < n - 1 else None
         blocks[index] = held
         for k, (kind, w, b) in enumerate(uses):
             outs[k][index] = product(kind, held, w, b)
@@ -105,5 +70,5 @@ def linear_reducescatter(ctx: Any, axis: int, dim: int, name: str, x: torch.Tens
     for s in range(n):
         part = product(kind, xs[(r - 1 - s) % n], w, b)
         total = part if transfer is None else transfer.wait() + part
-        transfer = _send(ctx, total, comm, axis, name) if s < n - 1 else None
+        transfer = ring.start_send(total, comm, name, ctx, axis, name) if s < n - 1 else None
     return total

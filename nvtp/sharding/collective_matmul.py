@@ -26,6 +26,18 @@ from nvtp.sharding.overlap import Machine, Ring, op_seconds
 from nvtp.sharding.sharded import ShardedFusion
 
 
+SPELLED = {"auto": "auto", "on": True, "off": False}  # the command lines' --collective-matmul
+
+
+def check_mode(mode: bool | str) -> bool | str:
+    """``mode`` as ``plan_rings`` takes it, or ``InputError`` naming the choices."""
+    from nvtp.errors import InputError
+
+    if mode not in (True, False, "auto"):
+        raise InputError(f"collective_matmul={mode!r}: pass True, False or 'auto'")
+    return mode
+
+
 def _plain_shard(p) -> int | None:
     """The dimension of a plain contiguous split (torch's ``Shard``, not strided), else None."""
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
@@ -187,7 +199,7 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
     taken out)."""
     from nvtp.ir.build import FusionBuilder
     from nvtp.ir.graph import ScheduleStep
-    from nvtp.sharding.placements import local_shape
+    from nvtp.sharding.placements import REPLICATE, local_shape
 
     f = sharded.fusion
     out, seen = [], set()
@@ -203,7 +215,7 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
         axis = ring.axis
 
         def group_shape(v):  # the value as the ring's axis's group sees it: other axes' splits taken out
-            whole = [p if a != axis else _replicate() for a, p in enumerate(sharded.shardings[v.name])]
+            whole = [p if a != axis else REPLICATE for a, p in enumerate(sharded.shardings[v.name])]
             return local_shape(v.shape, whole, sharded.mesh)
 
         b = FusionBuilder(f"collective_matmul_{ring.kind.replace('-', '_')}")
@@ -244,12 +256,6 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
                       ScheduleStep(zs, "split", (ring.dim, n, False)), ScheduleStep(zs, "parallelize", (ring.dim, "mesh_x"))]
         out.append((f"collective_matmul_{'allgather' if ring.kind == 'allgather-linear' else 'reducescatter'}", fusion, steps))
     return out
-
-
-def _replicate():
-    from nvtp.sharding.placements import REPLICATE
-
-    return REPLICATE
 
 
 def write_collective_matmuls(sharded: ShardedFusion, rings: list[Ring], directory, name: str = "program") -> list:
