@@ -1,6 +1,6 @@
 """An independent evaluation of a fusion in eager PyTorch, float64: the check of ``nvtp replay --check``.
 
-Written from the op table's semantics (``nvtp/ir/ops.py``: signatures, result dtypes, nvFuser's
+Written from the op table's semantics (``nvtp/ir/ops/``: signatures, result dtypes, nvFuser's
 conventions such as innermost-first ``pad_widths``), one small torch evaluation per op kind, and
 sharing no code with the reference backend (``nvtp/execute/reference.py``), so a wrong op there
 (``exp`` for ``log``, a transposed weight, a missing scale) shows as an O(1) error rather than being

@@ -175,7 +175,7 @@ def _emit(fd, op: Op, values: dict[str, Any]) -> None:
     if len(results) != len(op.outputs):
         raise NvFuserError(
             f"fd.ops.{op.kind} gave {len(results)} result(s) in nvFuser, nvtp's `{op}` expects {len(op.outputs)}; "
-            f"fix the emitter for {op.kind} in EMITTERS (nvtp/execute/nvfuser.py) or the op table (nvtp/ir/ops.py)"
+            f"fix the emitter for {op.kind} in EMITTERS (nvtp/execute/nvfuser.py) or the op table (nvtp/ir/ops/)"
         )
     for v, r in zip(op.outputs, results):
         values[v.name] = r

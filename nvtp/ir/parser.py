@@ -452,7 +452,7 @@ class _FunctionReader:
 
     def add_op(self, kind: str, call: ast.Call, names: list[str], stmt: ast.stmt) -> None:
         if kind not in opstable.OPS:
-            raise self.fail(call, f"fd.ops.{kind} is not an op nvtp knows; see nvtp/ir/ops.py for the {len(opstable.OPS)} it does")
+            raise self.fail(call, f"fd.ops.{kind} is not an op nvtp knows; see the op table, nvtp/ir/ops/, for the {len(opstable.OPS)} it does")
         for a in call.args:
             if isinstance(a, ast.Starred):
                 raise self.fail(a, "*args are not allowed in a fusion definition")
