@@ -679,4 +679,35 @@ def _(b):
     b.add_output(b.op("scatter", x, index, 7.0, dim=1))
 
 
+
+# ---------------------------------------------------------------------------------------------
+# mixture of experts
+
+
+@sample("topk", lambda g: [randn(g, 8, 6)], lambda x: list(torch.topk(x, 2, dim=1)), tol=0)
+def _(b):
+    values, indices = b.op("topk", b.define_tensor([8, 6], F32), 2, dim=1, sorted=True)
+    b.add_output(values)
+    b.add_output(indices)
+
+
+def _expert_index(g: torch.Generator) -> torch.Tensor:
+    """12 rows over 4 experts, expert 2 chosen by none (its weight gradient is zero)."""
+    return torch.tensor([0, 3, 1, 0, 3, 3, 1, 0, 0, 1, 3, 0])
+
+
+@sample("gather_mm", lambda g: [randn(g, 12, 8), randn(g, 4, 8, 16), _expert_index(g)],
+        lambda x, w, i: [torch.stack([x[s].double() @ w[i[s]].double() for s in range(12)])])
+def _(b):
+    x, w, index = b.define_tensor([12, 8], F32), b.define_tensor([4, 8, 16], F32), b.define_tensor([12], I64)
+    b.add_output(b.op("gather_mm", x, w, index))
+
+
+@sample("gather_mm_wgrad", lambda g: [randn(g, 12, 8), randn(g, 12, 16), _expert_index(g)],
+        lambda x, dy, i: [torch.stack([sum((torch.outer(x[s].double(), dy[s].double()) for s in range(12) if i[s] == e),
+                                           torch.zeros(8, 16, dtype=torch.float64)) for e in range(4)])])
+def _(b):
+    x, dy, index = b.define_tensor([12, 8], F32), b.define_tensor([12, 16], F32), b.define_tensor([12], I64)
+    b.add_output(b.op("gather_mm_wgrad", x, dy, index, 4))
+
 SAMPLES_BY_NAME: dict[str, Sample] = {s.name: s for s in SAMPLES}

@@ -356,6 +356,16 @@ EVALS.update({
 })
 
 
+# Mixture of experts, written differently from the reference backend's grouping by expert: each
+# row's weight gathered ([S, K, N]) for the forward, an index_add of outer products for wgrad.
+EVALS.update({
+    "topk": lambda st, op, a: torch.topk(a["arg"], int(a["k"]), dim=a["dim"], largest=a["largest"], sorted=a["sorted"]),
+    "gather_mm": lambda st, op, a: torch.einsum("sk,skn->sn", a["arg1"], a["arg2"][a["index"]]),
+    "gather_mm_wgrad": lambda st, op, a: torch.zeros(a["groups"], a["arg1"].shape[1], a["arg2"].shape[1], dtype=a["arg1"].dtype)
+    .index_add_(0, a["index"], a["arg1"][:, :, None] * a["arg2"][:, None, :]),
+})
+
+
 # -- the evaluation ---------------------------------------------------------------------------
 
 def _resolve(x: Any, env: dict[str, Any]) -> Any:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from nvtp.ir import ops as opstable
+from nvtp.ir import composites, ops as opstable
 from nvtp.ir.dtypes import DType, as_input, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.printer import strides_for
@@ -119,6 +119,13 @@ def _slice(fd, op: Op, a):
             "slice with stride 1 and reshape/slice again, or run it with the reference backend"
         )
     return emit_generic(fd, op, a)
+
+
+@emitter(*sorted(composites.COMPOSITES))
+def _composite(fd, op: Op, a):
+    # nvtp's ops nvFuser lacks, written with nvFuser's ops (the same code a dump carries)
+    s = opstable.spec(op.kind)
+    return getattr(composites.nvtp_ops, op.kind)(fd, *(a[p.name] for p in s.params))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +248,8 @@ def build_from_text(text: str, path: str | None = None) -> "nvfuser_direct.Fusio
     filename = path or "<dump>"
     parse(text, path)
     tree = ast.parse(text, filename)
-    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+    kept = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))
+            or (isinstance(n, ast.ClassDef) and n.name == composites.NAME)]  # verbatim nvtp's (checked by parse)
     namespace: dict[str, Any] = {"__name__": "nvtp_dump"}
     exec(compile(ast.Module(body=kept, type_ignores=[]), filename, "exec"), namespace)  # noqa: S102 - checked by parse above
     defs = [n.name for n in kept if isinstance(n, ast.FunctionDef) and n.args.args and n.args.args[0].arg == "fd"]

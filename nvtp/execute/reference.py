@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from nvtp.execute import patterns
+from nvtp.execute import moe, patterns
 from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, start_reshards, take
 from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType, as_input
@@ -767,6 +767,9 @@ def _index_select(ctx, op, a):
 @impl("scatter")
 def _scatter(ctx, op, a):
     return torch.scatter(a["arg"], a["dim"], a["index"], a["src"])
+
+
+IMPLS.update(moe.IMPLS)  # topk, gather_mm, gather_mm_wgrad (nvtp/execute/moe.py)
 
 
 # ---------------------------------------------------------------------------------------------

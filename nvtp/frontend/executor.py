@@ -36,7 +36,7 @@ from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
 
-from nvtp.frontend import attention
+from nvtp.frontend import attention, moe
 from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
@@ -170,6 +170,7 @@ class NvtpExecutor(FusionExecutor):
             check = CHECKS.get(prim_id)
             self.register_supported(prim_id, _checker(check, complex_ok=prim_id in COMPLEX_OK))
         attention.register(self)
+        moe.register(self)
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
         self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
 

@@ -367,3 +367,41 @@ def _nll_loss(b, a, target, weight=None, ignore_index=None, reduction="mean"):
 CHECKS["torch.nn.functional.nll_loss"] = lambda a, target, weight=None, ignore_index=None, reduction="mean": (
     getattr(a, "ndim", 0) == 2 and getattr(target, "ndim", 0) == 1 and weight is None and reduction in ("mean", "sum")
 )
+
+
+# -- a router's top-k, and the scatter-adds of its gradient and of one_hot ---------------------
+
+
+@translates(PrimIDs.TOPK)
+def _topk(b, a, k, dim, largest, sorted):
+    return b.op("topk", a, int(k), dim=dim, largest=bool(largest), sorted=bool(sorted))
+
+
+@translates(PrimIDs.SCATTER_ADD)
+def _scatter_add(b, a, index, value, dim):
+    """``a`` plus, at position ``index[p]`` along ``dim``, ``value[p]``: nvFuser has no scatter-add,
+    so it is a one-hot sum (``numel(index) x a.shape[dim]`` compares), as the embedding gradient
+    above. Thunder writes a ``topk``'s gradient and ``F.one_hot`` so (a router's [tokens, k]
+    indices over its experts)."""
+    n = a.ndim
+    dim %= n
+    order = [i for i in range(n) if i != dim] + [dim]  # dim last
+    back = [order.index(i) for i in range(n)]
+    if dim != n - 1:
+        a, index, value = (b.op("permute", t, dims=order) for t in (a, index, value))
+    size, picks = a.shape[-1], index.shape[-1]
+    wide = [*index.shape, size]  # [..., picks, size]
+    keep = list(range(n))
+    hit = b.op("eq", b.op("broadcast_in_dim", index, shape=wide, broadcast_dims=keep),
+               b.op("broadcast_in_dim", b.op("iota", size, 0, 1, DType.Int), shape=wide, broadcast_dims=[n]))
+    spread = b.op("where", hit, b.op("broadcast_in_dim", value, shape=wide, broadcast_dims=keep), 0)
+    added = b.op("sum", spread, dims=[n - 1])
+    if added.dtype != a.dtype:
+        added = b.op("cast", added, dtype=a.dtype)
+    out = b.op("add", a, added) if picks else a
+    return b.op("permute", out, dims=back) if dim != n - 1 else out
+
+
+CHECKS[PrimIDs.SCATTER_ADD] = lambda a, index, value, dim: (
+    tuple(index.shape) == tuple(value.shape) and all(index.shape[i] == a.shape[i] for i in range(a.ndim) if i != dim % a.ndim)
+)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from nvtp.ir import ops as opstable
+from nvtp.ir import composites, ops as opstable
 from nvtp.ir.build import make_op, normalize
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScheduleStep, TensorValue, Value, ValueInfo, is_value
@@ -139,6 +139,9 @@ class _ModuleReader:
                 continue  # module docstring
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._check_import(node)
+            elif isinstance(node, ast.ClassDef) and node.name == composites.NAME:
+                if not composites.is_source(node):
+                    raise self.fail(node, f"class {node.name} differs from nvtp's (nvtp/ir/composites.py); a dump may hold it only verbatim")
             elif isinstance(node, ast.FunctionDef):
                 if node.name in functions:
                     raise self.fail(node, f"function {node.name} is defined twice")
@@ -375,6 +378,13 @@ class _FunctionReader:
                 kind = func.split(".")[-1]
                 names = self._target_names(target)
                 self.add_op(kind, value, names, stmt)
+                return
+            kind = (func or "").removeprefix(composites.NAME + ".")
+            if kind != func and kind in composites.COMPOSITES:  # nvtp_ops.gather_mm(fd, ...): the op, its arguments after fd
+                if not value.args or _dotted(value.args[0]) != "fd":
+                    raise self.fail(value, f"{func} takes fd first: {func}(fd, ...)")
+                call = ast.Call(func=value.func, args=value.args[1:], keywords=value.keywords)
+                self.add_op(kind, ast.copy_location(call, value), self._target_names(target), stmt)
                 return
             if func in _MESH_CALLS:
                 if not isinstance(target, ast.Name):

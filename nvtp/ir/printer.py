@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from nvtp.ir import ops as opstable
+from nvtp.ir import composites, ops as opstable
 from nvtp.ir.dtypes import DType, promote
 from nvtp.ir.graph import FORMAT, Fusion, Op, ScalarValue, ScheduleStep, TensorValue, is_value
 
@@ -46,6 +46,7 @@ VAL_ONLY = {
     *(("embedding_fwd", p) for p in ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")),
     *((op, p) for op in ("uniform", "normal") for p in ("rng_seed", "rng_offset")),
     ("scatter", "src"),
+    ("topk", "k"),
 }
 
 
@@ -69,6 +70,8 @@ def format_call(op: Op) -> str:
             or (p.kind.startswith("dtype") and value not in (None, DType.Null))
         ):
             parts.append(f"{name}={format_argument(op.kind, name, value)}")
+    if op.kind in composites.COMPOSITES:  # nvtp's op nvFuser lacks: a method of the dump's nvtp_ops class
+        return f"{composites.NAME}.{op.kind}({', '.join(['fd', *parts])})"
     prefix = "fd." if op.kind in ("define_tensor", "define_scalar") else "fd.ops."
     return f"{prefix}{op.kind}({', '.join(parts)})"
 
@@ -206,6 +209,8 @@ def format_file(
         note = info.role + (f" {info.label}" if info.label else "") + (f" (forward {info.source})" if info.source else "")
         comments[name] = note
     comments.update(notes or {})
+    if any(op.kind in composites.COMPOSITES for op in fusion.ops):  # written with nvFuser's ops, verbatim
+        out.append(composites.source())
     out.append(format_definition(fusion, extra_body, comments))
     out.append("with FusionDefinition() as fd:")
     out.append(f"{INDENT}{fusion.name}(fd)")

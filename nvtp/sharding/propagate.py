@@ -217,7 +217,8 @@ class _Propagator:
             # A number added to a partial sum would be added on every rank.
             all_tensors = all(isinstance(op.arg(p.name), TensorValue) for p in spec(op.kind).params if p.kind == "operand")
             options = {"all": [tuple(range(len(tensor_operands(op))))] if partial and all_tensors else [],
-                       "one": [(pos,) for pos in partial],
+                       # (an op's integer operand, such as gather_mm's expert index, selects: no sum passes it)
+                       "one": [(pos,) for pos in partial if tensor_operands(op)[pos].dtype.is_float],
                        "first": [(0,)] if 0 in partial else []}[style]
             found += [Decision(None, 1, o) for o in options if Decision(None, 1, o) not in found]
         return [c for c in found if _valid(f, c, self.d)]

@@ -544,3 +544,45 @@ def _indexing(op: Op) -> OpFactors:
                   else [(f.factor(n, "blocked"),) for n in t.shape] for t in ts]
     f.results = [[(a,) if a is not None else (f.factor(n),) for a, n in zip(axes, out.shape)]]
     return f
+
+
+# ---------------------------------------------------------------------------------------------
+# mixture of experts (nvtp/ir/ops/moe.py)
+
+
+@rule("topk")
+def _topk(op: Op) -> OpFactors:
+    """Axes other than ``dim`` pass; ``dim`` is whole (a top-k of a split axis is no local top-k)."""
+    x = op.arg("arg")
+    dim = norm_dim(op.arg("dim"), x.ndim)
+    f = OpFactors()
+    axes = [f.factor(n, "blocked" if i == dim else "pass") for i, n in enumerate(x.shape)]
+    picked = f.factor(op.outputs[0].shape[dim], "blocked")
+    f.operands = [[(a,) for a in axes]]
+    f.results = [[(picked,) if i == dim else (a,) for i, a in enumerate(axes)] for _ in op.outputs]
+    return f
+
+
+@rule("gather_mm")
+def _gather_mm(op: Op) -> OpFactors:
+    """``y[s, n] = sum_k x[s, k] w[index[s], k, n]``: rows s and outputs n pass, k reduces (a
+    row-parallel expert leaves partial sums); the expert axis stays whole here."""
+    x, w = op.arg("arg1"), op.arg("arg2")
+    f = OpFactors()
+    s, k, e, n = f.factor(x.shape[0]), f.factor(x.shape[1], "reduce", "sum"), f.factor(w.shape[0], "blocked"), f.factor(w.shape[2])
+    f.operands = [[(s,), (k,)], [(e,), (k,), (n,)], [(s,)]]
+    f.results = [[(s,), (n,)]]
+    return f
+
+
+@rule("gather_mm_wgrad")
+def _gather_mm_wgrad(op: Op) -> OpFactors:
+    """``dw[e, k, n] = sum over rows s of expert e of x[s, k] g[s, n]``: rows reduce (split tokens
+    leave each rank a partial gradient, as a linear's weight gradient), k and n pass."""
+    x, g = op.arg("arg1"), op.arg("arg2")
+    f = OpFactors()
+    s, k, n = f.factor(x.shape[0], "reduce", "sum"), f.factor(x.shape[1]), f.factor(g.shape[1])
+    e = f.factor(op.arg("groups"), "blocked")
+    f.operands = [[(s,), (k,)], [(s,), (n,)], [(s,)]]
+    f.results = [[(e,), (k,), (n,)]]
+    return f

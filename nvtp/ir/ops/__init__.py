@@ -1,7 +1,7 @@
 """The op table: every op nvtp knows, with nvFuser's signature and its shape/dtype inference.
 
 One ``OpSpec`` per op, registered from families, one module each (``inputs``, ``elementwise``,
-``reductions``, ``shapes``, ``matmul``, ``factories``, ``indexing``). A spec's parameters use
+``reductions``, ``shapes``, ``matmul``, ``factories``, ``indexing``, ``moe``). A spec's parameters use
 nvFuser's Python names; the first ``positional`` of them print positionally, the rest as keywords
 (omitted when equal to their default). ``infer`` returns one ``Out`` per result. The spec also
 holds every fact a pass reads about the op (operand dtypes, linearity, layout, randomness, loop
@@ -26,7 +26,7 @@ from nvtp.ir.ops.elementwise import (
 from nvtp.ir.ops.reductions import REDUCTION
 from nvtp.ir.ops.shapes import pad_pairs, slice_bounds
 from nvtp.ir.ops.matmul import matmul_shape
-from nvtp.ir.ops import factories, indexing  # noqa: F401
+from nvtp.ir.ops import factories, indexing, moe  # noqa: F401
 from nvtp.ir.ops.facts import DTYPE_HINTS, DTYPE_RULES, OPERAND_RULES, RANDOM, check_operand_dtypes
 
 __all__ = [

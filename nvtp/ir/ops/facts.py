@@ -50,24 +50,24 @@ OPERAND_RULES: dict[str, tuple[tuple[DType, ...] | None, str]] = {
 }
 for _rule, _names in {
     "no_complex": "atan2 ceil floor round trunc frac clamp erf erfc erfcinv erfinv fmod mod remainder ge gt le lt isneginf isposinf "
-                  "lgamma max min maximum minimum nextafter relu threshold sign signbit",
+                  "lgamma max min maximum minimum nextafter relu threshold sign signbit topk",
     "no_bool": "abs ceil floor round trunc frac neg relu threshold",
     "numeric": "sub neg",
-    "float": "frac silu sdpfa_fwd sdpfa_bwd linear matmul",
+    "float": "frac silu sdpfa_fwd sdpfa_bwd linear matmul gather_mm gather_mm_wgrad",
     "float_or_complex": "var var_mean welford",
     "integer": "bitwise_and bitwise_or bitwise_xor bitwise_not bitwise_left_shift bitwise_right_shift gcd",
-    "same": "linear matmul scatter",
+    "same": "linear matmul scatter gather_mm gather_mm_wgrad",
     "int_only": "mod",
 }.items():
     _facts(_names, dtypes=_rule)
-_facts("gather index_select scatter", typed=(("index", "index"),))
+_facts("gather index_select scatter gather_mm gather_mm_wgrad", typed=(("index", "index"),))
 _facts("take_along_axis", typed=(("index", "int64"),))
 _facts("embedding_fwd", typed=(("input", "index"),))
 _facts("where", typed=(("condition", "bool"),))
 _facts("sdpfa_bwd", typed=(("philox_seed", "any"), ("philox_offset", "any")))  # integers by design
 
 _facts("add sub cat", linear="all")  # sums of partial sums
-_facts("mul matmul", linear="one")  # a product with one factor partial
+_facts("mul matmul gather_mm gather_mm_wgrad", linear="one")  # a product with one factor partial
 _facts("div neg cast reshape permute broadcast_in_dim expand squeeze set segment_set stride_order sum slice", linear="first")
 _facts("permute reshape cast squeeze stride_order set segment_set neg", layout="moves")
 _facts("slice", layout="selects")

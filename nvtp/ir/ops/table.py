@@ -2,7 +2,7 @@
 the shape helpers the families share, and the binding of a call's arguments (``bind``, ``infer``).
 
 The families (``inputs``, ``elementwise``, ``reductions``, ``shapes``, ``matmul``, ``factories``,
-``indexing``) register their ops here when ``nvtp.ir.ops`` is imported; ``facts`` then sets what
+``indexing``, ``moe``) register their ops here when ``nvtp.ir.ops`` is imported; ``facts`` then sets what
 the passes read about each op.
 """
 
