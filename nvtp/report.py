@@ -36,6 +36,7 @@ from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
 from nvtp.sharding.context import context_header, ring_records
+from nvtp.sharding.moe import summary as moe_summary
 from nvtp.sharding.report import communication_records
 
 
@@ -322,6 +323,7 @@ class ModelReport:
             lines.append(f"region {r.name}{times}: forward {len(r.forward.fusion.ops)} ops, backward {n_bwd} ops")
             for label, placement in _folded(_parameter_shardings(r)):
                 lines.append(f"  {label:40} {placement}")
+            lines += [f"  {label:40} {text}" for label, text in _folded(moe_summary(r.forward))]  # nvtp/sharding/moe.py
         comms = self.communications()
         lines.append("communications per step (bytes each rank sends with ring algorithms):")
         groups: dict[tuple, list[dict]] = {}
