@@ -382,3 +382,55 @@ def test_nvtp_explain_on_an_moe_model_prints_its_moe_layers():
                           "--devices", "2"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "MoE: 4 experts, top-2, 64 routed rows (32 tokens x 2); expert weights w_fc tp S(2), w_proj tp S(1)" in run.stdout, run.stdout
+
+
+class _RouterOps(torch.nn.Module):
+    """What MoE code around the experts does that nvtp writes with its own ops: interleaved
+    gate|up halves (``x[..., ::2]``: its gradient pads with holes, which nvFuser's pad lacks),
+    per-expert biases looked up by expert (``b[index]``: an index_add gradient), a group mask
+    written by ``scatter_`` and read through ``.bool()`` (DeepSeek-V3's router), top-k. (Thunder's
+    own route fails on the in-place ``scatter_`` of a new tensor, 0.2.6: it gets ``scatter``.)"""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4, 8))
+        self.in_place = in_place
+
+    def forward(self, x, index):
+        gate, up = x[..., ::2], x[..., 1::2]  # (N, 8) each
+        y = torch.sigmoid(gate) * up + self.bias[index]  # (N, 8)
+        zeros = torch.zeros_like(x[:, :4])
+        mask = zeros.scatter_(1, index.unsqueeze(1), 1) if self.in_place else zeros.scatter(1, index.unsqueeze(1), 1)
+        values, _ = torch.topk(y.masked_fill(~mask.bool()[:, :1], 0.0), 3, dim=-1)
+        return values.square().sum()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "thunder"])
+def test_router_and_expert_ops_around_the_experts_trace_and_match_eager(frontend):
+    torch.manual_seed(0)
+    model = _RouterOps(in_place=frontend == "fx")
+    x, index = torch.randn(6, 16), torch.tensor([0, 3, 1, 3, 3, 0])
+    want_x = x.clone().requires_grad_(True)
+    ref = copy.deepcopy(model)
+    want = ref(want_x, index)
+    want.backward()
+    got_x = x.clone().requires_grad_(True)
+    got = nvtp.jit(model, plan="megatron", frontend=frontend)(got_x, index)
+    got.backward()
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
+    assert relative_error(got_x.grad, want_x.grad)[0] <= 1e-6
+    assert relative_error(model.bias.grad, ref.bias.grad)[0] <= 1e-6
+    assert model.bias.grad[2].abs().max() == 0  # no row chose expert 2
+
+
+@pytest.mark.slow
+def test_gpt_oss_at_tp2_matches_eager():
+    """gpt-oss's experts: transposed weights ([E, in, out]), biases, gate and up interleaved and
+    clamped (its own ``_apply_gate``); attention sinks and a sliding window around them."""
+    t = transformers
+    common = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    torch.manual_seed(0)
+    model = t.GptOssForCausalLM._from_config(t.GptOssConfig(**common, num_local_experts=4, intermediate_size=32, head_dim=16,
+                                                            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    check_parity(model, Mesh(model, 2, "megatron", ids, labels=ids), ids)

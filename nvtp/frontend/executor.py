@@ -173,6 +173,11 @@ class NvtpExecutor(FusionExecutor):
         moe.register(self)
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
         self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
+        # x.bool() and its kin, which Thunder runs only opaquely, as x.to(dtype) (the FX route: fx._METHOD_DECOMPOSITIONS)
+        from thunder.torch import _torch_to_thunder_function_map as thunder_of
+
+        for method, dtype in _CONVERSIONS.items():  # the method, and the symbol a proxy's attribute resolves to
+            self._lookasides.update({m: _converter(dtype) for m in (method, thunder_of.get(method)) if m is not None})
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
         # Thunder asks this before using an executor's grad transform; for ops claimed with a
@@ -358,6 +363,19 @@ def _getitem(a: Any, key: Any) -> Any:
     import thunder.torch as ltorch
 
     return ltorch.getitem(a, one_index_as_slice(key))
+
+
+_CONVERSIONS = {torch.Tensor.bool: torch.bool, torch.Tensor.int: torch.int32, torch.Tensor.double: torch.float64,
+                torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.byte: torch.uint8, torch.Tensor.char: torch.int8}
+
+
+def _converter(dtype: torch.dtype):
+    def convert(a: Any, memory_format: Any = None) -> Any:
+        import thunder.torch as ltorch
+
+        return ltorch.to(a, dtype)
+
+    return convert
 
 
 _EXECUTOR: NvtpExecutor | None = None

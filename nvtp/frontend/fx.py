@@ -174,8 +174,17 @@ def _histc(input, bins=100, min=0, max=0):
     return hit.sum(0).to(input.dtype)
 
 
+def _as(dtype: torch.dtype):
+    """``x.bool()`` and its kin (which Thunder runs only opaquely) as ``x.to(dtype)``."""
+    def convert(x, memory_format=torch.preserve_format):
+        return x.to(dtype)
+
+    return convert
+
+
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.histc: _histc}
-_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "histc": _histc}
+_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "histc": _histc, "bool": _as(torch.bool), "int": _as(torch.int32),
+                          "double": _as(torch.float64), "bfloat16": _as(torch.bfloat16), "byte": _as(torch.uint8), "char": _as(torch.int8)}
 
 
 # -- in-place updates, written out of place ----------------------------------------------------------

@@ -159,12 +159,32 @@ def _cat(b, tensors, dim):
 
 @translates(PrimIDs.PAD)
 def _pad(b, a, padding_value, padding_config):
-    widths: list[int] = []
-    for lo, hi, dilation in reversed(padding_config):
+    for dim, (_, _, dilation) in enumerate(padding_config):
         if dilation:
-            raise NotImplementedError("pad with interior (dilation) padding")
+            a = _dilate(b, a, dim, dilation, padding_value)
+    widths: list[int] = []
+    for lo, hi, _ in reversed(padding_config):
         widths += [lo, hi]
     return b.op("pad", a, widths, padding_value)
+
+
+def _dilate(b, a, dim: int, d: int, value):
+    """``d`` copies of ``value`` between consecutive elements along ``dim`` (interior padding,
+    which nvFuser's pad lacks; Thunder writes the gradient of a strided slice, ``x[..., ::2]``, so):
+    each element gets a new axis of ``1 + d`` (itself, then the padding), merged and the trailing
+    padding cut."""
+    n = a.shape[dim]
+    if n == 0:
+        return a
+    wide = [*a.shape[:dim + 1], 1, *a.shape[dim + 1:]]
+    x = b.op("broadcast_in_dim", a, shape=wide, broadcast_dims=[i for i in range(a.ndim + 1) if i != dim + 1])
+    widths = [0, 0] * (a.ndim - dim - 1) + [0, d]  # innermost axis first: only the new axis grows
+    x = b.op("pad", x, widths, value)
+    merged = [*a.shape[:dim], n * (d + 1), *a.shape[dim + 1:]]
+    x = b.op("reshape", x, new_shape=merged)
+    end = list(merged)
+    end[dim] = n * (d + 1) - d
+    return b.op("slice", x, start_indices=[0] * a.ndim, end_indices=end, strides=[1] * a.ndim)
 
 
 @translates(PrimIDs.STRIDE_ORDER)
@@ -375,6 +395,36 @@ CHECKS["torch.nn.functional.nll_loss"] = lambda a, target, weight=None, ignore_i
 @translates(PrimIDs.TOPK)
 def _topk(b, a, k, dim, largest, sorted):
     return b.op("topk", a, int(k), dim=dim, largest=bool(largest), sorted=bool(sorted))
+
+
+@translates(PrimIDs.INDEX_ADD)
+def _index_add(b, a, index, value, dim):
+    """``a`` plus ``value``'s slices added at rows ``index`` of ``dim`` (the gradient of a row
+    lookup ``t[index]``: an MoE expert's bias): a one-hot matmul, as the embedding gradient
+    above (``len(index) x a.shape[dim]`` one-hot)."""
+    dim %= a.ndim
+    n, rows = index.shape[0], a.shape[dim]
+    order = [dim] + [i for i in range(a.ndim) if i != dim]  # dim first
+    if dim:
+        value = b.op("permute", value, dims=order)
+    flat = b.op("reshape", value, new_shape=[n, -1]) if value.ndim != 2 else value
+    hit = b.op("cast", _one_hot(b, index, rows), dtype=flat.dtype)
+    added = b.op("matmul", b.op("permute", hit, dims=[1, 0]), flat)  # [rows, rest]
+    added = b.op("reshape", added, new_shape=[rows, *[value.shape[i] for i in range(1, value.ndim)]])
+    if dim:
+        added = b.op("permute", added, dims=[order.index(i) for i in range(a.ndim)])
+    return b.op("add", a, b.op("cast", added, dtype=a.dtype) if added.dtype != a.dtype else added)
+
+
+CHECKS[PrimIDs.INDEX_ADD] = lambda a, index, value, dim: getattr(index, "ndim", 0) == 1 and getattr(value, "ndim", 0) >= 1 \
+    and getattr(value, "dtype", None) is not None and tdtypes.is_float_dtype(value.dtype)
+
+
+@translates(PrimIDs.SCATTER)
+def _scatter(b, a, index, src, dim):
+    """``a`` with ``src`` written at ``index`` along ``dim`` (a router's group mask: DeepSeek-V3's
+    ``group_mask.scatter_(1, group_idx, 1)``)."""
+    return b.op("scatter", a, index, src, dim % a.ndim)
 
 
 @translates(PrimIDs.SCATTER_ADD)
