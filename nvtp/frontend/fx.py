@@ -54,7 +54,8 @@ from nvtp.frontend.attention import ring_claim_active
 from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.frontend.executor import one_index_as_slice
 from nvtp.frontend.fused import split_fused_projections
-from nvtp.frontend.moe import gather_mm_experts
+from nvtp.frontend import decompose
+from nvtp.frontend.moe import gather_mm_experts, install_output_hooks
 
 
 class GraphBreakError(CaptureError):
@@ -160,31 +161,8 @@ def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _addmm(input, batch1, batch2, beta=beta, alpha=alpha)
 
 
-def _histc(input, bins=100, min=0, max=0):
-    """``torch.histc`` as a one-hot count (a MoE load-balancing loss counts the tokens per expert
-    so): element x in [min, max] falls into bin ``floor((x - min) / (max - min) * bins)``, x = max
-    into the last. Exact for integer-valued input such as expert numbers."""
-    if min == max:
-        raise NotImplementedError("torch.histc without min and max (the data's own range, known only at run time); "
-                                  "pass min and max")
-    x = input.reshape(-1)
-    inside = (x >= min) & (x <= max)
-    pos = ((x - min) / (max - min) * bins).clamp(0, bins - 1).to(torch.int64)
-    hit = (pos.unsqueeze(-1) == torch.arange(bins, device=x.device)) & inside.unsqueeze(-1)
-    return hit.sum(0).to(input.dtype)
-
-
-def _as(dtype: torch.dtype):
-    """``x.bool()`` and its kin (which Thunder runs only opaquely) as ``x.to(dtype)``."""
-    def convert(x, memory_format=torch.preserve_format):
-        return x.to(dtype)
-
-    return convert
-
-
-DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.histc: _histc}
-_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "histc": _histc, "bool": _as(torch.bool), "int": _as(torch.int32),
-                          "double": _as(torch.float64), "bfloat16": _as(torch.bfloat16), "byte": _as(torch.uint8), "char": _as(torch.int8)}
+DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.histc: decompose.histc}
+_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "histc": decompose.histc, **decompose.CONVERSIONS}
 
 
 # -- in-place updates, written out of place ----------------------------------------------------------
@@ -413,31 +391,10 @@ def _graph_break_message(module: torch.nn.Module, e: BaseException) -> str:
             "print, a branch on a tensor's value) from the forward, or pass arguments that avoid it")
 
 
-def _install_output_hooks(module: torch.nn.Module, kwargs: dict) -> None:
-    """transformers records the outputs a call or config asks for (``output_router_logits``, a
-    MoE's router logits for its load-balancing loss; ``output_hidden_states``) with forward hooks
-    it installs on first use, under a ``threading.Lock`` TorchDynamo cannot enter: install them
-    before the export, as transformers' first eager call would (they record only when asked)."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
-    except ImportError:  # another transformers: nothing to install
-        return
-    for m in module.modules():
-        keys = _CAN_RECORD_REGISTRY.get(m)
-        config = getattr(m, "config", None)
-        if not any(kwargs.get(f"output_{k}") or getattr(config, f"output_{k}", False) for k in keys):
-            continue
-        # A shallow copy of the model (the regional route's first blocks) shares hooked layers
-        # with the model: mark it installed rather than hooking those layers twice.
-        if any(getattr(h, "__name__", "") == "output_capturing_hook" for sub in m.modules() for h in sub._forward_hooks.values()):
-            m._output_capturing_hooks_installed = True
-        maybe_install_capturing_hooks(m)
-
-
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     import torch._dynamo as dynamo
 
-    _install_output_hooks(module, kwargs)
+    install_output_hooks(module, kwargs)
 
     # A fresh cache: after several models in one process dynamo's recompile limit would otherwise
     # be hit (export raises rather than falling back, but there is no reason to get near it).

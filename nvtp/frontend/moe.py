@@ -143,6 +143,27 @@ def gather_mm_experts(model: torch.nn.Module) -> Iterator[int]:
             del m.forward
 
 
+def install_output_hooks(module: torch.nn.Module, kwargs: dict) -> None:
+    """transformers records the outputs a call or config asks for (``output_router_logits``, a
+    MoE's router logits for its load-balancing loss; ``output_hidden_states``) with forward hooks
+    it installs on first use, under a ``threading.Lock`` TorchDynamo cannot enter: install them
+    before the export, as transformers' first eager call would (they record only when asked)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:  # another transformers: nothing to install
+        return
+    for m in module.modules():
+        keys = _CAN_RECORD_REGISTRY.get(m)
+        config = getattr(m, "config", None)
+        if not any(kwargs.get(f"output_{k}") or getattr(config, f"output_{k}", False) for k in keys):
+            continue
+        # A shallow copy of the model (the regional route's first blocks) shares hooked layers
+        # with the model: mark it installed rather than hooking those layers twice.
+        if any(getattr(h, "__name__", "") == "output_capturing_hook" for sub in m.modules() for h in sub._forward_hooks.values()):
+            m._output_capturing_hooks_installed = True
+        maybe_install_capturing_hooks(m)
+
+
 # -- Thunder -------------------------------------------------------------------------------------
 
 _SYMBOLS: dict[str, Any] = {}

@@ -1,0 +1,33 @@
+"""torch calls Thunder runs only opaquely, written as the torch ops they compute, for the FX
+route's table (``nvtp.frontend.fx.DECOMPOSITIONS``): ``torch.histc`` (an MoE load-balancing loss
+counts tokens per expert with it) and ``x.bool()`` and its kin."""
+
+from __future__ import annotations
+
+import torch
+
+
+def histc(input, bins=100, min=0, max=0):
+    """``torch.histc`` as a one-hot count (a MoE load-balancing loss counts the tokens per expert
+    so): element x in [min, max] falls into bin ``floor((x - min) / (max - min) * bins)``, x = max
+    into the last. Exact for integer-valued input such as expert numbers."""
+    if min == max:
+        raise NotImplementedError("torch.histc without min and max (the data's own range, known only at run time); "
+                                  "pass min and max")
+    x = input.reshape(-1)
+    inside = (x >= min) & (x <= max)
+    pos = ((x - min) / (max - min) * bins).clamp(0, bins - 1).to(torch.int64)
+    hit = (pos.unsqueeze(-1) == torch.arange(bins, device=x.device)) & inside.unsqueeze(-1)
+    return hit.sum(0).to(input.dtype)
+
+
+def as_dtype(dtype: torch.dtype):
+    """``x.bool()`` and its kin (which Thunder runs only opaquely) as ``x.to(dtype)``."""
+    def convert(x, memory_format=torch.preserve_format):
+        return x.to(dtype)
+
+    return convert
+
+
+CONVERSIONS = {"bool": as_dtype(torch.bool), "int": as_dtype(torch.int32), "double": as_dtype(torch.float64),
+               "bfloat16": as_dtype(torch.bfloat16), "byte": as_dtype(torch.uint8), "char": as_dtype(torch.int8)}
