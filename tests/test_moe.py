@@ -434,3 +434,22 @@ def test_gpt_oss_at_tp2_matches_eager():
                                                             sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     check_parity(model, Mesh(model, 2, "megatron", ids, labels=ids), ids)
+
+
+def test_a_dump_of_gather_mm_carries_nvtps_class_and_only_it():
+    """A printed ``gather_mm`` is ``nvtp_ops.gather_mm(fd, ...)`` with the class that writes it in
+    nvFuser's ops; nvfuser_direct builds the text; a changed class is refused, naming it."""
+    from nvtp.execute import nvfuser
+    from nvtp.ir.parser import DumpError, parse
+    from nvtp.ir.printer import format_file
+    from tests.op_samples import SAMPLES_BY_NAME
+
+    fusion = SAMPLES_BY_NAME["gather_mm"].build()
+    text = format_file(fusion)
+    assert "T3 = nvtp_ops.gather_mm(fd, T0, T1, T2)" in text and "class nvtp_ops:" in text
+    assert parse(text).fusion == fusion
+    assert nvfuser.compare_definition(fusion, nvfuser.build_from_text(text)) == []
+    changed = text.replace("descending=False, stable=True)", "descending=True, stable=True)", 1)
+    with pytest.raises(DumpError, match=r"class nvtp_ops differs from nvtp's \(nvtp/ir/composites.py\); a dump may hold it only verbatim"):
+        parse(changed)
+    assert "class nvtp_ops" not in format_file(SAMPLES_BY_NAME["topk"].build())

@@ -4,7 +4,9 @@ A dump may contain only what nvFuser's repro scripts and nvtp's dumps contain: i
 and nvfuser_direct, an ``nvtp_info`` dict literal, the definition function (``fd.define_tensor``,
 ``fd.define_scalar``, ``fd.ops.*``, ``fd.add_output`` and device-schedule calls on its tensors),
 ``with FusionDefinition() as fd: <function>(fd)``, an ``inputs = [...]`` list of example tensors
-and ``fd.execute(inputs)``. Anything else is refused with the file, the line and what was expected.
+and ``fd.execute(inputs)``, and, where the fusion uses nvtp's ops nvFuser lacks, the class
+``nvtp_ops`` verbatim (``nvtp/ir/composites.py``; ``nvtp_ops.gather_mm(fd, ...)`` reads as the op).
+Anything else is refused with the file, the line and what was expected.
 
 ``parse_function`` reads one definition function out of any Python source (e.g. NVIDIA/Fuser's
 ``tests/python/multidevice/test_transformer.py``), binding its extra integer parameters.
