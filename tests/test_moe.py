@@ -453,3 +453,24 @@ def test_a_dump_of_gather_mm_carries_nvtps_class_and_only_it():
     with pytest.raises(DumpError, match=r"class nvtp_ops differs from nvtp's \(nvtp/ir/composites.py\); a dump may hold it only verbatim"):
         parse(changed)
     assert "class nvtp_ops" not in format_file(SAMPLES_BY_NAME["topk"].build())
+
+
+class _InPlaceRouter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        weights, _ = torch.topk(torch.softmax(self.gate(x), -1), 2, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)  # as Mixtral's and gpt-fast's routers write it
+        return weights.sum()
+
+
+def test_an_in_place_router_update_on_the_thunder_route_names_its_line_and_the_fix():
+    with pytest.raises(nvtp.frontend.capture.CaptureError, match=r"The copy_ at .*test_moe.py:\d+ is an in-place update .*write it "
+                       r"out of place \(`x = x / y`\), or trace with nvtp.jit\(\.\.\., frontend=\"fx\"\)"):
+        nvtp.jit(_InPlaceRouter(), plan="megatron", frontend="thunder")(torch.randn(6, 8))
+    x = torch.randn(6, 8)
+    model = _InPlaceRouter()
+    want = copy.deepcopy(model)(x)
+    assert relative_error(nvtp.jit(model, plan="megatron", frontend="fx")(x).detach(), want.detach())[0] <= 1e-6

@@ -300,9 +300,13 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     bwd = fusion_callables(bwd_traces[-1]) if bwd_traces else []
     if strict and (runtime.unclaimed or len(fwd) != 1 or len(bwd) > 1):
         names = ", ".join(str(u) for u in runtime.unclaimed) or "none"
+        in_place = next((u for u in runtime.unclaimed if u.name == "copy_"), None)
+        hint = (f" The copy_ at {in_place.source or 'the line named'} is an in-place update (`x /= y`, `x.add_(y)`) of a "
+                "tensor the module computed: write it out of place (`x = x / y`), or trace with nvtp.jit(..., frontend=\"fx\"), "
+                "which writes such updates out of place." if in_place is not None else "")
         raise CaptureError(
             f"nvtp fused the forward into {len(fwd)} fusion(s) and the backward into {len(bwd)}; it needs one each. "
-            f"Operations left to other executors: {names}. Add translators for them in nvtp/frontend/translate.py."
+            f"Operations left to other executors: {names}.{hint} Add translators for them in nvtp/frontend/translate.py."
         )
     if not fwd:
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
