@@ -15,7 +15,7 @@ import sys
 import time
 
 from nvtp.sharding import axes
-from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Usage
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
 
@@ -38,10 +38,6 @@ examples:
   nvtp dump --model nanogpt --config gpt2 --out fusions
   nvtp replay fusions/nanogpt_gpt2_bf16_fwd.py --check
 """
-
-
-class Usage(Exception):
-    pass
 
 
 def _dtype(name: str):
@@ -199,7 +195,7 @@ def _explain_model(args) -> int:
         result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, machine=args.machine,
                                      collective_matmul=_ring_mode(args), **where)
     if args.machine is not None:
-        from nvtp.sharding.overlap import MACHINES
+        from nvtp.sharding.cost import MACHINES
 
         result.machine = MACHINES[args.machine]
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())

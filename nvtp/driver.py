@@ -42,11 +42,12 @@ from nvtp.frontend.tied import aliases, merge_tied
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.mesh import make_mesh
-from nvtp.program import Program, join_parts
+from nvtp.program import Program, Source, join_parts
 from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import check_mode, plan_rings
 from nvtp.sharding.compose import compose
-from nvtp.sharding.overlap import MACHINES, default_machine, schedule_collectives
+from nvtp.sharding.cost import MACHINES, default_machine
+from nvtp.sharding.overlap import schedule_collectives
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement
 from nvtp.sharding.target import Target, as_target
 
@@ -72,6 +73,13 @@ class Traced:
     seconds: float = 0.0
     split_parts: bool = False  # fused projections of unequal parts were split into their parts
     declined: list[str] = field(default_factory=list)  # traced for a cp axis (ring=True): attentions not claimed whole, and why
+
+    def record(self) -> Source:
+        """This trace as plain data, for the Program (``nvtp.program.Source``): no tracer object."""
+        captured = self.captured
+        return Source(self.forward, self.backward, self.route, self.how, tuple(self.arguments), self.weights, dict(self.tied),
+                      dict(self.parts), self.boundary, tuple(self.declined), self.seconds,
+                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None))
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -301,7 +309,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     ahead); False: each blocks where it stands. ``collective_matmul`` (with ``overlap``): a gather
     before a matmul and a reduce-scatter after one run as ring steps beside the matmul's blocks
     (``collective_matmul.plan_rings``): "auto" where the cost model says it pays on ``machine``
-    (an ``overlap.Machine`` or its name; by default the backend's: ``overlap.default_machine``),
+    (an ``cost.Machine`` or its name; by default the backend's: ``cost.default_machine``),
     True everywhere it applies, False nowhere. Raises ``ShardingError`` before any work when the
     plan or mesh does not fit."""
     target = as_target(backend)
@@ -318,7 +326,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
         forward = compose(run.done, mesh, traced.forward, plan_name)
         backward = None
         if traced.backward is not None:
-            done, run.done = run.done, []
+            run.done = []
             for s, axis in order:
                 run.done.append((axis, s.backward(run, axis, forward)))
             backward = compose(run.done, mesh, traced.backward, forward.plan)
@@ -329,7 +337,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
             schedules = {phase: schedule_collectives(s, rings=plan_rings(s, on, collective_matmul))
                          for phase, s in (("forward", forward), ("backward", backward)) if s is not None}
     parameters = join_parts(_placed_inputs(forward), traced.parts, mesh)
-    return Program(forward, backward, mesh, plan_name, target.name, fsdp, traced,
+    return Program(forward, backward, mesh, plan_name, target.name, fsdp, traced.record(),
                    parameters, schedules, list(run.notes), {"trace": traced.seconds, "shard": time.perf_counter() - start})
 
 
@@ -425,7 +433,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
         program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
-    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args
                            if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name,
                            tied, frozenset(n for n, _ in source.named_parameters(remove_duplicate=False)))
 

@@ -54,7 +54,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     ``backend``: the backend to plan for (default: the one ``nvtp.jit`` would run this model on
     here, ``nvtp.execute.backends.default_name``); "nvfuser" plans for GPUs on any machine.
     Takes every model ``nvtp.jit`` takes (the FX route for transformers models included).
-    ``machine`` (an ``nvtp.sharding.overlap.Machine`` or its name): plan the collective matmuls
+    ``machine`` (an ``nvtp.sharding.cost.Machine`` or its name): plan the collective matmuls
     for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it."""
     from nvtp import driver
@@ -82,7 +82,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
 
 
 def _machine(machine: Any):
-    from nvtp.sharding.overlap import MACHINES
+    from nvtp.sharding.cost import MACHINES
 
     return MACHINES[machine] if isinstance(machine, str) else machine
 

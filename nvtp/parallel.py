@@ -271,7 +271,7 @@ class ShardedModule(torch.nn.Module):
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
-        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs))
+        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), traced.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -322,6 +322,13 @@ class ShardedModule(torch.nn.Module):
         self.last = self._compiled_for(args, kwargs).program  # ``last.traced.how``: how it was traced
         return self
 
+    def lower(self, *args, **kwargs) -> Program:
+        """The ``Program`` a call with arguments like these runs, before any step (as
+        ``jax.jit(f).lower(x)``): traced and sharded now if it was not yet, the parameters made
+        their shards. ``.as_text()`` is what ``nvtp explain`` prints, ``.steps()`` every
+        communication of a training step, ``.write_nvfuser(dir)`` the files nvFuser runs."""
+        return self.compile(*args, **kwargs).last
+
     def _call(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
         """A call's arguments as the compiled programs take them (``nvtp.driver.bind_call``)."""
         return driver.bind_call(self.module, self._route, args, kwargs)
@@ -332,7 +339,7 @@ class ShardedModule(torch.nn.Module):
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
             self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
-                                              self.rank, self._part_rows, compiled.signature)
+                                              self.rank, self._part_rows, compiled.signature, compiled.call)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
@@ -526,7 +533,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (``nvtp.sharding.overlap``); False runs each where it stands, blocking. ``collective_matmul``
     (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
     projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
-    the cost model says it pays on the backend's machine (``overlap.default_machine``), True
+    the cost model says it pays on the backend's machine (``cost.default_machine``), True
     wherever it applies, False never.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are

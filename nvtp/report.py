@@ -36,7 +36,9 @@ from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
 from nvtp.sharding import axes
+from nvtp.sharding.cost import exposure
 from nvtp.sharding.report import communication_records, size_text, weight_of
+from nvtp.steps import issued
 
 
 @dataclass
@@ -65,7 +67,7 @@ class ModelReport:
     notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
     how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
     backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
-    machine: Any = None  # an nvtp.sharding.overlap.Machine: estimate what the schedule hides on it
+    machine: Any = None  # an nvtp.sharding.cost.Machine: estimate what the schedule hides on it
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
     layers: dict[str, int] = field(default_factory=dict)  # a spliced program: each forward value a block's copy computes -> its block
 
@@ -104,8 +106,6 @@ class ModelReport:
         """The collectives one step issues, as started (buckets of the schedule are one each):
         {phase, kind, axis, bytes, tensors, at, waits, region, layer}; what ``communications``
         lists per tensor, grouped as the backend runs it."""
-        from nvtp.program import issued
-
         out = []
         for phase, r, sharded, layers in self._in_step_order():
             for layer in layers:
@@ -116,8 +116,6 @@ class ModelReport:
         """Under ``self.machine``: per phase the ops' time, the collectives' own time, and what the
         step still waits for them, scheduled and blocking (seconds; a repeated region counted
         ``count`` times), and the fraction the schedule hides."""
-        from nvtp.sharding.overlap import exposure
-
         out: dict[str, Any] = {"machine": self.machine.name, "describe": self.machine.describe}
         for phase in ("forward", "backward"):
             total = {"compute": 0.0, "communication": 0.0, "exposed": 0.0, "exposed_blocking": 0.0}
@@ -280,7 +278,7 @@ class ModelReport:
         issued = self.collectives()
         if any(r.schedules for r in self.regions):
             for phase in ("forward", "backward"):
-                cs = [c for c in issued if c["phase"] == phase and "ring" not in c]
+                cs = [c for c in issued if c["phase"] == phase and "ring" not in c and c["kind"] != "sendrecv"]
                 moved = sum(len(c["tensors"]) for c in cs)
                 lines.append(f"  {phase} as issued: {len(cs)} collectives for {moved} tensors (started as soon as their inputs "
                              f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
@@ -442,9 +440,8 @@ def report_of(program, model: str = "", *, batch: str = "", shape: dict[str, int
     a, t, L): a transformer's, for Korthikanti et al.'s formula."""
     mesh = program.mesh
     two = mesh.names != DeviceMesh.of_size(mesh.size).names  # a plain 1-D mesh is reported as its device count
-    captured = program.traced.captured
     return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
                        dict(program.seconds), dict(shape or {}), mesh=mesh if two else None,
                        data=axes.data_mode(program.fsdp) if two else "", weights=program.traced.weights, batch=batch,
                        notes=list(program.notes), how=program.traced.how, backend=program.backend, tied=dict(program.traced.tied),
-                       layers=dict(getattr(captured, "layers", None) or {}))
+                       layers=dict(program.source.layers))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nvtp.execute.collectives import PROGRESS, DistComm, ThreadComm, on_axis
+from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
 from nvtp.sharding.placements import held
 
 _RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
@@ -92,8 +92,6 @@ def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
 def start_send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> _Shift:
     """``start_shift``, recorded: in any open ``recording()`` as (``name``, bytes) and in the run's
     log as a ``sendrecv`` of ``op_name`` on mesh axis ``axis``."""
-    from nvtp.execute.reference import Communication
-
     nbytes = t.numel() * t.element_size()
     for record in _RECORDS:
         record.append((name, nbytes))

@@ -26,6 +26,7 @@ from nvtp.pipeline import schedule as sched
 from nvtp.sharding.axes.pp import NAME as STAGES, Layout, layout_of
 from nvtp.pipeline.stages import StageError, Staged
 from nvtp.sharding.placements import local_shape
+from nvtp.steps import Step
 
 
 def check_pipeline(module: torch.nn.Module, args: Sequence[Any], mesh: Any, microbatches: int, schedule: str):
@@ -104,8 +105,6 @@ class PipelineProgram:
         that ``stage`` reads, the broadcast of its value from the stage that holds it, and the
         reduction of its gradient to that stage, as ``Step`` records on the pp axis (bytes: one
         rank's part, sent by ring algorithms' count for one message)."""
-        from nvtp.program import Step
-
         start, end = [], []
         for name, stages in sorted(self.holders().items()):
             if len(stages) < 2 or stage not in stages:
@@ -117,17 +116,18 @@ class PipelineProgram:
             shape = tuple(local_shape(v.shape, program.forward.sharding(v.name), program.mesh))
             nbytes = math.prod(shape) * v.dtype.itemsize
             to = "stages " + ", ".join(map(str, stages))
-            start.append(Step("forward", "broadcast", STAGES, name, name, shape, v.dtype.value, nbytes, f"stage {owner}", to))
-            end.append(Step("backward", "reduce", STAGES, name, f"grad of {name}", shape, v.dtype.value, nbytes, to, f"stage {owner}"))
+            start.append(Step("forward", "broadcast", STAGES, name, name, shape, v.dtype.value, nbytes, f"stage {owner}", to,
+                              payload=nbytes))
+            end.append(Step("backward", "reduce", STAGES, name, f"grad of {name}", shape, v.dtype.value, nbytes, to, f"stage {owner}",
+                            payload=nbytes))
         return start, end
 
     def loss_step(self) -> list:
         """The step's loss, from the last stage to every stage (one float32 scalar)."""
-        from nvtp.program import Step
-
         if self.layout.pp < 2:
             return []
-        return [Step("forward", "broadcast", STAGES, "loss", "loss", (), "float32", 4, f"stage {self.layout.pp - 1}", "every stage")]
+        return [Step("forward", "broadcast", STAGES, "loss", "loss", (), "float32", 4, f"stage {self.layout.pp - 1}", "every stage",
+                     payload=4)]
 
     def p2p(self) -> list[dict[str, Any]]:
         """Every point-to-point step of one microbatch on the pp axis: phase, from and to stage,
@@ -151,8 +151,6 @@ class PipelineProgram:
         ``dst`` name the stages. Once a step, outside the schedule: first the broadcast of each
         weight tied across stages from its holder (``replica_steps``), last the reduction of its
         gradient to the holder, then the loss's broadcast from the last stage (``loss_step``)."""
-        from nvtp.program import Step
-
         if not 0 <= stage < self.layout.pp:
             raise InputError(f"stage={stage}: this pipeline has stages 0..{self.layout.pp - 1}")
         by_phase: dict[str, list] = {"forward": [], "backward": []}
@@ -162,7 +160,7 @@ class PipelineProgram:
 
         def moved(kind: str, p: dict) -> Step:
             return Step(p["phase"], kind, STAGES, p["value"], p["label"], tuple(p["local_shape"]), p["dtype"], p["bytes"],
-                        f"stage {p['src']}", f"stage {p['dst']}")
+                        f"stage {p['src']}", f"stage {p['dst']}", payload=p["bytes"])
 
         start, end = self.replica_steps(stage)
         out = list(start)

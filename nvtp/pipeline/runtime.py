@@ -112,6 +112,11 @@ class PipelineModule(torch.nn.Module):
             self._compile(args)
         return self
 
+    def lower(self, *args: Any):
+        """The ``PipelineProgram`` a call with arguments like these runs, before any step (as
+        ``jax.jit(f).lower(x)``): ``.steps(stage)``, ``.as_text()``, ``.programs[stage]``."""
+        return self.compile(*args).program
+
     def _compile(self, args: tuple) -> None:
         import torch.distributed as dist
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from nvtp.sharding.overlap import Machine, Ring, op_seconds
+from nvtp.sharding.cost import Machine, ring_seconds
+from nvtp.sharding.overlap import Ring
 from nvtp.sharding.sharded import ShardedFusion
 
 
@@ -140,28 +141,6 @@ def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
     from nvtp.sharding.placements import axis_split
 
     return any(a != axis and (axis_split(p) or (None,))[0] == dim for a, p in enumerate(sharding))
-
-
-def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
-    """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
-    blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
-    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block, plus the machine's
-    ``block_overhead`` for each of the n smaller matmuls."""
-    from nvtp.sharding.placements import local_shape as shape_of
-
-    f = sharded.fusion
-
-    def local(v):
-        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
-
-    n = ring.steps + 1
-    bw, latency = machine.link(sharded.mesh, ring.axis)
-    step = sharded.set_steps[ring.name]
-    collective = latency + step.bytes / bw
-    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
-    one_step = latency + ring.step_bytes / bw
-    block = compute / n
-    return collective + compute, (n - 1) * max(one_step, block) + block + n * machine.block_overhead
 
 
 def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str = "auto") -> list[Ring]:

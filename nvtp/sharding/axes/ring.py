@@ -55,27 +55,31 @@ class RingStep:
 
 
 def ring_steps(phase: str, sharded: Any) -> list[RingStep]:
-    """Every point-to-point step the ring attentions of ``sharded`` run: per attention with its
-    sequence split over cp (n ranks), the forward passes K and V n-1 times; the backward passes
-    K and V n-1 times and their gradients n times (the last step brings them home)."""
+    """Every point-to-point step the ring attentions of ``sharded`` run, in the order a rank runs
+    them (``nvtp.execute.ring``): per attention with its sequence split over cp (n ranks), the
+    forward passes K then V at each of its n - 1 steps; the backward passes K, V, dK, dV at each
+    of n - 1 steps and dK, dV once more (the last step brings them home). A block travels in the
+    ring's working precision (float32, or wider), one rank's block each step."""
     out = []
     mesh = sharded.mesh
     for i, op in enumerate(sharded.fusion.ops):
         if op.kind not in ATTENTION:
             continue
-        names = ("key", "value")
         k = op.arg("key")
         axis = ring_axis(mesh, sharded.shardings.get(k.name))
         if axis is None:
             continue
         n = mesh.shape[axis]
         block = local_shape(k.shape, sharded.shardings[k.name], mesh)
-        nbytes = _numel(block) * k.dtype.itemsize
-        counts = [(t, n - 1) for t in names] if op.kind == "sdpfa_fwd" else \
-            [(t, n - 1) for t in names] + [(f"grad_{t}", n) for t in names]
-        for t, times in counts:
-            for _ in range(times):
-                out.append(RingStep(phase, op.outputs[0].name, t, block, k.dtype.value, nbytes, i))
+        work = k.dtype if k.dtype.itemsize >= 4 else DType.Float  # torch.promote_types(dtype, float32)
+        nbytes = _numel(block) * work.itemsize
+        order = []
+        for step in range(n):
+            if step < n - 1:
+                order += ["key", "value"]
+            if op.kind == "sdpfa_bwd":
+                order += ["grad_key", "grad_value"]
+        out += [RingStep(phase, op.outputs[0].name, t, block, work.value, nbytes, i) for t in order]
     return out
 
 
