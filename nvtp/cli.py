@@ -84,7 +84,7 @@ def _load_sharded(args, backend: str):
     from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare
 
     mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
-    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=args.fsdp, backend=backend))
+    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=args.fsdp, backend=backend)).sharded
 
 
 def _ring_mode(args) -> bool | str:

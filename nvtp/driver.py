@@ -341,6 +341,16 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
                    parameters, schedules, list(run.notes), {"trace": traced.seconds, "shard": time.perf_counter() - start})
 
 
+def adopt(sharded: Any, backend: str | Target = "reference", *, overlap: bool = True) -> Program:
+    """A fusion sharded already (a file with its own device schedule: ``nvtp.dump.sharded.from_dump``)
+    as a Program of one phase, its collectives scheduled as every program's are: what ``nvtp
+    replay`` runs through the backend."""
+    traced = of_fusions(sharded.source, None, sharded.source.name)
+    schedules = {"forward": schedule_collectives(sharded)} if overlap and sharded.mesh.size > 1 else {}
+    return Program(sharded, None, sharded.mesh, sharded.plan, as_target(backend).name, False, traced.record(),
+                   join_parts(_placed_inputs(sharded), {}, sharded.mesh), schedules, [], {})
+
+
 def _annotations(traced: Traced, placed: Mapping[str, Any] | None, mesh: DeviceMesh) -> dict[str, tuple[Placement, ...]]:
     """Forward inputs that are parameters placed already (a new call shape of a compiled module),
     one placement per mesh axis."""
@@ -467,5 +477,5 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
+__all__ = ["Traced", "Program", "adopt", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
            "tensor_attributes", "plan_names", "default_mesh"]
