@@ -20,15 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from nvtp.dump.sharded import write_sharded
+from nvtp.dump.program_files import write_program
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.report import report_of
-from nvtp.sharding import axes
-from nvtp.sharding.axes.ring import write_ring_steps
-from nvtp.sharding.collective_matmul import write_collective_matmuls
 from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
-from nvtp.sharding.schedule import ScheduleError
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.steps import Step, issued, issued_steps, tensor_steps
 
@@ -137,28 +133,9 @@ class Program:
         """The forward and backward as nvFuser's own Python files in ``directory`` (``<name>_fwd.py``,
         ``<name>_bwd.py``): what the nvFuser backend builds for every rank, with the device schedule
         (``set_device_mesh``, splits, ``ParallelType.mesh_x``) and the resharding ``set`` ops; each
-        rank passes its own shards. nvfuser_direct builds them from their text, anywhere."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = []
-        data = axes.data_mode(self.fsdp) if self.mesh.ndim > 1 else None
-        for phase, sharded in self.phases():
-            path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
-            command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
-            try:
-                paths.append(write_sharded(sharded, path, command, data=data))
-            except ScheduleError as e:
-                if self.backend == "nvfuser":
-                    raise
-                raise ScheduleError(f"this program was sharded for the {self.backend} backend's target, whose placements "
-                                    f"nvFuser's device schedule cannot always express ({e}); write the program nvFuser would run: "
-                                    "nvtp.plan(..., backend='nvfuser') or nvtp.driver.compile(..., backend='nvfuser')") from e
-        paths += write_ring_steps(self.forward, out, name)  # a ring attention's per-step fusions (a cp axis), if any
-        for phase, sharded in self.phases():  # collective matmuls, as nvFuser's stream-parallel schedule writes them
-            rings = list(getattr(self.schedules.get(phase), "rings", ()))
-            if rings:
-                paths += write_collective_matmuls(sharded, rings, out, f"{name}_{'fwd' if phase == 'forward' else 'bwd'}")
-        return paths
+        rank passes its own shards; then each ring step's fusions (a collective matmul, a ring
+        attention). nvfuser_direct builds them from their text, anywhere."""
+        return write_program(self, directory, name)  # the one writer: nvtp.dump.program_files
 
 
 def join_parts(placed: Sequence[tuple[str, Any]], parts: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Any]:

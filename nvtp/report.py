@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import collections
 
-import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
 from nvtp.sharding import axes
 from nvtp.sharding.cost import exposure
-from nvtp.sharding.report import communication_records, size_text, weight_of
+from nvtp.sharding.report import communication_records, size_text
 from nvtp.steps import issued
 
 

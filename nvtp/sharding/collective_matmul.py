@@ -235,29 +235,3 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
                       ScheduleStep(zs, "split", (ring.dim, n, False)), ScheduleStep(zs, "parallelize", (ring.dim, "mesh_x"))]
         out.append((f"collective_matmul_{'allgather' if ring.kind == 'allgather-linear' else 'reducescatter'}", fusion, steps))
     return out
-
-
-def write_collective_matmuls(sharded: ShardedFusion, rings: list[Ring], directory, name: str = "program") -> list:
-    """``collective_matmul_fusions`` as nvFuser files in ``directory`` (``<name>_collective_matmul_allgather.py``, ...)."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from nvtp.ir.printer import format_file, format_schedule
-
-    paths = []
-    for step, fusion, steps in collective_matmul_fusions(sharded, rings):
-        fusion = replace(fusion, attrs={"devices": str(rings[0].steps + 1), "inputs": "per rank"})
-        path = Path(directory) / f"{name}_{step}.py"
-        shapes = {v.name: list(v.shape) for v in fusion.inputs}  # each device passes its part
-        for st in steps:
-            if st.kind == "split" and st.tensor in shapes and (st.tensor, "parallelize", (st.args[0], "mesh_x")) in \
-                    {(t.tensor, t.kind, t.args) for t in steps}:
-                shapes[st.tensor][st.args[0]] //= st.args[1]
-        header = [f"nvtp's collective matmul ({step.split('_')[-1]}) on one {sharded.mesh.names[rings[0].axis]} group of "
-                  f"{rings[0].steps + 1} devices, as nvFuser's multidevice schedule expresses it: the product's rows split over",
-                  "streams (ParallelType.stream) beside the device split, so each block's communication overlaps another block's",
-                  "matmul. Shapes are the whole group's; written by nvtp.sharding.collective_matmul.write_collective_matmuls."]
-        path.write_text(format_file(fusion, header=header, extra_imports=["import nvfuser_direct", "from nvfuser_direct import ParallelType"],
-                                    extra_body=format_schedule(steps), input_shapes=shapes, device="cuda"))
-        paths.append(path)
-    return paths

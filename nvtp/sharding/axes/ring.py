@@ -10,12 +10,10 @@ results merged by their log-sum-exp, in the forward and the backward (dK/dV trav
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
-from nvtp.ir.printer import format_file
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
 
@@ -58,8 +56,8 @@ def ring_steps(phase: str, sharded: Any) -> list[RingStep]:
     """Every point-to-point step the ring attentions of ``sharded`` run, in the order a rank runs
     them (``nvtp.execute.ring``): per attention with its sequence split over cp (n ranks), the
     forward passes K then V at each of its n - 1 steps; the backward passes K, V, dK, dV at each
-    of n - 1 steps and dK, dV once more (the last step brings them home). A block travels in the
-    ring's working precision (float32, or wider), one rank's block each step."""
+    of n - 1 steps and dK, dV once more (the last step brings them home). K and V travel in their
+    own dtype, the gradient accumulators in float32 (or wider), one rank's block each step."""
     out = []
     mesh = sharded.mesh
     for i, op in enumerate(sharded.fusion.ops):
@@ -71,15 +69,14 @@ def ring_steps(phase: str, sharded: Any) -> list[RingStep]:
             continue
         n = mesh.shape[axis]
         block = local_shape(k.shape, sharded.shardings[k.name], mesh)
-        work = k.dtype if k.dtype.itemsize >= 4 else DType.Float  # torch.promote_types(dtype, float32)
-        nbytes = _numel(block) * work.itemsize
+        work = k.dtype if k.dtype.itemsize >= 4 else DType.Float  # torch.promote_types(dtype, float32): the accumulators'
         order = []
         for step in range(n):
             if step < n - 1:
-                order += ["key", "value"]
+                order += [("key", k.dtype), ("value", op.arg("value").dtype)]
             if op.kind == "sdpfa_bwd":
-                order += ["grad_key", "grad_value"]
-        out += [RingStep(phase, op.outputs[0].name, t, block, work.value, nbytes, i) for t in order]
+                order += [("grad_key", work), ("grad_value", work)]
+        out += [RingStep(phase, op.outputs[0].name, t, block, dt.value, _numel(block) * dt.itemsize, i) for t, dt in order]
     return out
 
 
@@ -150,18 +147,4 @@ def _merge_ops(b: Any, out_a, lse_a, out_b, lse_b):
     return b.op("add", b.op("mul", out_a, wa), b.op("mul", out_b, wb)), lse
 
 
-def write_ring_steps(sharded: Any, directory: Any, name: str = "program") -> list:
-    """``ring_step_fusions`` as nvFuser files in ``directory`` (``<name>_ring_step_diagonal.py``, ...)."""
-    paths = []
-    for step, fusion in ring_step_fusions(sharded):
-        path = Path(directory) / f"{name}_{step}.py"
-        header = [f"One step of nvtp's ring attention on one rank of the cp axis ({'x'.join(map(str, sharded.mesh.shape))} mesh, "
-                  f"{dict(zip(sharded.mesh.names, sharded.mesh.shape))}): attention of the local queries on one K/V block,",
-                  "merged with the running output by log-sum-exp. The host passes the K/V blocks between steps (torch.distributed).",
-                  "Written by nvtp.sharding.axes.ring.write_ring_steps."]
-        path.write_text(format_file(fusion, header=header))
-        paths.append(path)
-    return paths
-
-
-__all__ = ["RingStep", "ring_axis", "ring_records", "ring_step_fusions", "ring_steps", "write_ring_steps"]
+__all__ = ["RingStep", "ring_axis", "ring_records", "ring_step_fusions", "ring_steps"]
