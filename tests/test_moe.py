@@ -220,15 +220,33 @@ def test_moe_gpt_with_idle_experts_trains_at_dp2_like_one_process():
     check_training(got, want, worst)
 
 
-def test_the_plan_of_an_moe_gpt_names_its_moe_layers():
-    """``nvtp.plan`` (what ``nvtp explain`` prints): each block's experts split Megatron's way and
-    one line per MoE layer saying its experts, top-k, routed rows and what a rank holds."""
+def test_the_plan_of_an_moe_gpt_names_its_moe_layers_and_its_nvfuser_files_build(tmp_path):
+    """One trace of the MoE GPT (a batch of 4), sharded three ways. For the reference backend at
+    tp=2, what ``nvtp explain`` prints: each block's experts split Megatron's way and one line per
+    MoE layer (experts, top-k, routed rows, what a rank holds). For nvFuser at tp=2 and at
+    (dp, tp) = (2, 2): the experts stay whole (nvFuser's gather_mm cannot hold a row-parallel
+    partial sum), and every file the program writes builds in nvfuser_direct from its text,
+    ``nvtp_ops`` included, with nvtp's fusion (the experts' weight gradients split over dp)."""
+    from nvtp import driver
+    from nvtp.execute.nvfuser import build_from_text, compare_definition
+    from nvtp.ir.parser import parse
+
     model, (idx, targets) = moe.tiny()
-    text = nvtp.plan(model, idx, targets, devices=2).as_text()
+    traced = driver.trace(model, (idx, targets), batch=2)
+    text = driver.shard(traced, "megatron", DeviceMesh.of_size(2)).as_text()
     assert "h.{0..1}.moe.experts.w_fc                S(2)" in text, text
     assert "h.{0..1}.moe.experts.w_proj              S(1)" in text, text
-    assert ("h.{0..1}.moe.experts                     MoE: 4 experts, top-2, 64 routed rows (32 tokens x 2); "
+    assert ("h.{0..1}.moe.experts                     MoE: 4 experts, top-2, 128 routed rows (64 tokens x 2); "
             "expert weights w_fc tp S(2), w_proj tp S(1)") in text, text
+    for mesh in (DeviceMesh.of_size(2), DeviceMesh.of_shape((2, 2), ("dp", "tp"))):
+        program = driver.shard(traced, "megatron", mesh, backend="nvfuser")
+        assert "top-2, 128 routed rows (64 tokens x 2); expert weights w_fc whole, w_proj whole" in program.as_text()
+        paths = program.write_nvfuser(tmp_path / "x".join(map(str, mesh.shape)))
+        assert [p.name for p in paths] == ["program_fwd.py", "program_bwd.py"]
+        for path in paths:
+            source = path.read_text()
+            assert "nvtp_ops.gather_mm(fd," in source
+            assert compare_definition(parse(source, str(path)).fusion, build_from_text(source, str(path))) == []
 
 
 # -- slow tier: every family and experts implementation, processes, cp, pp, the CLI ------------------

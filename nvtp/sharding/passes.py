@@ -63,7 +63,8 @@ def annotate(fusion: Fusion, plan: str | Mapping[str, Any], mesh: DeviceMesh, ta
     backend; nvFuser keeps partial sums only on reduction axes)."""
     target = as_target(target)
     if plan in ("megatron", "megatron-sp"):
-        ann = plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target.vocab_parallel)
+        ann = plans_mod.megatron(fusion, mesh, sequence_parallel=plan == "megatron-sp", vocab_parallel=target.vocab_parallel,
+                                 split_experts=target.split_experts)
     elif plan in ("replicate", "none"):
         ann = plans_mod.Annotations({v.name: REPLICATE for v in fusion.inputs if isinstance(v, TensorValue)})
     else:

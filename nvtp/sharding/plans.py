@@ -49,13 +49,15 @@ def _activation_inputs(fusion: Fusion) -> list[TensorValue]:
     return [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) in ("activation", "input", "")]
 
 
-def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = True) -> Annotations:
+def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = True,
+             split_experts: bool = True) -> Annotations:
     """Column/row-parallel pairs found by propagation; with ``vocab_parallel``, token embeddings
     split along the vocabulary and an unpaired projection split along its outputs when what it
     then communicates is smaller than its output (an LM head feeding cross-entropy: Megatron's
     parallel cross-entropy); everything else replicated. With sequence parallelism, activation
-    inputs ``[batch, seq, ...]`` are split along the sequence (axis 1)."""
-    projs = projections(fusion)
+    inputs ``[batch, seq, ...]`` are split along the sequence (axis 1). Without ``split_experts``
+    (a target that cannot hold an expert's partial sum: ``Target.split_experts``) experts stay whole."""
+    projs = [p for p in projections(fusion) if split_experts or p.op.kind != "gather_mm"]
     column: dict[str, Projection] = {}
     row: dict[str, Projection] = {}
     paired = _Paired(fusion, projs)

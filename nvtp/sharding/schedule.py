@@ -56,8 +56,9 @@ def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
                 out.append(("dim", k))
                 k += 1
         return out
-    if spec(op.kind).loop_contract:
-        return dims + [("reduce", tensor_operands(op)[0].ndim - 1)]
+    if spec(op.kind).loop_contract:  # the first operand's contracted axis (a matmul's last; gather_mm_wgrad's rows)
+        f = factors_of(op)
+        return dims + [("reduce", next(j for j, axis in enumerate(f.operands[0]) if any(f.kinds[g] == "reduce" for g in axis)))]
     return dims
 
 
@@ -177,6 +178,8 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
     devices = mesh_args(mesh)
     steps: list[ScheduleStep] = []
     for op in sharded.fusion.ops:
+        if op.kind == "reshape" and op.outputs[0].shape == op.operands[0].shape:
+            continue  # nvFuser returns the operand itself (scheduled already, placed alike): a second split would split it again
         for r, v in enumerate(op.outputs):
             if not isinstance(v, TensorValue) or v.name not in sharded.shardings:
                 continue

@@ -60,8 +60,9 @@ class OpSpec:
                  carried through either never grows.
     random       draws random numbers (never merged, never recomputed).
     loop_reduce  results whose nvFuser loop domain keeps the reduced axes (as reduction axes).
-    loop_contract  the result's loop domain ends with the first operand's last (contracted) axis,
-                 as a reduction axis (nvFuser's matmul and linear).
+    loop_contract  the result's loop domain ends with the first operand's contracted axis, as a
+                 reduction axis (nvFuser's matmul and linear: its last; gather_mm_wgrad, written as
+                 nvFuser's grouped_mm: its rows).
     """
 
     name: str
