@@ -18,8 +18,9 @@ from nvtp.sharding.reshard import COLLECTIVES
 from nvtp.sharding.sharded import ShardedFusion
 
 # Steps that are no reshard of a value but move data all the same: a ring's exchange (sendrecv),
-# a pipeline's transfers (send, recv), a tied weight's broadcast and gradient reduction, the loss's broadcast.
-POINT_TO_POINT = ("sendrecv", "send", "recv", "broadcast", "reduce")
+# a pipeline's transfers (send, recv), a tied weight's broadcast and gradient reduction, the loss's broadcast,
+# ep's dispatch and combine (alltoall).
+POINT_TO_POINT = ("sendrecv", "send", "recv", "broadcast", "reduce", "alltoall")
 
 
 @dataclass(frozen=True)

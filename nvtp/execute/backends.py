@@ -69,11 +69,12 @@ class ReferenceBackend(Backend):
 
 
 def ring_attentions(steps, mesh) -> dict[str, dict[str, int]]:
-    """phase -> {attention (its first result) -> mesh axis index} of the ring steps among
-    ``steps`` (``Program.steps()``: cp's ring attention exchanges; a collective matmul's are not)."""
+    """phase -> {op (its first result) -> mesh axis index} of the ops that run their own
+    exchanges among ``steps`` (``Program.steps()``): cp's ring attentions (a collective matmul's
+    ring is not one) and ep's dispatched experts (their all-to-alls)."""
     out: dict[str, dict[str, int]] = {}
     for s in steps:
-        if s.kind == "sendrecv" and not s.ring:
+        if (s.kind == "sendrecv" and not s.ring) or s.kind == "alltoall":
             out.setdefault(s.phase, {})[s.value] = mesh.names.index(s.axis)
     return out
 

@@ -9,7 +9,9 @@ widths of a sharded expert) it is a loop over the experts, whose bounds the host
 that read costs nothing. An expert that receives no row gets a zero weight gradient.
 
 Under sharding both ops run on each rank's local parts as they are (their rules keep the expert
-axis whole: ``index`` holds global expert numbers, which are the local ones).
+axis whole: ``index`` holds global expert numbers, which are the local ones), except where an
+"ep" axis splits the experts: the program lists those ops' all-to-alls among its steps, and they
+run by dispatch and combine (``nvtp.execute.ep``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import torch
 
 
 def _grouped_by_expert(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' order sorted by expert (stable) and the offsets where each expert's rows end."""
+    """The rows' order sorted by expert (stable) and the offsets where each expert's rows end.
+    Rows whose index is ``experts`` (an ep rank's padding: ``nvtp.execute.ep``) sort last and
+    belong to no expert: they add nothing to a gradient, and ``gather_mm``'s rows for them are
+    left unset by ``torch._grouped_mm`` (zero in the loop): the caller masks them."""
     order = torch.argsort(index, stable=True)
-    offsets = torch.cumsum(torch.bincount(index, minlength=experts), 0)
+    offsets = torch.cumsum(torch.bincount(index, minlength=experts), 0)[:experts]
     return order, offsets
 
 
@@ -69,9 +74,23 @@ def _topk(ctx: Any, op: Any, a: dict[str, Any]):
     return torch.topk(a["arg"], int(a["k"]), dim=a["dim"], largest=a["largest"], sorted=a["sorted"])
 
 
+def _gather_mm(ctx: Any, op: Any, a: dict[str, Any]):
+    axis = ctx.rings.get(op.outputs[0].name)
+    if axis is not None:  # the program dispatches its rows to their experts' ranks (an ep axis): nvtp/execute/ep.py
+        from nvtp.execute import ep
+
+        return ep.dispatched_gather_mm(ctx, op, axis, a["arg1"], a["arg2"], a["index"])
+    return gather_mm(a["arg1"], a["arg2"], a["index"])
+
+
+def _gather_mm_wgrad(ctx: Any, op: Any, a: dict[str, Any]):
+    axis = ctx.rings.get(op.outputs[0].name)
+    if axis is not None:
+        from nvtp.execute import ep
+
+        return ep.dispatched_wgrad(ctx, op, axis, a["arg1"], a["arg2"], a["index"], a["groups"])
+    return gather_mm_wgrad(a["arg1"], a["arg2"], a["index"], a["groups"])
+
+
 # The reference backend's implementations (``nvtp.execute.reference.IMPLS`` takes them in).
-IMPLS = {
-    "topk": _topk,
-    "gather_mm": lambda ctx, op, a: gather_mm(a["arg1"], a["arg2"], a["index"]),
-    "gather_mm_wgrad": lambda ctx, op, a: gather_mm_wgrad(a["arg1"], a["arg2"], a["index"], a["groups"]),
-}
+IMPLS = {"topk": _topk, "gather_mm": _gather_mm, "gather_mm_wgrad": _gather_mm_wgrad}

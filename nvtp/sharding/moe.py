@@ -68,6 +68,11 @@ def _top_k(producers: dict[str, Op], v) -> int:
         v = op.operands[0]
 
 
+def module_of(fusion: Fusion, layer: MoELayer) -> str:
+    """The module a layer's expert weights share (``h.0.moe.experts``), else its index value's name."""
+    return _common_prefix([fusion.label(w) for w in layer.weights]) or layer.index
+
+
 def summary(sharded: ShardedFusion) -> dict[str, str]:
     """One line per MoE layer of a sharded forward, keyed by the module its weights share
     (``h.0.moe.experts``): experts, top-k, routed rows, and what each rank holds of the experts."""

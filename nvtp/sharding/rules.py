@@ -63,6 +63,10 @@ class RuleError(LookupError):
 
 rule = registrar(RULES, "sharding rule")
 
+# Ops whose rule reads a context variable an axis's pass sets while it runs (cp's ring attention,
+# ep's experts): op kind -> the variable; their factors are cached per setting.
+SWITCHED: dict[str, contextvars.ContextVar[bool]] = {}
+
 
 def tensor_operands(op: Op) -> tuple[TensorValue, ...]:
     """The tensor operands of ``op`` in argument order (the rules' operand positions)."""
@@ -79,7 +83,8 @@ _FACTORS: dict[int, tuple[weakref.ref, "OpFactors"]] = {}
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
     op = op.template or op
-    key = id(op) if not RING.get() or op.kind not in ("sdpfa_fwd", "sdpfa_bwd") else (id(op), "ring")
+    switch = SWITCHED.get(op.kind)
+    key = id(op) if switch is None or not switch.get() else (id(op), switch.name)
     hit = _FACTORS.get(key)
     if hit is not None and hit[0]() is op:
         return hit[1]
@@ -436,6 +441,7 @@ def _matmul(op: Op) -> OpFactors:
 # self-attention's query and key/value sequences are one factor that may split, every rank
 # keeping its queries while the K/V blocks travel the ring (nvtp.execute.ring).
 RING: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_ring_attention", default=False)
+SWITCHED.update(sdpfa_fwd=RING, sdpfa_bwd=RING)
 
 
 def _attention(op: Op, value_dim: str) -> tuple[OpFactors, list, list, list, list]:
@@ -546,43 +552,4 @@ def _indexing(op: Op) -> OpFactors:
     return f
 
 
-# ---------------------------------------------------------------------------------------------
-# mixture of experts (nvtp/ir/ops/moe.py)
-
-
-@rule("topk")
-def _topk(op: Op) -> OpFactors:
-    """Axes other than ``dim`` pass; ``dim`` is whole (a top-k of a split axis is no local top-k)."""
-    x = op.arg("arg")
-    dim = norm_dim(op.arg("dim"), x.ndim)
-    f = OpFactors()
-    axes = [f.factor(n, "blocked" if i == dim else "pass") for i, n in enumerate(x.shape)]
-    picked = f.factor(op.outputs[0].shape[dim], "blocked")
-    f.operands = [[(a,) for a in axes]]
-    f.results = [[(picked,) if i == dim else (a,) for i, a in enumerate(axes)] for _ in op.outputs]
-    return f
-
-
-@rule("gather_mm")
-def _gather_mm(op: Op) -> OpFactors:
-    """``y[s, n] = sum_k x[s, k] w[index[s], k, n]``: rows s and outputs n pass, k reduces (a
-    row-parallel expert leaves partial sums); the expert axis stays whole here."""
-    x, w = op.arg("arg1"), op.arg("arg2")
-    f = OpFactors()
-    s, k, e, n = f.factor(x.shape[0]), f.factor(x.shape[1], "reduce", "sum"), f.factor(w.shape[0], "blocked"), f.factor(w.shape[2])
-    f.operands = [[(s,), (k,)], [(e,), (k,), (n,)], [(s,)]]
-    f.results = [[(s,), (n,)]]
-    return f
-
-
-@rule("gather_mm_wgrad")
-def _gather_mm_wgrad(op: Op) -> OpFactors:
-    """``dw[e, k, n] = sum over rows s of expert e of x[s, k] g[s, n]``: rows reduce (split tokens
-    leave each rank a partial gradient, as a linear's weight gradient), k and n pass."""
-    x, g = op.arg("arg1"), op.arg("arg2")
-    f = OpFactors()
-    s, k, n = f.factor(x.shape[0], "reduce", "sum"), f.factor(x.shape[1]), f.factor(g.shape[1])
-    e = f.factor(op.arg("groups"), "blocked")
-    f.operands = [[(s,), (k,)], [(s,), (n,)], [(s,)]]
-    f.results = [[(e,), (k,), (n,)]]
-    return f
+from nvtp.sharding import rules_moe  # noqa: E402,F401 - the MoE ops' rules (registration)

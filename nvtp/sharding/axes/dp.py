@@ -24,7 +24,7 @@ from typing import Any, Collection
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, inputs_of, register
 from nvtp.sharding.passes import backward_annotations, shard
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, axis_split, is_replicate, local_shape
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, is_replicate, local_shape, make_shard
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.report import size_text as _size
 from nvtp.sharding.report import weight_of
@@ -61,8 +61,9 @@ def data_plan(fusion: Fusion, run: AxisPass | None, dp: int, fsdp: bool, batched
     batch_inputs = [v for v in fusion.inputs if isinstance(v, TensorValue) and fusion.role(v.name) != "parameter" and v.ndim >= 1
                     and (batched is None or fusion.label(v.name) in batched)]
     for v in batch_inputs:
-        if v.shape[0] % dp == 0 and v.shape[0] >= dp:
-            plan.batched[v.name] = Shard(0)
+        outer = _batch_split(run, v.name)  # an earlier pass (ep) split the batch: dp splits each of its parts
+        if v.shape[0] % (dp * outer) == 0 and v.shape[0] >= dp * outer:
+            plan.batched[v.name] = make_shard(0, outer)
         elif v.shape[0] != 1:
             raise ShardingError(f"input {fusion.label(v.name) or v.name} ({v.describe()}): its batch dimension of size {v.shape[0]} "
                                 f"cannot be split over the dp axis of size {dp}; use a batch that is a multiple of {dp} per step")
@@ -77,8 +78,18 @@ def data_plan(fusion: Fusion, run: AxisPass | None, dp: int, fsdp: bool, batched
                 if dim is None:
                     plan.notes.append(f"fsdp: {fusion.label(v.name) or v.name} stays whole on dp: {why}")
                 else:
-                    plan.at_rest[v.name] = Shard(dim)
+                    plan.at_rest[v.name] = make_shard(dim)
     return plan
+
+
+def _batch_split(run: AxisPass | None, name: str) -> int:
+    """Into how many parts the passes before dp's split input ``name``'s batch (dimension 0)."""
+    parts = 1
+    for axis, s in run.done if run is not None else ():
+        split = axis_split(s.shardings[name][0]) if name in s.shardings else None
+        if split is not None and split[0] == 0:
+            parts *= run.mesh.shape[axis]
+    return parts
 
 
 def split_at_rest(inputs: dict[str, Placement], backward: Fusion) -> tuple[dict[str, Placement], dict[str, Placement]]:

@@ -1,0 +1,130 @@
+"""Expert parallelism at run time: ``gather_mm`` and ``gather_mm_wgrad`` whose experts an "ep"
+axis splits (``nvtp.sharding.axes.ep`` plans them; ``nvtp.sharding.rules_moe`` says why).
+
+Each of the P ranks of an ep group holds its routed rows (its tokens' choices, ``index`` the
+global expert of each) and a contiguous block of E/P experts: rank r holds experts
+``[r E/P, (r+1) E/P)``, so a row's destination is ``index // (E/P)``. One ``gather_mm``:
+
+1. the rows sorted by expert (stable), so grouped by destination, each destination's rows in a
+   block of ``capacity`` rows (a static bound: every row a rank holds; dropless), padded past
+   its count: a send buffer ``[P, capacity, K]`` written by ``index_copy`` on the device;
+2. ``alltoall`` of the per-expert counts (``[P, E/P]`` integers) and ``alltoall`` of the rows (the
+   dispatch): equal blocks, so no split size is read by the host;
+3. the local grouped matmul of the received rows, each row's local expert found from the counts
+   on the device (padding rows belong to none: zero, adding nothing to a gradient);
+4. ``alltoall`` back (the combine) and the inverse of step 1.
+
+``gather_mm_wgrad`` dispatches its two row operands the same way and returns its experts' weight
+gradient ``[E/P, K, N]`` (no combine): every row routed to them, from every rank. Each exchange
+is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
+of the simulated tier, an exchange of the buffers), counted in ``recording()`` and the run's log
+with the bytes a rank sends to the others, as ``nvtp.sharding.axes.ep.exchanges`` plans them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
+from nvtp.execute.moe import gather_mm, gather_mm_wgrad
+
+_RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that receives (what, bytes sent to the other ranks) of every all-to-all this
+    process runs (every thread of it: the simulated ranks) until the block ends."""
+    sent: list[tuple[str, int]] = []
+    _RECORDS.append(sent)
+    try:
+        yield sent
+    finally:
+        _RECORDS.remove(sent)
+
+
+def all_to_all(t: torch.Tensor, comm: Any, what: str, log: list | None = None, value: str = "", axis: int = 0) -> torch.Tensor:
+    """Block p of ``t`` (``[P * c, ...]``, P equal blocks) goes to rank p; the result's block p
+    is what rank p sent this rank. Recorded with the bytes this rank sends to the others."""
+    n = comm.size
+    sent = t.numel() * t.element_size() * (n - 1) // n
+    for r in _RECORDS:
+        r.append((what, sent))
+    if log is not None:
+        log.append(Communication("alltoall", value or what, sent, axis))
+    if n == 1:
+        return t
+    t = t.contiguous()
+    if isinstance(comm, ThreadComm):
+        items = comm.group.exchange(comm.rank, t)
+        return torch.cat([x.chunk(n)[comm.rank] for x in items]).clone()
+    if isinstance(comm, DistComm):
+        out = torch.empty_like(t)
+        with PROGRESS:
+            comm.dist.all_to_all_single(out, t, group=comm.group)
+        return out
+    raise TypeError(f"expert parallelism needs an all-to-all, which {type(comm).__name__} does not run")
+
+
+class _Route:
+    """Where this rank's rows go: their order sorted by expert, each sorted row's slot in the
+    send buffer ``[P * capacity]``, and the per-(destination, local expert) counts."""
+
+    def __init__(self, index: torch.Tensor, experts: int, ranks: int):
+        self.ranks, self.local = ranks, experts // ranks
+        self.capacity = max(1, index.shape[0])  # every row could go to one rank: dropless
+        self.order = torch.argsort(index, stable=True)
+        sorted_index = index.index_select(0, self.order)
+        dest = torch.div(sorted_index, self.local, rounding_mode="floor")
+        self.counts = torch.bincount(index, minlength=experts).reshape(ranks, self.local)  # [P, E/P]
+        per_rank = self.counts.sum(1)
+        start = torch.cumsum(per_rank, 0) - per_rank  # where each destination's rows begin, sorted
+        self.slot = dest * self.capacity + torch.arange(index.shape[0], device=index.device) - start[dest]
+
+    def send(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (this rank's, in their order) placed in the send buffer ``[P * capacity, ...]``."""
+        buf = rows.new_zeros((self.ranks * self.capacity, *rows.shape[1:]))
+        return buf.index_copy_(0, self.slot, rows.index_select(0, self.order))
+
+    def back(self, buf: torch.Tensor) -> torch.Tensor:
+        """The rows of a combined buffer ``[P * capacity, ...]`` put back in this rank's order."""
+        picked = buf.index_select(0, self.slot)
+        return torch.empty_like(picked).index_copy_(0, self.order, picked)
+
+
+def _received_experts(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Each received row's local expert from the counts each rank sent (``[P, E/P]``), on the
+    device: row j of block p belongs to the first expert whose running count exceeds j; a padding
+    row to none (E/P, one past the last)."""
+    ends = torch.cumsum(counts, 1)  # [P, E/P]
+    j = torch.arange(capacity, device=counts.device)
+    return (j[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)  # [P * capacity]
+
+
+def _exchange_route(ctx: Any, op: Any, axis: int, index: torch.Tensor, experts: int) -> tuple[Any, _Route, torch.Tensor]:
+    comm = on_axis(ctx.comm, axis)
+    route = _Route(index, experts, comm.size)
+    counts = all_to_all(route.counts.reshape(-1).contiguous(), comm, "counts", ctx.log, op.outputs[0].name, axis)
+    return comm, route, _received_experts(counts.reshape(comm.size, route.local), route.capacity)
+
+
+def dispatched_gather_mm(ctx: Any, op: Any, axis: int, x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``gather_mm`` of this rank's rows ``x`` with the experts of the whole ep group, this rank
+    holding ``w``, its block of them: dispatch, local grouped matmul, combine."""
+    comm, route, local = _exchange_route(ctx, op, axis, index, w.shape[0] * on_axis(ctx.comm, axis).size)
+    name = op.outputs[0].name
+    rows = all_to_all(route.send(x), comm, "dispatch", ctx.log, name, axis)
+    y = gather_mm(rows, w, local) * (local < w.shape[0]).unsqueeze(1)  # padding rows: no expert, zero
+    return route.back(all_to_all(y, comm, "combine", ctx.log, name, axis))
+
+
+def dispatched_wgrad(ctx: Any, op: Any, axis: int, x: torch.Tensor, g: torch.Tensor, index: torch.Tensor, experts: int) -> torch.Tensor:
+    """This rank's experts' weight gradient ``[E/P, K, N]`` from the rows of every rank routed to them."""
+    comm, route, local = _exchange_route(ctx, op, axis, index, experts)
+    name = op.outputs[0].name
+    xs = all_to_all(route.send(x), comm, "dispatch", ctx.log, name, axis)
+    gs = all_to_all(route.send(g), comm, "dispatch", ctx.log, name, axis)
+    return gather_mm_wgrad(xs, gs, local, route.local)

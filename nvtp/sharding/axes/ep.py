@@ -1,0 +1,218 @@
+"""The "ep" axis: expert parallelism. Each MoE layer's experts are split over the ep ranks in
+contiguous blocks; each rank routes its own tokens and sends each routed row to the rank holding
+its expert, and the results back, by all-to-all.
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))      # or ("dp", "ep"), ("ep", "tp")
+    sm = nvtp.jit(model, plan="megatron", mesh=mesh)                  # each ep rank passes the whole batch
+    loss = sm(idx, targets)                                           # and gets the whole loss
+
+The ep pass runs after tp's and before dp's. It shards what tp left with the 1-D pipeline over
+ep's extent, starting from the module's arguments split along their batch (dimension 0: the
+ranks of an ep group share its batch, as cp's share a sequence) and every MoE layer's expert
+weights split along their expert axis (``Shard(0)``: rank r holds experts ``[r E/P, (r+1) E/P)``);
+the other weights stay whole. Everything but the experts is then data parallel over ep: a weight's
+gradient contracts the tokens, a partial sum over ep, all-reduced. On the ep axis a ``gather_mm``'s
+rows and its experts are one factor (``nvtp.sharding.rules_moe.EXPERTS``), so the experts'
+matmuls run where their weights are, by dispatch and combine (``nvtp.execute.ep``), and their
+weight gradients need no reduction over ep: the rows of every rank are dispatched to them. On a
+(dp, ep) mesh dp splits each ep rank's tokens again (``Shard`` inside ep's: ``_StridedShard``), and
+the experts' gradients are all-reduced over dp only (their replicas).
+
+Each exchange is a step of the Program with its bytes (``exchanges``): per ``gather_mm``, an
+all-to-all of the per-expert counts, one of the rows (the dispatch) and one of the results (the
+combine); per ``gather_mm_wgrad`` the counts and its two row operands. The exchanges are of
+equal blocks of a static capacity (every row a rank holds: dropless, no host synchronisation),
+so the planned bytes are the bytes a run sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.sharding.axes.strategy import AxisPass, Strategy, register
+from nvtp.sharding.moe import module_of, moe_layers
+from nvtp.sharding.passes import backward_annotations, shard
+from nvtp.sharding.placements import DeviceMesh, Placement, Shard, axis_split, local_shape
+from nvtp.sharding.propagate import ShardingError
+from nvtp.sharding.report import size_text
+from nvtp.sharding.rules_moe import EXPERTS
+from nvtp.sharding.sharded import ShardedFusion
+
+NAME = "ep"
+BATCH_DIM = 0  # of each module argument: [B, ...]
+COUNT_BYTES = 8  # the per-expert counts travel as int64
+
+
+class ExpertError(ShardingError):
+    """A model or mesh the ep axis cannot shard; says what to change (before any work)."""
+
+
+class _experts_split:
+    """The expert-parallel rules of ``gather_mm`` (``rules_moe.EXPERTS``) while a pass runs."""
+
+    def __enter__(self):
+        self.token = EXPERTS.set(True)
+
+    def __exit__(self, *exc):
+        EXPERTS.reset(self.token)
+
+
+def batch_inputs(fusion: Fusion, arguments: Any, ep: int) -> dict[str, Placement]:
+    """The module arguments the ep axis splits along their batch (dimension 0)."""
+    return {v.name: Shard(BATCH_DIM) for v in fusion.inputs
+            if isinstance(v, TensorValue) and fusion.label(v.name) in arguments and v.ndim > BATCH_DIM and v.shape[BATCH_DIM] % ep == 0}
+
+
+def expert_weights(fusion: Fusion) -> dict[str, Placement]:
+    """Every MoE layer's expert weights (fusion inputs), split along their expert axis."""
+    inputs = {v.name for v in fusion.inputs}
+    return {w: Shard(0) for layer in moe_layers(fusion) for w in layer.weights if w in inputs}
+
+
+@register
+class ExpertParallel(Strategy):
+    name = NAME
+    summary = "expert parallel: each MoE layer's experts split, tokens dispatched to them and combined back by all-to-all"
+    order = 15  # after tp (which splits inside experts), before dp (which splits each ep rank's tokens again)
+    backends = frozenset({"reference"})  # nvFuser has no all-to-all inside a fusion: the dispatch would be host-driven
+
+    def check_traced(self, traced: Any, mesh: DeviceMesh, axis: int, fsdp: bool) -> None:
+        """Refuse, before any work: a model with no MoE layer, experts the axis does not divide,
+        arguments whose batch it does not divide."""
+        ep, f = mesh.shape[axis], traced.forward
+        layers = moe_layers(f)
+        if not layers:
+            raise ExpertError(f"the ep axis (size {ep}) splits the experts of mixture-of-experts layers, and this model has no MoE "
+                              "layer (no gather_mm: experts as 3-D weights [E, in, out] indexed by each token's routed expert; "
+                              "docs/moe.md); shard a dense model without an 'ep' axis (tp, dp, cp)")
+        for layer in layers:
+            where = ", ".join(f.label(w) for w in layer.weights) or layer.index
+            if ep > layer.experts:
+                raise ExpertError(f"the ep axis has {ep} ranks and the MoE layer of {where} has {layer.experts} experts: each ep rank "
+                                  f"holds at least one expert; use an ep axis of at most {layer.experts} ranks (a divisor of "
+                                  f"{layer.experts}) and put the other ranks on dp")
+            if layer.experts % ep:
+                raise ExpertError(f"the MoE layer of {where} has {layer.experts} experts, which the ep axis of size {ep} cannot split "
+                                  f"evenly; use an ep size that divides {layer.experts}")
+        for v in f.inputs:
+            if isinstance(v, TensorValue) and f.label(v.name) in traced.arguments and v.ndim > BATCH_DIM and v.shape[BATCH_DIM] % ep \
+                    and v.shape[BATCH_DIM] != 1:  # a batch of one broadcasts (a constant of the FX route): every rank holds it
+                raise ExpertError(f"argument {f.label(v.name)} {list(v.shape)}: the ep axis of size {ep} splits the batch (dimension "
+                                  f"{BATCH_DIM}) between its ranks, each routing its own tokens; pass a batch that is a multiple of {ep}")
+
+    def forward(self, run: AxisPass, axis: int) -> ShardedFusion:
+        f = run.traced.forward
+        annotations = batch_inputs(f, run.traced.arguments, run.mesh.shape[axis]) | expert_weights(f)
+        for n, p in run.placed_on(axis).items():  # parameters already placed stay where they are
+            annotations[n] = p
+        with _experts_split():
+            return shard(run.current(f), "replicate", run.sub(axis), annotations=annotations,
+                         output_hints=run.remap(run.output_hints, f), target=run.target, hoist=False, keep_splits=True)
+
+    def backward(self, run: AxisPass, axis: int, forward: ShardedFusion) -> ShardedFusion:
+        b = run.traced.backward
+        inputs, hints = backward_annotations(b, forward.view(axis))  # experts' gradients split as they are; the rest summed over ep
+        hints.update(run.grad_hints)  # each rank passed the whole arguments: their gradients whole
+        with _experts_split():
+            return shard(run.current(b), "replicate", run.sub(axis), annotations=inputs, output_hints=run.remap(hints, b),
+                         target=run.target, hoist=False, keep_splits=True)
+
+    def extra_steps(self, phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
+        return exchanges(phase, sharded, axis)
+
+    def headline(self, report: Any, axis: int) -> str:
+        return "experts split over ep (tokens dispatched to their experts' ranks and combined back by all-to-all)"
+
+    def report_lines(self, report: Any, axis: int) -> list[str]:
+        return expert_lines(report, axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# the exchanges, as the plan and the report count them
+
+
+def dispatched(sharded: ShardedFusion, axis: int) -> list[tuple[int, Any]]:
+    """(index, op) of each ``gather_mm`` / ``gather_mm_wgrad`` whose experts the ep axis ``axis`` splits."""
+    mesh, out = sharded.mesh, []
+    if mesh.shape[axis] == 1:
+        return out
+    for i, op in enumerate(sharded.fusion.ops):
+        experts = op.arg("arg2") if op.kind == "gather_mm" else op.outputs[0] if op.kind == "gather_mm_wgrad" else None
+        if experts is None:
+            continue
+        split = axis_split(sharded.shardings[experts.name][axis])
+        if split is not None:
+            if split[0] != 0:
+                raise ShardingError(f"{op}: the ep axis places its experts {sharded.shardings[experts.name][axis]}; it splits "
+                                    "their expert axis (Shard(0))")
+            out.append((i, op))
+    return out
+
+
+def exchanges(phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
+    """The all-to-alls of ``sharded``'s dispatched experts, in the order a rank runs them
+    (``nvtp.execute.ep``), as the report's communication records: per op the counts (``[P, E/P]``
+    int64), then the dispatch of each row operand and, for ``gather_mm``, the combine of its
+    result; each a send buffer of P blocks of ``capacity`` (= the rank's rows) rows, of which a
+    rank sends the P - 1 blocks for the others."""
+    mesh, out = sharded.mesh, []
+    n = mesh.shape[axis]
+    for i, op in dispatched(sharded, axis):
+        rows = op.arg("arg1")
+        local_rows = local_shape(rows.shape, sharded.shardings[rows.name], mesh)[0]
+        experts = op.arg("arg2").shape[0] if op.kind == "gather_mm" else op.arg("groups")
+        moved = [("counts", (n, experts // n), "int64", COUNT_BYTES)]
+        sent = [rows, op.arg("arg2")] if op.kind == "gather_mm_wgrad" else [rows]
+        for v in sent:
+            width = local_shape(v.shape, sharded.shardings[v.name], mesh)[1]
+            moved.append(("dispatch", (n, local_rows, width), v.dtype.value, v.dtype.itemsize))
+        if op.kind == "gather_mm":
+            y = op.outputs[0]
+            moved.append(("combine", (n, local_rows, local_shape(y.shape, sharded.shardings[y.name], mesh)[1]), y.dtype.value,
+                          y.dtype.itemsize))
+        for what, shape, dtype, itemsize in moved:
+            total = _numel(shape) * itemsize
+            sent_bytes = total * (n - 1) // n
+            out.append({"kind": "alltoall", "tensor": f"{op.outputs[0].name}/{what}", "label": f"{what} of {op.outputs[0].name}",
+                        "shape": list(shape), "dtype": dtype, "bytes": sent_bytes, "tensor_bytes": total, "payload": total,
+                        "from": f"{NAME} ranks", "to": f"{NAME} ranks", "position": i, "value": op.outputs[0].name, "part": what})
+    return out
+
+
+def expert_lines(report: Any, axis: int) -> list[str]:
+    """``nvtp explain``'s lines for the ep axis: the experts each rank holds, per MoE layer, and
+    the bytes a rank sends per step by all-to-all (counts, dispatch, combine; forward and
+    backward), against what the routed rows alone would take (1/P of the padded blocks)."""
+    n = report.mesh.shape[axis]
+    lines = [f"ep: {n} ranks; each routes its own 1/{n} of the tokens and holds a contiguous block of every MoE layer's "
+             f"experts; all-to-alls of {n} equal blocks of a static capacity (every row a rank holds: dropless, no host "
+             "synchronisation)"]
+    for r in report.regions:
+        f = r.forward.source
+        held: dict[str, list[str]] = {}
+        for layer in moe_layers(f):
+            per = layer.experts // n
+            text = (f"{layer.experts} experts, top-{layer.top_k}: {per} experts per ep rank (rank r: experts "
+                    + (f"{per}r..{per}r+{per - 1})" if per > 1 else "r)"))
+            held.setdefault(text, []).append(module_of(f, layer) + (f" x {r.count}" if r.count > 1 else ""))
+        lines += [f"  {', '.join(modules)}: {text}" for text, modules in held.items()]
+        for phase, sharded in (("forward", r.forward), ("backward", r.backward)):
+            sent: dict[str, int] = {}
+            for rec in exchanges(phase, sharded, axis) if sharded is not None else ():
+                sent[rec["part"]] = sent.get(rec["part"], 0) + r.count * rec["bytes"]
+            if sent:
+                rows = sum(b for k, b in sent.items() if k != "counts")
+                lines.append(f"  {phase} all-to-all bytes per rank per step: " + ", ".join(f"{k} {size_text(b)}" for k, b in sent.items())
+                             + f" (the routed rows alone, routed uniformly: {size_text(rows // n)}; the rest pads the static capacity)")
+    return lines
+
+
+def _numel(shape) -> int:
+    out = 1
+    for x in shape:
+        out *= x
+    return out
+
+
+__all__ = ["ExpertError", "ExpertParallel", "NAME", "batch_inputs", "dispatched", "exchanges", "expert_weights"]
