@@ -122,7 +122,7 @@ def check_one_step(model, batch, mesh: DeviceMesh):
 
 def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans():
     """The MoE GPT at ep=2 (simulated ranks; each passes the whole batch): logits, loss and every
-    gradient as eager, layer 0's two idle experts (zero gradients) on one rank. Each expert
+    gradient as eager; in layer 0 rank 0's two experts receive no row (zero gradients). Each expert
     weight is split along its experts, the router whole; the experts' gradients are not reduced
     over ep. The all-to-alls the run sends (every rank) are the Program's steps, byte for byte;
     ``nvtp explain`` prints the experts per rank and the dispatch and combine bytes."""
@@ -130,6 +130,8 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans():
     mesh = DeviceMesh.of_shape((2,), ("ep",))
     ranks, sent = check_one_step(model, batch, mesh)
     m = ranks[0]
+    idle = m.module.gpt.h[0].moe.experts.w_fc.grad  # rank 0's experts 0 and 1: layer 0 routes every token to 2 and 3
+    assert idle.abs().max() == 0 and all(g.abs().max() > 0 for g in ranks[1].module.gpt.h[0].moe.experts.w_fc.grad)
     assert str(m.placement("gpt.h.0.moe.experts.w_fc")) == "S(0)" and str(m.placement("gpt.h.1.moe.experts.w_proj")) == "S(0)"
     assert str(m.placement("gpt.h.0.moe.router.gate.weight")) == "R"
     program = m.last

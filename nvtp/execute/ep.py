@@ -117,7 +117,7 @@ def dispatched_gather_mm(ctx: Any, op: Any, axis: int, x: torch.Tensor, w: torch
     comm, route, local = _exchange_route(ctx, op, axis, index, w.shape[0] * on_axis(ctx.comm, axis).size)
     name = op.outputs[0].name
     rows = all_to_all(route.send(x), comm, "dispatch", ctx.log, name, axis)
-    y = gather_mm(rows, w, local) * (local < w.shape[0]).unsqueeze(1)  # padding rows: no expert, zero
+    y = torch.where((local < w.shape[0]).unsqueeze(1), gather_mm(rows, w, local), 0)  # padding rows: no expert (unset by grouped_mm): zero
     return route.back(all_to_all(y, comm, "combine", ctx.log, name, axis))
 
 

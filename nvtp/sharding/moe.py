@@ -1,7 +1,7 @@
 """The mixture-of-experts layers of a fusion, read from its graph: which ``gather_mm`` ops make one
 layer (they share the expert index of each routed row), its experts, top-k and routed rows, and
-its expert weights. ``nvtp explain`` prints them (``summary``); an expert-parallel axis will
-place experts by them.
+its expert weights. ``nvtp explain`` prints them (``summary``); the expert-parallel axis
+(``nvtp.sharding.axes.ep``) places experts by them.
 """
 
 from __future__ import annotations

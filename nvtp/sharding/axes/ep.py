@@ -204,7 +204,8 @@ def expert_lines(report: Any, axis: int) -> list[str]:
             if sent:
                 rows = sum(b for k, b in sent.items() if k != "counts")
                 lines.append(f"  {phase} all-to-all bytes per rank per step: " + ", ".join(f"{k} {size_text(b)}" for k, b in sent.items())
-                             + f" (the routed rows alone, routed uniformly: {size_text(rows // n)}; the rest pads the static capacity)")
+                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(rows // n)}; "
+                             "the rest pads the static capacity)")
     return lines
 
 
