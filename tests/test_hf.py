@@ -291,7 +291,7 @@ def test_heads_or_vocabulary_that_do_not_divide_the_mesh_are_named_before_any_co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "gptj", "codegen", "cohere"])
 def test_torchrun_training_matches_one_process_for_20_steps(family):
     """tools/train_hf.py as a user runs it: 2 gloo processes under torchrun, 20 SGD steps, every
     loss and the final parameters checked against one-process PyTorch by the tool (exit 1 if not)."""

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from thunder.core import dtypes as tdtypes
 from thunder.core.prims import PrimIDs
 
+from nvtp.frontend.strided import interior_pad, strided_slice
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import TensorValue
@@ -143,8 +144,9 @@ def _transpose(b, a, permutation):
 
 @translates(PrimIDs.SLICE)
 def _slice(b, a, start_indices, end_indices, strides=None):
-    strides = list(strides) if strides is not None else [1] * len(start_indices)
-    return b.op("slice", a, start_indices=list(start_indices), end_indices=list(end_indices), strides=strides)
+    if strides is not None and any(st != 1 for st in strides):  # x[..., ::2]: stride-1 ops (nvtp/frontend/strided.py)
+        return strided_slice(b, a, start_indices, end_indices, strides)
+    return b.op("slice", a, start_indices=list(start_indices), end_indices=list(end_indices), strides=[1] * len(start_indices))
 
 
 @translates(PrimIDs.SQUEEZE)
@@ -159,10 +161,10 @@ def _cat(b, tensors, dim):
 
 @translates(PrimIDs.PAD)
 def _pad(b, a, padding_value, padding_config):
+    if any(d for _, _, d in padding_config):  # a strided slice's gradient (nvtp/frontend/strided.py)
+        return interior_pad(b, a, padding_value, padding_config)
     widths: list[int] = []
-    for lo, hi, dilation in reversed(padding_config):
-        if dilation:
-            raise NotImplementedError("pad with interior (dilation) padding")
+    for lo, hi, _ in reversed(padding_config):
         widths += [lo, hi]
     return b.op("pad", a, widths, padding_value)
 
