@@ -53,6 +53,7 @@ from nvtp.errors import InputError
 from nvtp.frontend.attention import ring_claim_active
 from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.frontend.executor import one_index_as_slice
+from nvtp.frontend import mha
 from nvtp.frontend.fused import split_fused_projections
 
 
@@ -159,7 +160,8 @@ def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _addmm(input, batch1, batch2, beta=beta, alpha=alpha)
 
 
-DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm}
+DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm,
+                                  **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm}
 
 
@@ -654,14 +656,14 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bo
     try:
         captured = capture(program.graph_module, *leaves)
     except CaptureError as e:  # Thunder names lines of the generated graph code: name the model's instead
-        raise type(e)(_model_lines(program.graph_module, str(e))) from None
+        raise type(e)(model_lines(program.graph_module, str(e), type(module).__name__)) from None
     program.output_map = _output_map(captured)
     return program, captured
 
 
-def _model_lines(gm: fx.GraphModule, message: str) -> str:
+def model_lines(gm: fx.GraphModule, message: str, model: str = "") -> str:
     """``<eval_with_key>.5:23`` (a line of the graph module's code) replaced by the model's source
-    line the node came from (dynamo's ``stack_trace``)."""
+    line the node came from (dynamo's ``stack_trace``); "GraphModule" by the model's name."""
     lines = gm.code.splitlines()
     nodes = {n.name: n for n in gm.graph.nodes}
 
@@ -676,7 +678,8 @@ def _model_lines(gm: fx.GraphModule, message: str) -> str:
         path, line, fn, text = frames[-1]
         return f"{path}:{line} in {fn}: `{text.strip()}`"
 
-    return re.sub(r"<eval_with_key>\.\d+:(\d+)", where, message)
+    message = re.sub(r"<eval_with_key>\.\d+:(\d+)", where, message)
+    return message.replace("GraphModule.forward", f"{model}.forward" if model else "the model's forward")
 
 
 def _output_map(captured: Captured) -> list[Any]:

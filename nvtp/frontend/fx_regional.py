@@ -53,7 +53,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from nvtp.frontend import fx as fxroute
-from nvtp.frontend.capture import CaptureError, Captured, capture, parameter_names
+from nvtp.frontend.capture import CaptureError, Captured, MissingOpError, capture, parameter_names
 from nvtp.frontend.fused import Part
 from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
 from nvtp.ir.verify import verify
@@ -351,6 +351,8 @@ def _capture(gm: fx.GraphModule, what: str, *args: Any, outputs: bool = True) ->
     """Thunder's trace of one piece; a failure is ``NotRepeatable`` (the whole trace then says what fails, and where)."""
     try:
         return capture(gm, *args, outputs=outputs)
+    except MissingOpError as e:  # the whole model holds the same op: no other trace would do
+        raise type(e)(fxroute.model_lines(gm, str(e))) from None
     except CaptureError as e:
         raise NotRepeatable(f"{what} did not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 

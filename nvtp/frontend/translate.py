@@ -13,6 +13,7 @@ from typing import Any, Callable
 from thunder.core import dtypes as tdtypes
 from thunder.core.prims import PrimIDs
 
+from nvtp.frontend import setitem
 from nvtp.frontend.strided import interior_pad, strided_slice
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
@@ -117,6 +118,11 @@ def _convert(b, a, dtype):
 @translates(PrimIDs.SHALLOW_COPY)
 def _shallow_copy(b, a):
     return a  # an alias; the executor adds a `set` if an output would be an input
+
+
+@translates("bool")  # torch's executor's Tensor.bool, which Thunder's functionalization binds directly
+def _to_bool(b, a):
+    return b.op("cast", a, dtype=DType.Bool) if isinstance(a, TensorValue) and a.dtype != DType.Bool else a
 
 
 @translates(PrimIDs.CLONE)
@@ -369,3 +375,27 @@ def _nll_loss(b, a, target, weight=None, ignore_index=None, reduction="mean"):
 CHECKS["torch.nn.functional.nll_loss"] = lambda a, target, weight=None, ignore_index=None, reduction="mean": (
     getattr(a, "ndim", 0) == 2 and getattr(target, "ndim", 0) == 1 and weight is None and reduction in ("mean", "sum")
 )
+
+
+# -- in-place updates of tensors the model makes (nvtp/frontend/setitem.py) ---------------------
+
+
+@translates(PrimIDs.COPY_WITH_SETITEM)
+def _copy_with_setitem(b, a, key, value):
+    return setitem.copy_with_setitem(b, a, key, value)
+
+
+@translates(PrimIDs.COPY_, *setitem.COPY_IDS)
+def _copy_(b, copy_from, copy_to, *, grad_enabled=True):
+    return copy_from  # the target's new value; claimed only where no one else sees its memory (setitem.copy_claimed)
+
+
+@translates(PrimIDs.UPDATE_ALIASES)
+def _update_aliases(b, aliases):
+    return tuple(aliases)  # new names of the same values: a copy_ that would change one is not claimed (setitem.fresh_targets)
+
+
+CHECKS[PrimIDs.COPY_WITH_SETITEM] = setitem.supported
+for _id in (PrimIDs.COPY_, *setitem.COPY_IDS):
+    CHECKS[_id] = setitem.copy_claimed
+
