@@ -47,6 +47,7 @@ from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
+from nvtp.sharding import axes
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
@@ -125,8 +126,7 @@ class ShardedModule(torch.nn.Module):
         check_world(self.mesh, comm)
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
-        if self.backend == "nvfuser" and "cp" in self.mesh.names:  # refused before tracing (nvtp/execute/backends.py says why)
-            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis); use backend='reference' (docs/context.md)")
+        axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
@@ -237,7 +237,7 @@ class ShardedModule(torch.nn.Module):
         return self._placements.get(name, REPLICATE if self.mesh.ndim == 1 else (REPLICATE,) * self.mesh.ndim)
 
     def _dp_axis(self) -> int | None:
-        return self.mesh.names.index("dp") if "dp" in self.mesh.names else None
+        return axes.batch_axis(self.mesh)
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return self._global_shapes[self._tied.get(name, name)]
@@ -264,14 +264,8 @@ class ShardedModule(torch.nn.Module):
         backend's target), this rank's parameters made its shards, and the backend's runner.
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
-        dp = self._dp_axis()
-        # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
-        # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
-        # (dp, tp) mesh keep them whole.
-        split = tuple(self.mesh.names) == ("tp",) and self.plan in ("megatron", "megatron-sp")
-        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
-                              batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module,
-                              ring="cp" in self.mesh.names)
+        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
+                              like=self.module, **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
@@ -537,14 +531,12 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
-    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``.
+    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.compose``.
     On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``)."""
-    from nvtp.pipeline.layout import has_pp
-
-    if has_pp(mesh):
+    if axes.pipelined(mesh):
         if fsdp or comm is not None:
             raise InputError("a pipeline mesh runs on torch.distributed's processes with DDP-style data parallelism: "
                              "fsdp=True and comm= are not available with a 'pp' axis")

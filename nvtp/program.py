@@ -21,16 +21,23 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nvtp.ir.graph import TensorValue
+from nvtp.sharding import axes
+from nvtp.sharding.axes.ring import write_ring_steps
 from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.sharded import ShardedFusion
+
+# Steps that are no reshard of a value but move data all the same: a ring's exchange (sendrecv),
+# a pipeline's transfers (send, recv), a tied weight's broadcast and gradient reduction, the loss's broadcast.
+POINT_TO_POINT = ("sendrecv", "send", "recv", "broadcast", "reduce")
+
 
 @dataclass(frozen=True)
 class Step:
     """One reshard of a training step, as the program runs it."""
 
     phase: str  # "forward" or "backward"
-    kind: str  # allreduce, allgather, reduce_scatter, sendrecv (cp), send / recv (pp) (communication); slice, partition (local)
+    kind: str  # allreduce, allgather, reduce_scatter, sendrecv (cp), send / recv / broadcast / reduce (pp); slice, partition (local)
     axis: str  # the mesh axis's name: its process group runs it
     value: str  # the value it reshards (the sharded fusion's name)
     tensor: str  # its label where it has one (a parameter, an argument), else the value's name
@@ -44,7 +51,7 @@ class Step:
     def is_communication(self) -> bool:
         from nvtp.sharding.reshard import COLLECTIVES
 
-        return (self.kind in COLLECTIVES or self.kind in ("sendrecv", "send", "recv")) and self.bytes > 0  # send, recv: a pipeline's pp axis
+        return (self.kind in COLLECTIVES or self.kind in POINT_TO_POINT) and self.bytes > 0
 
 
 @dataclass
@@ -68,8 +75,6 @@ class Program:
 
     def steps(self, communication_only: bool = False) -> list[Step]:
         """Every reshard step of one training step, in the order the fusions run them."""
-        from nvtp.sharding.context import ring_steps
-
         out = []
         for phase, sharded in self.phases():
             order = {op.outputs[0].name: i for i, op in enumerate(sharded.fusion.ops) if op.outputs}
@@ -83,8 +88,12 @@ class Program:
                 ordered.append((order.get(result, 0), Step(phase, step.kind, self.mesh.names[step.axis], step.value, label or step.value,
                                                            tuple(v.shape), v.dtype.value, step.bytes if step.is_communication else 0,
                                                            str(step.src), str(step.dst))))
-            for r in ring_steps(phase, sharded):  # the cp axis's ring attention (nvtp.sharding.context)
-                ordered.append((r.position, Step(phase, "sendrecv", "cp", r.op, r.tensor, r.shape, r.dtype, r.bytes, "cp ring", "next rank")))
+            for s, axis in axes.passes(self.mesh):  # what an axis runs beside the set ops (cp's ring attention)
+                for r in s.extra_steps(phase, sharded, axis):
+                    if communication_only and not r["bytes"]:
+                        continue
+                    ordered.append((r["position"], Step(phase, r["kind"], self.mesh.names[axis], r["value"], r["part"],
+                                                        tuple(r["shape"]), r["dtype"], r["bytes"], r["from"], r["to"])))
             out += [s for _, s in sorted(ordered, key=lambda x: x[0])]
         return out
 
@@ -141,7 +150,7 @@ class Program:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         paths = []
-        data = ("fsdp" if self.fsdp else "ddp") if self.mesh.ndim > 1 else None
+        data = axes.data_mode(self.fsdp) if self.mesh.ndim > 1 else None
         for phase, sharded in self.phases():
             path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
             command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
@@ -153,10 +162,7 @@ class Program:
                 raise ScheduleError(f"this program was sharded for the {self.backend} backend's target, whose placements "
                                     f"nvFuser's device schedule cannot always express ({e}); write the program nvFuser would run: "
                                     "nvtp.plan(..., backend='nvfuser') or nvtp.driver.compile(..., backend='nvfuser')") from e
-        if "cp" in self.mesh.names:  # the ring attention's per-step fusions (nvtp.sharding.context)
-            from nvtp.sharding.context import write_ring_steps
-
-            paths += write_ring_steps(self.forward, out, name)
+        paths += write_ring_steps(self.forward, out, name)  # a ring attention's per-step fusions (a cp axis), if any
         for phase, sharded in self.phases():  # collective matmuls, as nvFuser's stream-parallel schedule writes them
             rings = list(getattr(self.schedules.get(phase), "rings", ()))
             if rings:

@@ -25,7 +25,7 @@ import nvtp
 from nvtp import driver
 from nvtp.execute import ring, spmd
 from nvtp.models import gpt
-from nvtp.sharding.context import ContextError
+from nvtp.sharding.axes.cp import ContextError
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, held, local_indices
 
 ROOT = Path(__file__).resolve().parents[1]

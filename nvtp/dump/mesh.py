@@ -6,7 +6,7 @@ torch.distributed collectives. With ``check``, rank 0 gathers and reassembles th
 compares them with a single-device run of the unsharded fusion.
 
 ``--mesh DPxTP`` (``mesh_shape``) runs on a 2-D mesh (dp, tp) of dp·tp processes: the plan on tp,
-the data plan on dp (``nvtp.sharding.multi``; ``--fsdp`` splits the weights over dp too). Each
+the data plan on dp (``nvtp.sharding.compose``; ``--fsdp`` splits the weights over dp too). Each
 rank joins one process group per mesh axis (``torch.distributed.new_group``) and runs each
 ``set`` on its axis's group (``MeshComm``). A dump sharded over a 2-D mesh replays the same way.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
 
@@ -94,9 +95,7 @@ class NvFuserBackend(Backend):
     def lower(self, program: "Program", comm: "Comm") -> Runner:
         import torch
 
-        if "cp" in program.mesh.names:  # nvFuser has no ring: it would run each rank's attention on its own block only
-            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis): nvFuser has no point-to-point "
-                             "step inside a fusion (docs/context.md); use backend='reference', or a mesh without cp")
+        axes.check(program.mesh, backend=self.name)  # an axis nvFuser does not run (cp's ring: no point-to-point step in a fusion)
         from nvtp.execute import nvfuser
         from nvtp.sharding.schedule import schedule_steps
 

@@ -604,7 +604,7 @@ def _float_arg(x) -> float | None:
 
 
 from nvtp.execute import ring as ring_attention  # noqa: E402 - the cp axis's attention
-from nvtp.sharding.context import ring_axis  # noqa: E402
+from nvtp.sharding.axes.ring import ring_axis  # noqa: E402
 
 
 @impl("sdpfa_fwd")

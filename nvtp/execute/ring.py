@@ -18,7 +18,7 @@ placements (``placements.held``), so any layout of the sequence over cp works.
 Point-to-point steps: ``shift`` on torch.distributed (``batch_isend_irecv``: send to the next
 rank, receive from the previous) or between the threads of the simulated tier
 (``ThreadComm``). Each step is recorded in the run's log as a ``sendrecv`` (and in any open
-``recording()``), and ``nvtp.sharding.context.ring_steps`` plans the same steps with their bytes.
+``recording()``), and ``nvtp.sharding.axes.ring.ring_steps`` plans the same steps with their bytes.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from nvtp import dtensor as _dt
+from nvtp.sharding import axes
 from nvtp.execute import spmd
 from nvtp.ir.graph import TensorValue
 from nvtp.program import Program
@@ -67,8 +68,7 @@ class RankProgram:
 
     @property
     def dp_axis(self) -> int | None:
-        mesh = self.program.mesh
-        return mesh.names.index("dp") if "dp" in mesh.names else None
+        return axes.batch_axis(self.program.mesh)
 
     @cached_property
     def traced_args(self) -> list[str]:

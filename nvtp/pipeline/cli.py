@@ -20,7 +20,7 @@ def explain_pipeline(args) -> int:
 
     from nvtp import pipeline
     from nvtp.cli import EXIT_OK, Usage
-    from nvtp.pipeline.layout import parse
+    from nvtp.sharding.axes.pp import parse
     from nvtp.sharding.plans import check_plan
 
     lay = parse(args.mesh)

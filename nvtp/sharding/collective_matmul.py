@@ -155,7 +155,7 @@ def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[
         return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
 
     n = ring.steps + 1
-    bw, latency = machine.links.get(sharded.mesh.names[ring.axis], next(iter(machine.links.values())))
+    bw, latency = machine.link(sharded.mesh, ring.axis)
     step = sharded.set_steps[ring.name]
     collective = latency + step.bytes / bw
     compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from nvtp.ir.graph import TensorValue
-from nvtp.sharding.placements import is_partial
+from nvtp.sharding.placements import DeviceMesh, is_partial
 from nvtp.sharding.sharded import ShardedFusion
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
@@ -203,30 +203,45 @@ def _issue(bucket: list[_Comm], at: int, names: list[str]) -> Issue:
 
 @dataclass(frozen=True)
 class Machine:
-    """A machine for estimates: dense 16-bit matmul rate, memory bandwidth, and per mesh axis the
-    link a collective of that axis runs over (bytes per second each rank sends, and a latency
-    per collective). Estimates, stated with their numbers: nothing here is measured."""
+    """A machine for estimates: dense 16-bit matmul rate, memory bandwidth, and the two links a
+    collective may run over (bytes per second each rank sends, and a latency per collective):
+    inside a node and between nodes. Ranks are laid out as the mesh's shape reads, the last axis
+    fastest (Megatron's order: tp innermost), ``devices_per_node`` to a node; an axis's
+    collectives cross nodes when its ranks, with those of the axes inside it, span more than a
+    node. Estimates, stated with their numbers: nothing here is measured unless ``describe`` says so."""
 
     name: str
-    flops: float  # matmul FLOP/s a GPU sustains (bf16)
+    flops: float  # matmul FLOP/s a device sustains
     memory: float  # bytes/s (HBM)
-    links: dict[str, tuple[float, float]]  # mesh axis name -> (bytes/s per rank, seconds of latency per collective)
+    intra: tuple[float, float]  # inside a node: (bytes/s per rank, seconds of latency per collective)
+    inter: tuple[float, float]  # between nodes
+    devices_per_node: int = 8
     describe: str = ""
     block_overhead: float = 5e-6  # seconds one more, smaller matmul costs (a kernel launch and a stream switch; on CPU, Python)
+    memory_per_device: float = 80e9  # bytes a device holds (HBM)
+
+    def crosses_nodes(self, mesh: DeviceMesh, axis: int) -> bool:
+        """Whether the collectives of ``axis`` of ``mesh`` run between nodes."""
+        return math.prod(mesh.shape[axis:]) > self.devices_per_node
+
+    def link(self, mesh: DeviceMesh, axis: int) -> tuple[float, float]:
+        """(bytes/s per rank, latency) of the link ``axis``'s collectives run over."""
+        return self.inter if self.crosses_nodes(mesh, axis) else self.intra
 
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (
-    Machine("h100-nvlink", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
-            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 450e9, 10e-6)},
+    Machine("h100-nvlink", flops=0.6 * 989e12, memory=0.8 * 3.35e12, intra=(0.8 * 450e9, 10e-6), inter=(0.8 * 450e9, 10e-6),
+            devices_per_node=8,
             describe="8x H100 SXM in one node: 989 TFLOP/s bf16 dense at 60%, 3.35 TB/s HBM at 80%, NVLink 450 GB/s a "
                      "direction per GPU at 80% for every mesh axis, 10 us a collective"),
-    Machine("h100-ib", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
-            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 50e9, 20e-6)},
-            describe="H100 nodes: tp inside a node over NVLink (450 GB/s at 80%), dp across nodes over 400 Gb/s "
-                     "InfiniBand a GPU (50 GB/s at 80%), 20 us a collective across nodes"),
-    Machine("cpu-gloo", flops=40e9, memory=10e9, links={"tp": (1.2e9, 500e-6), "dp": (1.2e9, 500e-6)},
+    Machine("h100-ib", flops=0.6 * 989e12, memory=0.8 * 3.35e12, intra=(0.8 * 450e9, 10e-6), inter=(0.8 * 50e9, 20e-6),
+            devices_per_node=8,
+            describe="H100 nodes of 8 GPUs: inside a node NVLink (450 GB/s at 80%), between nodes 400 Gb/s InfiniBand a GPU "
+                     "(50 GB/s at 80%), 20 us a collective across nodes; the mesh's last axis fastest, so tp stays in a node"),
+    Machine("cpu-gloo", flops=40e9, memory=10e9, intra=(1.2e9, 500e-6), inter=(1.2e9, 500e-6), devices_per_node=1024,
             describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
-                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6),
+                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6,
+            memory_per_device=20e9),
 )}
 
 
@@ -283,10 +298,8 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
 
     comms = {c.name: c for c in _collectives(sharded)}
-    names = sharded.mesh.names
-
     def comm_seconds(axis: int, nbytes: int) -> float:
-        bw, latency = machine.links.get(names[axis], next(iter(machine.links.values())))
+        bw, latency = machine.link(sharded.mesh, axis)
         return latency + nbytes / bw
 
     ideal = sum(comm_seconds(c.axis, c.bytes) for c in comms.values())
