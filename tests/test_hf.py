@@ -382,7 +382,7 @@ def test_in_place_updates_are_written_out_of_place_with_the_same_values():
     """``h += x`` (operator), ``relu(h, inplace=True)`` (keyword), ``z.mul_(3)`` (method) and
     ``dropout(z, 0.0, True, True)`` (positional ``inplace``): each becomes its out-of-place op, later
     reads of the updated tensor read the new value, and the graph computes what eager computes."""
-    from nvtp.frontend.fx import _functionalize, _inplace_positional, _out_of_place
+    from nvtp.frontend.fx_inplace import _inplace_positional, _out_of_place, functionalize
 
     def f(x, w):
         h = x @ w.T
@@ -394,7 +394,7 @@ def test_in_place_updates_are_written_out_of_place_with_the_same_values():
 
     x, w = torch.randn(2, 8), torch.randn(8, 8)
     gm = _exported(f, x, w)
-    assert _functionalize(gm.graph, "f") == 4
+    assert functionalize(gm.graph, "f") == 4
     gm.recompile()
     assert not [n.name for n in gm.graph.nodes if _out_of_place(n) is not None or _inplace_positional(n)]
     assert torch.allclose(gm(x, w), f(x.clone(), w))
