@@ -43,6 +43,7 @@ import contextlib
 import inspect
 import operator
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,14 +121,19 @@ def _graph_break_message(module: torch.nn.Module, e: BaseException) -> str:
             "print, a branch on a tensor's value) from the forward, or pass arguments that avoid it")
 
 
+_EXPORTING = threading.Lock()
+
+
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     import torch._dynamo as dynamo
 
     # A fresh cache: after several models in one process dynamo's recompile limit would otherwise
     # be hit (export raises rather than falling back, but there is no reason to get near it).
-    dynamo.reset()
     try:
-        with _quiet_torch_logs():  # dynamo logs failures with tracebacks; nvtp raises one line instead
+        # One export at a time: the ranks of a simulated mesh (threads) trace each on its own, and
+        # TorchDynamo is not thread-safe (two exports at once crashed the process).
+        with _EXPORTING, _quiet_torch_logs():  # dynamo logs failures with tracebacks; nvtp raises one line instead
+            dynamo.reset()
             return dynamo.export(module, assume_static_by_default=True)(*args, **kwargs)
     except dynamo.exc.TorchRuntimeError as e:  # an op failed on the (fake) arguments: they do not fit the model
         text = str(e)
