@@ -77,6 +77,7 @@ def test_new_lengths_are_derived_from_two_traces_and_match_eager_on_2_ranks():
     assert [h.startswith("derived at length") for h in hows] == [False, False, False, True, True, True], hows
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_size_that_does_not_follow_the_length_is_traced_at_every_length():
     torch.manual_seed(0)

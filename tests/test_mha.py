@@ -55,7 +55,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+FAST = ("self", "bool mask", "padding", "weights")  # the default tier; the other options in the slow one
+
+
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_multihead_attention_matches_eager_values_and_gradients(case):
     torch.manual_seed(0)
     model = Attention(**CASES[case])

@@ -62,3 +62,20 @@ def test_a_missing_op_in_a_deep_model_is_refused_after_one_trace_naming_the_line
     # the model without its blocks (twice on Thunder's route: again with its input needing a gradient),
     # then block 0, where the op is met: no trace of the model cut to 3 blocks, no whole trace of 8
     assert len(traces) <= 3 and traces[-1] in ("Block", "GraphModule"), traces
+
+
+class _Remainder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8) + 3)
+
+    def forward(self, x):
+        return torch.remainder(x * self.w, self.w).sum()  # Thunder 0.2.6 has no gradient rule for remainder
+
+
+def test_an_op_thunder_cannot_differentiate_is_the_models_not_the_arguments():
+    """Thunder's autodiff fails inside its own check; that used to read as "does not accept x:
+    float32[2, 8]" (an InputError blaming the arguments)."""
+    model = nvtp.jit(_Remainder(), plan="replicate")
+    with pytest.raises(MissingOpError, match=r"_Remainder.forward uses remainder, which Thunder cannot differentiate.*What to do"):
+        model.compile(torch.randn(2, 8))

@@ -64,13 +64,19 @@ def _traced(model):
     return idx, driver.trace(model, args, kwargs, frontend="fx", tie=False)
 
 
-def test_the_loss_alone_trains_like_eagers_loss_backward():
+@pytest.fixture(scope="module")
+def dict_lm():
+    """The model and its trace (one trace for the tests of this module's first part)."""
+    torch.manual_seed(0)
+    model = DictLM()
+    return model, *_traced(model)
+
+
+def test_the_loss_alone_trains_like_eagers_loss_backward(dict_lm):
     """The loss-only program (forward and backward, one process, reference backend) gives the
     loss and every gradient of eager's ``out["loss"].backward()``: the logits' gradient is zero,
     not the ones the trace differentiated with."""
-    torch.manual_seed(0)
-    model = DictLM()
-    idx, traced = _traced(model)
+    model, idx, traced = dict_lm
     lone = loss_only(traced, "DictLM")
     f, b = lone.forward, lone.backward
     assert len([v for v in f.outputs if f.role(v.name) == "output"]) == 1  # the loss; the logits gone
@@ -84,26 +90,23 @@ def test_the_loss_alone_trains_like_eagers_loss_backward():
         assert relative_error(grads[f"grad({name})"], p.grad)[0] <= 1e-5, name
 
 
-def test_a_folded_constant_every_stage_reads_ties_no_backward_op_to_stage_0():
-    torch.manual_seed(0)
-    _, traced = _traced(DictLM())
+def test_a_folded_constant_every_stage_reads_ties_no_backward_op_to_stage_0(dict_lm):
+    _, _, traced = dict_lm
     staged = cut_stages(loss_only(traced, "DictLM"), "layers", 4, 2)
     assert [s.blocks for s in staged.stages] == [(0, 1), (2, 3)]
     assert all(t.label != "nvtp_constant_0" for t in staged.transfers)  # read in each stage, never sent
 
 
-def test_a_forward_of_several_tensors_none_named_the_loss_is_refused_saying_how_to_wrap_it():
+def test_a_forward_of_several_tensors_none_named_the_loss_is_refused_saying_how_to_wrap_it(dict_lm):
+    """The same program seen as a tuple ``(loss, logits)`` (no output object naming the loss), as
+    nanoGPT's ``(logits, loss)`` is: refused, saying how to wrap it."""
+    from dataclasses import replace
+
     from nvtp.errors import InputError
 
-    class Pair(DictLM):
-        def forward(self, idx, labels):
-            out = super().forward(idx, labels)
-            return out["logits"], out["loss"]
-
-    torch.manual_seed(0)
-    _, traced = _traced(Pair())
+    _, _, traced = dict_lm
     with pytest.raises(InputError, match=r"returns its loss alone.*or an output object with a .loss.*Pair.forward returns 2 tensor"):
-        loss_only(traced, "Pair")
+        loss_only(replace(traced, call=None), "Pair")
 
 
 # -- a transformers Llama on gloo processes ---------------------------------------------------------

@@ -529,6 +529,12 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
                             f"a tensor attribute of one of its modules), so nvtp's meta copy of the model still holds it on a "
                             f"real device: {_first_line(error)}; keep it on a module (register_buffer, or an attribute of the "
                             "module that uses it) rather than in a global or a closure over something the model does not hold")
+    no_grad = re.search(r"Failed to find a gradient transform for bound symbol bsym=\S+ = (?:prims\.)?([\w.]+)\(", text)
+    if no_grad:  # Thunder's autodiff has no rule for an op of the model: the module, not its arguments
+        return MissingOpError(f"{name}.forward uses {no_grad.group(1)}, which Thunder cannot differentiate (it has no gradient rule "
+                              f"for it{where and ', ' + where.strip()}), so nvtp cannot train the model. What to do: rewrite that "
+                              "part with operations Thunder differentiates (e.g. x - torch.floor(x / y) * y for remainder), or "
+                              "run it without gradients (torch.no_grad()); if the operation is in a library's code, report it to nvtp")
     if frames and os.path.basename(frames[-1].filename) in _THUNDER_CHECKS and isinstance(error, (RuntimeError, ValueError, TypeError)):
         return InputError(f"{name}.forward does not accept {given}: Thunder's check{where} refused them: {_first_line(error)}; "
                           "pass arguments of the shapes and dtypes the module expects")

@@ -36,7 +36,7 @@ from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
 
-from nvtp.frontend import attention, mha, setitem
+from nvtp.frontend import attention, interpret, setitem
 from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
@@ -172,7 +172,7 @@ class NvtpExecutor(FusionExecutor):
         attention.register(self)
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
         self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
-        self._lookasides.update(mha.functions(mha.thunder_ops()))  # torch's nn.MultiheadAttention (nvtp/frontend/mha.py)
+        self._lookasides.update(interpret.lookasides())  # nn.MultiheadAttention, torch.minimum, transformers' collector (interpret.py)
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
         # Thunder asks this before using an executor's grad transform; for ops claimed with a

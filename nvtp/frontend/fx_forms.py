@@ -31,9 +31,29 @@ def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _addmm(input, batch1, batch2, beta=beta, alpha=alpha)
 
 
-DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm,
+def minimum(input, other):
+    """``torch.minimum`` as ``-maximum(-a, -b)``: the same values (negation is exact), and the
+    gradient of Thunder's ``maximum`` (it has none for ``minimum``): each operand where it is the
+    smaller, half each where they tie, as torch's."""
+    return -torch.maximum(-input, -other)
+
+
+def _min(input, *args, **kwargs):
+    """``torch.min(x, other)`` with a tensor ``other`` is ``minimum`` (Apertus's xIELU: ``min(x, eps)``);
+    Thunder runs the two-tensor form only opaquely. Any other form is torch.min itself."""
+    other = args[0] if args else kwargs.get("other")
+    return minimum(input, other) if isinstance(other, torch.Tensor) else torch.min(input, *args, **kwargs)
+
+
+def _max(input, *args, **kwargs):
+    """``torch.max(x, other)`` with a tensor ``other`` is ``torch.maximum``."""
+    other = args[0] if args else kwargs.get("other")
+    return torch.maximum(input, other) if isinstance(other, torch.Tensor) else torch.max(input, *args, **kwargs)
+
+
+DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
                                   **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
-_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm}
+_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum}
 
 
 _MATMULS = (operator.matmul, torch.matmul)
