@@ -46,6 +46,26 @@ def families() -> list[tuple[str, str]]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
 
 
+def not_decoder_only(model_type: str, class_name: str) -> str:
+    """Why a family is no decoder-only language model ("" if it is one): an encoder-decoder's
+    decoder, an encoder used as a decoder (BERT-like: ``is_decoder`` set by hand), or a multimodal
+    model (``...ForConditionalGeneration``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "ConditionalGeneration" in class_name:
+        return "multimodal (ForConditionalGeneration)"
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001 - a config that needs arguments: let the check say
+        return ""
+    if getattr(config, "is_encoder_decoder", False):
+        return "the decoder of an encoder-decoder model"
+    if hasattr(config, "is_decoder") and "is_decoder" in vars(config) and not config.is_decoder and \
+            "add_cross_attention" in vars(config) and model_type not in ("gpt2", "gpt-sw3", "gpt_bigcode", "openai-gpt", "ctrl"):
+        return "an encoder, a decoder only with is_decoder=True"
+    return ""
+
+
 def build(model_type: str, class_name: str):
     """The family's model from a tiny config (see the module docstring), seeded."""
     import torch
@@ -139,6 +159,11 @@ def run_all(out: Path, timeout: float, only: list[str] | None = None) -> None:
     done = {json.loads(line)["family"] for line in out.read_text().splitlines()} if out.exists() else set()
     for model_type, class_name in families():
         if model_type in done or (only and model_type not in only):
+            continue
+        why = not_decoder_only(model_type, class_name)
+        if why:
+            with out.open("a") as f:
+                f.write(json.dumps({"family": model_type, "class": class_name, "route": "", "result": "not decoder-only", "error": why}) + "\n")
             continue
         cmd = [sys.executable, str(Path(__file__)), "--family", model_type]
         start = time.perf_counter()

@@ -48,12 +48,40 @@ class NotDerivable(ValueError):
 
 @dataclass
 class Family:
-    """The traces of one call structure: (n, leaves' shapes, Traced) for each length traced."""
+    """The traces of one call structure at different lengths (the first two derive the rest)."""
 
-    traces: list[tuple[int, list[tuple[int, ...]], Any]] = field(default_factory=list)
+    first: list[tuple[int, ...]] | None = None  # the first call's tensor shapes
+    moved: frozenset = frozenset()  # (leaf, dimension) of the sizes that follow n, from the first two traces
+    traces: list[tuple[int, Any]] = field(default_factory=list)  # (n, Traced) of each length traced
     checked: bool = False  # a derived program equalled a real trace
     why: str = ""  # why this family is traced at every length ("" while it may be derived)
     derived: int = 0
+
+    def length_of(self, shapes: list[tuple[int, ...]]) -> int | None:
+        """The one size ``n`` a call of these shapes has where the first call had another: every
+        dimension that differs from the first call's holds it (and, once two lengths are known,
+        the same dimensions differ); None for the first call or any other difference."""
+        if self.first is None:
+            return None
+        moved = _moved(self.first, shapes)
+        if not moved or (self.moved and moved != self.moved):
+            return None
+        new, old = {shapes[i][d] for i, d in moved}, {self.first[i][d] for i, d in moved}
+        return new.pop() if len(new) == 1 and len(old) == 1 else None
+
+    def add(self, shapes: list[tuple[int, ...]], traced: Any) -> None:
+        """Keep a real trace: the first call's, then the first at another length."""
+        if self.first is None:
+            self.first = shapes
+            self.traces.append((-1, traced))  # its n is known once a second length says which sizes move
+        elif len(self.traces) == 1 and (n := self.length_of(shapes)) is not None:
+            self.moved = _moved(self.first, shapes)
+            i, d = next(iter(self.moved))
+            self.traces = [(self.first[i][d], self.traces[0][1]), (n, traced)]
+
+
+def _moved(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> frozenset:
+    return frozenset((i, d) for i, (s, t) in enumerate(zip(a, b)) for d, (x, y) in enumerate(zip(s, t)) if x != y)
 
 
 class Lengths:
@@ -66,30 +94,26 @@ class Lengths:
         """The ``Traced`` of this call: derived when its family allows, else ``trace()``."""
         key, shapes = _structure(args, kwargs, mode)
         family = self.families.setdefault(key, Family())
-        n = _length(family, shapes)
-        if n is None or family.why or len(family.traces) < 2:
+        n = family.length_of(shapes)
+        if family.why or n is None or len(family.traces) < 2:
             traced = trace()
-            if n is not None or not family.traces:
-                family.traces.append((n if n is not None else -1, shapes, traced))
-            if len(family.traces) >= 2 and family.traces[0][0] == -1:
-                _name_lengths(family)
+            family.add(shapes, traced)
             return traced
-        (a, _, ta), (b, _, tb) = family.traces[:2]
+        (a, ta), (b, tb) = family.traces
         start = time.perf_counter()
         try:
-            derived = derive(ta, tb, a, b, n, seconds=0.0)
+            derived = derive(ta, tb, a, b, n)
         except NotDerivable as e:
             family.why = str(e)
             return trace()
-        derived = replace(derived, seconds=time.perf_counter() - start,
-                          how=f"derived at length {n} from the traces at {a} and {b} ({time.perf_counter() - start:.2f} s)")
+        seconds = time.perf_counter() - start
+        derived = replace(derived, seconds=seconds, how=f"derived at length {n} from the traces at {a} and {b} ({seconds:.2f} s)")
         if not family.checked:  # the first derived program is checked against a real trace
             traced = trace()
             diff = same_program(derived, traced)
             if diff:
                 family.why = f"the program derived at length {n} differs from its trace: {diff}"
-                return traced
-            family.checked = True
+            family.checked = not diff
             return traced
         family.derived += 1
         return derived
@@ -108,31 +132,7 @@ def _structure(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list[tuple[
     return (mode, str(spec), tuple(kinds)), shapes
 
 
-def _length(family: Family, shapes: list[tuple[int, ...]]) -> int | None:
-    """The one size ``n`` in which ``shapes`` differ from the family's first trace (every differing
-    dimension holds it, and the same dimensions differ as between the first two traces), or None."""
-    if not family.traces:
-        return None
-    first = family.traces[0][1]
-    moved = {(i, d) for i, (s, t) in enumerate(zip(first, shapes)) for d, (x, y) in enumerate(zip(s, t)) if x != y}
-    sizes = {shapes[i][d] for i, d in moved}
-    if len(sizes) != 1 or len({first[i][d] for i, d in moved}) != 1:
-        return None
-    if len(family.traces) >= 2:
-        second = family.traces[1][1]
-        if moved != {(i, d) for i, (s, t) in enumerate(zip(first, second)) for d, (x, y) in enumerate(zip(s, t)) if x != y}:
-            return None
-    return sizes.pop()
-
-
-def _name_lengths(family: Family) -> None:
-    """The first trace's n, once a second trace says which dimensions move."""
-    (_, first, t0), (n1, second, t1) = family.traces[:2]
-    moved = [(i, d) for i, (s, t) in enumerate(zip(first, second)) for d, (x, y) in enumerate(zip(s, t)) if x != y]
-    family.traces[0] = (first[moved[0][0]][moved[0][1]], first, t0) if moved else (-1, first, t0)
-
-
-def derive(ta: Any, tb: Any, a: int, b: int, c: int, seconds: float = 0.0) -> Any:
+def derive(ta: Any, tb: Any, a: int, b: int, c: int) -> Any:
     """The ``Traced`` at length ``c`` from the ones at ``a`` and ``b`` (``nvtp.driver.Traced``);
     raises ``NotDerivable`` naming the first difference that is not a size following n."""
     if a == b:
@@ -150,7 +150,7 @@ def derive(ta: Any, tb: Any, a: int, b: int, c: int, seconds: float = 0.0) -> An
         if set(constants) != set(tb.call.constants):
             raise NotDerivable("the folded constants differ")
         call = replace(call, constants=constants)
-    return replace(ta, forward=forward, backward=backward, call=call, seconds=seconds)
+    return replace(ta, forward=forward, backward=backward, call=call)
 
 
 class _Fit:
