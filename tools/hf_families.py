@@ -78,7 +78,8 @@ def build(model_type: str, class_name: str):
     kwargs |= {k: 0.0 for k in params if "dropout" in k or "pdrop" in k}
     config = config_cls(**kwargs)
     for k, v in SIZES.items():  # a config that takes its sizes as **kwargs
-        if k not in params and hasattr(config, k) and isinstance(getattr(config, k), type(v)) and k not in ("dim",):
+        if k not in params and hasattr(config, k) and isinstance(getattr(config, k), type(v)) and k not in ("dim",) \
+                and not isinstance(getattr(type(config), k, None), property):  # a derived size (Falcon's head_dim)
             setattr(config, k, v)
     torch.manual_seed(0)
     return getattr(transformers, class_name)(config)
