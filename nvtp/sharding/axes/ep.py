@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.axes.strategy import AxisPass, Strategy, register
+from nvtp.sharding.axes.strategy import AxisPass, Strategy, passes, register
 from nvtp.sharding.moe import module_of, moe_layers
 from nvtp.sharding.passes import backward_annotations, shard
 from nvtp.sharding.placements import DeviceMesh, Placement, Shard, axis_split, local_shape
@@ -184,10 +184,14 @@ def expert_lines(report: Any, axis: int) -> list[str]:
     """``nvtp explain``'s lines for the ep axis: the experts each rank holds, per MoE layer, and
     the bytes a rank sends per step by all-to-all (counts, dispatch, combine; forward and
     backward), against what the routed rows alone would take (1/P of the padded blocks)."""
-    n = report.mesh.shape[axis]
+    mesh = report.mesh
+    n = mesh.shape[axis]
+    data = [(s.name, a) for s, a in passes(mesh) if s.splits_batch]
+    layout = (f"; with {data[0][0]}, the batch is split over {data[0][0]} x ep ({data[0][0]} splits each ep rank's part again), "
+              f"the experts' gradients reduced over {data[0][0]} only" if data else "")
     lines = [f"ep: {n} ranks; each routes its own 1/{n} of the tokens and holds a contiguous block of every MoE layer's "
              f"experts; all-to-alls of {n} equal blocks of a static capacity (every row a rank holds: dropless, no host "
-             "synchronisation)"]
+             f"synchronisation){layout}"]
     for r in report.regions:
         f = r.forward.source
         held: dict[str, list[str]] = {}
