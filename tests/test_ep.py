@@ -30,7 +30,8 @@ from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
 from nvtp.models import moe
 from nvtp.sharding.axes.ep import ExpertError
-from nvtp.sharding.placements import DeviceMesh, Shard
+from nvtp.sharding.placements import DeviceMesh, Replicate, Shard, _StridedShard
+from nvtp.steps import tensor_steps
 
 
 def naive_experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -142,12 +143,21 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans():
     assert len(planned) == per_rank == 2 * 3 * (2 + 6)
     assert sorted(sent) == sorted([(s.tensor, s.bytes) for s in planned] * mesh.size)  # (counts|dispatch|combine, bytes)
     assert sum(s.bytes for s in planned) > 0
-    grads = [s for s in program.steps() if s.kind == "allreduce" and "experts" in s.tensor]
-    assert grads == [], grads  # each expert's gradient is whole on its rank: the rows of every rank were dispatched to it
+    reduced = [s.tensor for s in tensor_steps("backward", program.backward) if s.kind == "allreduce"]
+    assert "grad(gpt.h.0.moe.router.gate.weight)" in reduced, reduced  # dense weights: partial sums over ep
+    assert not [t for t in reduced if "experts" in t], reduced  # an expert's gradient is whole on its rank: every rank's rows came to it
     text = program.as_text()
     assert "gpt.h.0.moe.experts, gpt.h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in text
     assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 96.00 KiB, combine 96.00 KiB" in text, text
     assert "expert weights w_fc ep S(0), w_proj ep S(0)" in text, text
+    # The same trace planned for (dp, ep) = (2, 2) (its batch of 4 as two dp ranks' 2): dp splits
+    # each ep part of the batch again, the experts are whole over dp and only dp reduces their gradients.
+    plan = driver.shard(program.source, "megatron", DeviceMesh.of_shape((2, 2), ("dp", "ep")))
+    assert plan.parameters["gpt.h.0.moe.experts.w_fc"] == (Replicate(), Shard(0))
+    idx = next(v.name for v in plan.forward.source.inputs if plan.forward.source.label(v.name) == "idx")
+    assert plan.forward.sharding(idx) == (_StridedShard(0, split_factor=2), Shard(0))
+    axes = {s.axis for s in tensor_steps("backward", plan.backward) if s.kind == "allreduce" and "experts" in s.tensor}
+    assert axes == {"dp"}, axes
 
 
 def _moe_fusion(experts: int, dense: bool = False):
