@@ -212,20 +212,20 @@ def test_cli_plans_llama3_70b_shape_on_the_meta_device_spliced(capsys):
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_probing_each(plan, monkeypatch):
     """The derived plans probe which projections pair (column-, then row-parallel) once for the
-    first layer and take the same pairs in its renamed copies (``plans._Paired``): the program is
+    first layer and take the same pairs in its renamed copies (``plans.pairing.Paired``): the program is
     the one probing every layer gives, placement for placement and step for step."""
     from nvtp.mesh import make_mesh
-    from nvtp.sharding import plans
+    from nvtp.sharding.plans import derived as plans, pairing
 
     model, args, kwargs = hf.on_meta("llama3-70b", layers=4, seq=64)
     traced = driver.trace(model, args, kwargs, split_parts=True)
     assert traced.how.startswith("spliced: 4 blocks"), traced.how
     probes = []
-    real = plans._row_partner
-    monkeypatch.setattr(plans, "_row_partner", lambda f, m, p, projs: probes.append(p) or real(f, m, p, projs))
+    real = plans.row_partner
+    monkeypatch.setattr(plans, "row_partner", lambda f, m, p, projs: probes.append(p) or real(f, m, p, projs))
     fast = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
     taken = len(probes)
-    monkeypatch.setattr(plans._Paired, "again", lambda self, p: None)
+    monkeypatch.setattr(pairing.Paired, "again", lambda self, p: None)
     slow = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
     assert fast.parameters == slow.parameters
     assert fast.steps() == slow.steps()
