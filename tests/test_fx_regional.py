@@ -222,7 +222,7 @@ def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_pr
     assert traced.how.startswith("spliced: 4 blocks"), traced.how
     probes = []
     real = plans.row_partner
-    monkeypatch.setattr(plans, "row_partner", lambda f, m, p, projs: probes.append(p) or real(f, m, p, projs))
+    monkeypatch.setattr(plans, "row_partner", lambda found, m, p: probes.append(p) or real(found, m, p))
     fast = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
     taken = len(probes)
     monkeypatch.setattr(pairing.Paired, "again", lambda self, p: None)

@@ -3,10 +3,12 @@ propagation (``pairing.py``), vocabulary-parallel embeddings and LM heads, seque
 
 from __future__ import annotations
 
-from nvtp.ir.graph import Fusion, TensorValue
+from typing import Mapping
+
+from nvtp.ir.graph import Fusion, Op, TensorValue
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, Shard, make_shard
 from nvtp.sharding.plans.base import Annotations, Projection, projections, reshape_group
-from nvtp.sharding.plans.pairing import Paired, pays_to_split, row_partner
+from nvtp.sharding.plans.pairing import Paired, Probes, pays_to_split, row_partner
 from nvtp.sharding.propagate import ShardingError
 
 
@@ -24,12 +26,14 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     column: dict[str, Projection] = {}
     row: dict[str, Projection] = {}
     paired = Paired(fusion, projs)
+    probes = Probes(fusion, projs)
+    consumers = fusion.consumers()
     for p in projs:
         if p.weight in column or p.weight in row:
             continue
         partner = paired.again(p)
         if partner is None:
-            partner = row_partner(fusion, mesh, p, projs)
+            partner = row_partner(probes, mesh, p)
             paired.remember(p, partner)
         if partner is None:
             continue
@@ -41,8 +45,8 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
         vocab = _vocab_parallel_embeddings(fusion, mesh)
         for p in projs:
             # Not KV heads fewer than the devices: they stay whole (split, they would be gathered again)
-            if p.weight not in column and p.weight not in row and not _heads_fewer_than_devices(fusion, mesh, p) \
-                    and pays_to_split(fusion, mesh, p):
+            if p.weight not in column and p.weight not in row and not _heads_fewer_than_devices(consumers, mesh, p) \
+                    and pays_to_split(probes, mesh, p):
                 column[p.weight] = p
     placements: dict[str, Placement] = {}
     for v in fusion.inputs:
@@ -60,12 +64,12 @@ def megatron(fusion: Fusion, mesh: DeviceMesh, *, sequence_parallel: bool = Fals
     notes += [f"row-parallel {fusion.label(w)}" for w in row]
     notes += [f"vocab-parallel {fusion.label(w)} (embedding rows split; lookups give partial sums)" for w in vocab]
     whole = [p for p in projs if p.weight not in column and p.weight not in row]
-    few = {p.weight: h for p in whole if (h := _heads_fewer_than_devices(fusion, mesh, p))}
+    few = {p.weight: h for p in whole if (h := _heads_fewer_than_devices(consumers, mesh, p))}
     for h in sorted(set(few.values())):
         names = ", ".join(fusion.label(w) for w, k in few.items() if k == h)
         notes.append(f"replicated KV heads ({h} head{'s' if h > 1 else ''}, fewer than the {mesh.size} devices: every rank computes "
                      f"them whole and their weights' gradients are summed over the ranks): {names}")
-    unpaired = [fusion.label(p.weight) for p in whole if p.weight not in few]
+    unpaired = list(dict.fromkeys(fusion.label(p.weight) for p in whole if p.weight not in few))  # a weight read by many, once
     if unpaired:
         notes.append("replicated (no row-parallel partner): " + ", ".join(unpaired))
     hints: dict[str, Placement] = {}
@@ -145,16 +149,16 @@ def _vocab_parallel_embeddings(fusion: Fusion, mesh: DeviceMesh) -> list[str]:
     return found
 
 
-def _heads_fewer_than_devices(fusion: Fusion, mesh: DeviceMesh, p: Projection) -> int | None:
+def _heads_fewer_than_devices(consumers: Mapping[str, list[Op]], mesh: DeviceMesh, p: Projection) -> int | None:
     """h when P's output is reshaped into ``[..., h, head_dim]`` with h heads fewer than the devices
     and dividing their number (multi-query attention's one KV head on 2 devices): why P stays
     whole, as vLLM keeps KV heads whole when there are fewer than devices. None otherwise."""
     d = mesh.size
     out = p.op.outputs[0]
-    users = fusion.consumers().get(out.name, [])
+    users = consumers.get(out.name, [])
     while len(users) == 1 and users[0].kind == "cast":
         out = users[0].outputs[0]
-        users = fusion.consumers().get(out.name, [])
+        users = consumers.get(out.name, [])
     for u in users:
         if u.kind == "reshape":
             group = reshape_group(out.shape, u.outputs[0].shape, out.ndim - 1)
