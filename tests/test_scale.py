@@ -236,3 +236,31 @@ def test_explain_shard_and_replay_of_a_100k_op_file_take_under_a_minute_and_memo
         assert cpu < 60, f"nvtp {args[0]} of {kind} 100k ops: {cpu:.0f} CPU seconds"
     grown = (memory[100_000] - memory[1000]) / max(memory[10_000] - memory[1000], 1.0)
     assert grown <= 1.6 * 99_000 / 9_000, f"{kind}: memory above 1000 ops grew {grown:.1f}x from 10^4 to 10^5 ops ({memory})"
+
+
+def test_a_large_file_is_read_statement_by_statement_as_the_whole_file_is(monkeypatch):
+    """Above ``STREAMED_ABOVE`` characters the parser reads the definition's body one statement at a
+    time (the ast of a whole 10^5-op file took 1.7 GB): the same fusion, schedule and inputs, the
+    same refusals with the same lines, and a fraction of the memory."""
+    import tracemalloc
+
+    from nvtp.ir import parser
+    from tests.long_fusions import text
+
+    source = text("mlp", 2400)
+    lines = source.split("\n")
+    at = next(i for i, line in enumerate(lines) if "fd.ops.relu" in line and i > len(lines) // 2)
+    broken = "\n".join([*lines[:at], lines[at].replace("fd.ops.relu(", "fd.ops.relu(1.5, "), *lines[at + 1:]])
+    got = {}
+    for mode, limit in (("streamed", 0), ("whole", 1 << 40)):
+        monkeypatch.setattr(parser, "STREAMED_ABOVE", limit)
+        tracemalloc.start()
+        d = parser.parse(source, "mlp.py")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        with pytest.raises(parser.DumpError) as e:
+            parser.parse(broken, "mlp.py")
+        got[mode] = (d.fusion, d.schedule, d.inputs, str(e.value), peak)
+    assert got["streamed"][:4] == got["whole"][:4]
+    assert got["whole"][3].startswith(f"mlp.py:{at + 1}: ")
+    assert got["streamed"][4] < got["whole"][4] / 2, (got["streamed"][4], got["whole"][4])

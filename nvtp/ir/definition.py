@@ -7,7 +7,7 @@ literal lists are evaluated, and the device-schedule calls go to ``ScheduleReade
 from __future__ import annotations
 
 import ast
-from typing import Any
+from typing import Any, Iterable
 
 from nvtp.ir import ops as opstable
 from nvtp.ir.build import make_op, normalize
@@ -31,15 +31,21 @@ class DefinitionReader:
         self.ops: list[Op] = []
         self.outputs: list[Value] = []
         self.made: dict[str, tuple[Op, int]] = {}  # value -> the op making it and its result index
+        self.line_shift = 0  # added to a node's line: a statement parsed on its own (a large file, streamed)
         self.schedule = ScheduleReader(self.fail, self.expr, self._origin)
         self.env: dict[str, Any] = {}
         self.names: set[str] = set()
         self.enums: set[str] = set()
 
     def fail(self, node: ast.AST, message: str) -> DumpError:
-        return DumpError(message, self.path, getattr(node, "lineno", None))
+        line = getattr(node, "lineno", None)
+        return DumpError(message, self.path, None if line is None else line + self.line_shift)
 
-    def read(self, fn: ast.FunctionDef, bindings: dict[str, int]) -> tuple[Fusion, list[ScheduleStep]]:
+    def read(self, fn: ast.FunctionDef, bindings: dict[str, int], body: Iterable[tuple[ast.stmt, int]] | None = None
+             ) -> tuple[Fusion, list[ScheduleStep]]:
+        """The fusion and schedule ``fn`` defines. ``body``: its statements, each with what to add to
+        its nodes' line numbers, when the parser reads a large file's body one statement at a time
+        (else ``fn.body``)."""
         self._check_signature(fn)
         args = [a.arg for a in fn.args.args]
         if not args or args[0] != "fd":
@@ -50,8 +56,9 @@ class DefinitionReader:
             self.env[a] = bindings[a]
             if isinstance(bindings[a], str) and "." in bindings[a]:
                 self.enums.add(bindings[a].split(".")[0])
-        for stmt in fn.body:
+        for stmt, self.line_shift in ((stmt, 0) for stmt in fn.body) if body is None else body:
             self.statement(stmt)
+        self.line_shift = 0
         if self.examples is not None and len(self.examples) != self.n_inputs:
             raise DumpError(f"the inputs list has {len(self.examples)} entries but {fn.name} defines {self.n_inputs} inputs", self.path)
         self.schedule.check()

@@ -17,10 +17,12 @@ schedule by ``nvtp/ir/schedule_calls.py`` (each call checked where it stands); `
 from __future__ import annotations
 
 import ast
+import io
 import os
+import tokenize
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from nvtp.gcpause import paused
 from nvtp.ir.definition import DefinitionReader
@@ -58,8 +60,9 @@ class Dump:
 def parse(text: str, path: str | None = None) -> Dump:
     """Parse a whole dump file (nvtp's, or an nvFuser repro script)."""
     with paused():  # nvtp/gcpause.py: a 10^5-op file makes ~10^6 objects that all live on
-        tree = _parse_module(text, path)
-        dump = _ModuleReader(path).read(tree)
+        streamed = _streamed(text, path) if len(text) > STREAMED_ABOVE else None
+        tree, bodies = streamed if streamed is not None else (_parse_module(text, path), {})
+        dump = _ModuleReader(path, bodies).read(tree)
     dump.header = leading_comments(text)
     return dump
 
@@ -96,10 +99,96 @@ def _parse_module(text: str, path: str | None) -> ast.Module:
         raise DumpError("not a fusion definition: nested too deeply to read", path) from None
 
 
+# Above this many characters a file is read statement by statement (``_streamed``): the ast of a
+# whole 10^5-op file took 15 KiB per op (1.7 GB for a 12 MB file), the fusion it describes 1 KiB.
+STREAMED_ABOVE = 1 << 20
+_CONTINUES = ("else", "elif", "except", "finally")  # lines that continue a compound statement
+
+
+def _statements(logical: list[tuple[int, int, int, str]], depth: int) -> list[tuple[int, int, int]]:
+    """Group logical lines (first line, last line, depth, first token) into the statements at
+    ``depth``: (first line, last line, index of its first logical line). Deeper lines, ``else:``
+    and the like belong to the statement before; a decorator to the one after."""
+    out: list[list[int]] = []
+    glued = False
+    for k, (first, last, d, token) in enumerate(logical):
+        if d == depth and not glued and not (out and token in _CONTINUES):
+            out.append([first, last, k])
+        elif out:
+            out[-1][1] = last
+        glued = d == depth and token == "@"
+    return [tuple(x) for x in out]  # type: ignore[misc]
+
+
+def _logical_lines(text: str) -> list[tuple[int, int, int, str]]:
+    """(first line, last line, indentation depth, first token) of each logical line, by Python's tokenizer."""
+    out, depth, start = [], 0, None
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        kind = tok.type
+        if kind == tokenize.INDENT:
+            depth += 1
+        elif kind == tokenize.DEDENT:
+            depth -= 1
+        elif kind == tokenize.NEWLINE:
+            if start is not None:
+                out.append((start[0], tok.start[0], start[1], start[2]))
+            start = None
+        elif kind not in (tokenize.NL, tokenize.COMMENT, tokenize.ENCODING, tokenize.ENDMARKER) and start is None:
+            start = (tok.start[0], depth, tok.string)
+    return out
+
+
+def _streamed(text: str, path: str | None) -> tuple[ast.Module, dict[str, Callable[[], Iterator[tuple[ast.stmt, int]]]]] | None:
+    """The module with each large function's body left out, and for those functions their body
+    statements parsed one at a time, each with what to add to its nodes' line numbers; None if the
+    tokenizer refuses the text (the whole-file parse then says where)."""
+    try:
+        logical = _logical_lines(text)
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    lines = text.splitlines(keepends=True)
+
+    def parsed(first: int, last: int, nested: bool) -> list[ast.stmt]:
+        chunk = "".join(lines[first - 1:last])
+        source, shift = ("if 1:\n" + chunk, first - 2) if nested else (chunk, first - 1)
+        try:
+            tree = ast.parse(source, filename=path or "<dump>")
+        except SyntaxError as e:
+            raise DumpError(f"not valid Python: {e.msg}", path, (e.lineno or 1) + shift) from None
+        except ValueError as e:
+            raise DumpError(f"not valid Python: {e}", path) from None
+        except (RecursionError, MemoryError):
+            raise DumpError("not a fusion definition: nested too deeply to read", path) from None
+        if nested:  # the definition reader adds the shift to the lines it names (a walk over every node costs)
+            return [(node, shift) for node in tree.body[0].body]
+        for node in tree.body:
+            ast.increment_lineno(node, shift)
+        return tree.body
+
+    module: list[ast.stmt] = []
+    bodies: dict[str, Callable[[], Iterator[tuple[ast.stmt, int]]]] = {}
+    for first, last, k in _statements(logical, 0):
+        header_first, header_last, _, token = logical[k]
+        if token != "def" or last - header_last < 1000:
+            module.extend(parsed(first, last, False))
+            continue
+        header = "".join(lines[first - 1:header_last]) + "\n    pass\n"
+        try:
+            fn = ast.parse(header, filename=path or "<dump>").body[0]
+        except SyntaxError as e:
+            raise DumpError(f"not valid Python: {e.msg}", path, (e.lineno or 1) + first - 1) from None
+        ast.increment_lineno(fn, first - 1)
+        inner = [x for x in logical if header_last < x[0] <= last]
+        spans = _statements(inner, 1)
+        bodies[fn.name] = lambda spans=spans: (item for a, b, _ in spans for item in parsed(a, b, True))
+        module.append(fn)
+    return ast.Module(body=module, type_ignores=[]), bodies
+
 
 class _ModuleReader:
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, bodies: Mapping[str, Callable[[], Iterator[tuple[ast.stmt, int]]]] | None = None):
         self.path = path
+        self.bodies = bodies or {}  # a large function's body, statement by statement (``_streamed``)
 
     def fail(self, node: ast.AST | None, message: str) -> DumpError:
         return DumpError(message, self.path, getattr(node, "lineno", None))
@@ -151,7 +240,8 @@ class _ModuleReader:
                 raise self.fail(node, f"function {other} is not the fusion definition ({name}); a dump holds only that one")
         fn = functions[name]
         per_rank = isinstance(info, dict) and isinstance(info.get("fusion"), dict) and info["fusion"].get("inputs") == "per rank"
-        fusion, schedule = DefinitionReader(self.path, inputs, per_rank).read(fn, {})
+        body = self.bodies[name]() if name in self.bodies else None
+        fusion, schedule = DefinitionReader(self.path, inputs, per_rank).read(fn, {}, body)
         if info:
             fusion = _apply_info(fusion, info, self.path)
         return Dump(fusion, schedule, inputs, self.path)
