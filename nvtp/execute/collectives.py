@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -86,6 +87,16 @@ def on_axis(comm: Comm, axis: int) -> Comm:
             raise ValueError(f"a 1-D comm has no mesh axis {axis}")
         return comm
     return axes[axis]
+
+
+@dataclass
+class Communication:
+    """A collective that ran: its kind, the value it produced and the bytes of that value."""
+
+    kind: str
+    value: str
+    nbytes: int
+    axis: int = 0  # the mesh axis it ran on
 
 
 class ThreadGroup:
