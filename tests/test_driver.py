@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # them, and the passes calling each other, are their own business).
 TRACERS_AND_PASSES = {
     "nvtp.frontend.capture": {"capture"},
-    "nvtp.frontend.regional": {"capture_regional", "capture_template", "splice"},
+    "nvtp.frontend.regional": {"capture_regional", "capture_template"},
+    "nvtp.frontend.splice": {"splice"},
     "nvtp.frontend.fx": {"trace", "export_program", "export_graph"},
     "nvtp.frontend.fx_regional": {"trace"},
     "nvtp.sharding.passes": {"shard", "shard_pair", "shard_backward"},

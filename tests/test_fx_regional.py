@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from nvtp import driver  # noqa: E402
 from nvtp.execute import reference  # noqa: E402
 from nvtp.frontend import fx as fxroute  # noqa: E402
 from nvtp.frontend import fx_regional  # noqa: E402
+from nvtp.frontend.blocks import NotRepeatable, find_repeated  # noqa: E402
 from nvtp.frontend.capture import run_pair  # noqa: E402
 from nvtp.models import hf  # noqa: E402
 
@@ -155,27 +157,33 @@ def test_a_padding_mask_every_layer_reads_is_computed_once_and_spliced_bit_for_b
 
 
 def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):
-    """Qwen2 with sliding-window attention from layer 1 on: the layers differ (their attention's
-    window), so nothing is spliced and ``how`` names the reason; the program is the whole trace's."""
+    """Qwen2 with sliding-window attention from layer 1 on: the model calls its layers with two
+    masks (a sliding-window one from layer 1), which the run on fake tensors shows, so nothing is
+    spliced and ``how`` names the argument; the program is the whole trace's."""
     model = build("qwen2", layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     traced = trace(model)
-    assert traced.how == ("whole trace: the config's layer_types name 2 kinds of layer (full_attention, sliding_attention)"), traced.how
+    assert re.fullmatch(r"whole trace: the model calls block 1 of model.layers with attention_mask t\d+ before the blocks"
+                        r"\[2, 1, 16, 16\] where block 0 gets t\d+ before the blocks\[2, 1, 16, 16\]: it does not call every "
+                        r"block alike", traced.how), traced.how
     assert [len(m.model.layers) for m in recorded["exported"]] == [2] and recorded["traced"] == []  # whole: fx.trace's own capture
 
 
-def test_blocks_that_differ_past_the_first_two_are_refused_by_their_settings():
-    """A setting of block 2 unlike block 0's (and alike in blocks 0 and 1, which the export compares)
-    stops the splice before anything is traced, naming the block and the setting."""
+def test_blocks_that_differ_past_the_first_two_are_refused_by_what_they_compute():
+    """Block 2's attention scale unlike the others' (the export of blocks 0 and 1 cannot see it) stops
+    the splice before anything is traced, naming the block and the call that differs; a setting that
+    differs but changes no call (``layer_idx`` without a cache) does not."""
     with torch.device("meta"):
         model = build("llama", layers=4)
     model.model.layers[2].self_attn.scaling = 0.5
-    from nvtp.frontend.regional import NotRepeatable, find_repeated
-
-    with pytest.raises(NotRepeatable, match=r"block 2 of model.layers differs from block 0 in self_attn.scaling \(0.5, block 0 0.25\)"):
-        fx_regional._alike(model, find_repeated(model))
+    args, kwargs = (tokens().to("meta"),), {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in call_kwargs().items()}
+    rep = find_repeated(model)
+    with pytest.raises(NotRepeatable, match=r"the blocks of model.layers are 2 variants \(blocks 0, 1, 3; 2: block 2 differs at its "
+                                            r"call \d+: `scaled_dot_product_attention\(.*scale=0.5.*\)` where block 0 has "
+                                            r"`scaled_dot_product_attention\(.*scale=0.25.*\)`\)"):
+        fx_regional.prove(model, rep, args, kwargs)
     model.model.layers[2].self_attn.scaling = 0.25
-    model.model.layers[1].self_attn.layer_idx = 7  # differs already between blocks 0 and 1: the export shows it changes nothing
-    fx_regional._alike(model, find_repeated(model))
+    model.model.layers[1].self_attn.layer_idx = 7  # read only by a cache: the same program
+    fx_regional.prove(model, rep, args, kwargs)
 
 
 def llama3_70b_4_layers():
