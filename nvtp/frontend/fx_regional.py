@@ -370,8 +370,8 @@ def prove(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> 
     if max(variant_of) > 0:
         raise NotRepeatable(f"the blocks of {rep.prefix} are {variants_text(variant_of, why)}, and the FX route splices "
                             "blocks that are all alike")
-    differs = rec.uniform() or rec.outside_differs(record(truncated(module, rep.prefix, 2), Repeated(rep.prefix, 2), args, kwargs),
-                                                   "the model cut to 2 blocks")
+    cut = f"the model cut to 2 blocks of {rep.prefix}"
+    differs = rec.uniform() or rec.outside_differs(record(truncated(module, rep.prefix, 2), Repeated(rep.prefix, 2), args, kwargs, cut), cut)
     if differs:
         raise NotRepeatable(differs)
 

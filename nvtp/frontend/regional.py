@@ -63,7 +63,8 @@ def capture_template(module: torch.nn.Module, rep: Repeated, rec: Recording, var
     skeleton = truncated(module, rep.prefix, 0)
     parent = skeleton.get_submodule(rep.prefix.rpartition(".")[0]) if "." in rep.prefix else skeleton
     parent._modules[rep.prefix.rpartition(".")[2]] = torch.nn.ModuleList([Boundary()])
-    differs = rec.outside_differs(record(skeleton, Repeated(rep.prefix, 1), args, kwargs), "the model without its blocks")
+    differs = rec.outside_differs(record(skeleton, Repeated(rep.prefix, 1), args, kwargs, "the model without its blocks"),
+                                  "the model without its blocks")
     if differs:
         raise NotRepeatable(differs)
     c = rec.carry
@@ -187,7 +188,8 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
             break
         cut = truncated(module, rep.prefix, blocks)
         try:
-            differs = rec.outside_differs(record(cut, Repeated(rep.prefix, blocks), args, kwargs), f"the model cut to {blocks} blocks")
+            what = f"the model cut to {blocks} blocks"
+            differs = rec.outside_differs(record(cut, Repeated(rep.prefix, blocks), args, kwargs, what), what)
             if differs:
                 raise NotRepeatable(differs)
             part = capture(cut, *args, **kwargs)

@@ -335,10 +335,10 @@ def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
     return [(tuple(str(k) for k in path), leaf) for path, leaf in leaves]
 
 
-def record(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> Recording:
+def record(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict, what: str = "the model") -> Recording:
     """Run ``module`` (a meta copy: nothing is computed) on fake copies of ``args``/``kwargs`` and
     record it by segment (the module docstring). Raises ``NotRepeatable`` when it does not run on
-    fake tensors, or its blocks are not each called once, in order."""
+    fake tensors (``what`` names it), or its blocks are not each called once, in order."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rec = _Recorder(module, rep)
@@ -360,7 +360,7 @@ def record(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) ->
     except NotRepeatable:
         raise
     except Exception as e:  # noqa: BLE001 - a model that does not run on fake tensors: nothing is proven, nothing spliced
-        raise NotRepeatable(f"the model did not run on fake tensors, so its blocks could not be compared "
+        raise NotRepeatable(f"{what} did not run on fake tensors, so its blocks could not be compared "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from e
     finally:
         for h in handles:
