@@ -354,11 +354,17 @@ def _rtol(verify: bool | float) -> float | None:
 
 def _unchecked(forward: Any, owner: Any) -> str:
     """Why a program cannot be checked against eager (it draws random numbers), or ''."""
-    drawn = sorted({op.kind for op in forward.ops if op.kind in RANDOM})
+    drawn = sorted({op.kind for op in forward.ops if op.kind in RANDOM and _draws(op)})
     if drawn:
         return (f"the program draws random numbers ({', '.join(drawn)}: dropout in training mode), which eager PyTorch draws "
                 "otherwise; check it with the model in eval mode, or set the dropout to 0 (verify=False silences this)")
     return ""
+
+
+def _draws(op: Any) -> bool:
+    """Whether a random op draws: an attention's ``dropout_p`` of 0 (or None) draws nothing."""
+    p = dict(op.args).get("dropout_p", True)
+    return not (p is None or (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0))
 
 
 def _sample(names: list[str]) -> list[str]:
