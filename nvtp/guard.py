@@ -105,6 +105,8 @@ def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool
 
 
 def _module_step(sm, compiled, args, kwargs, rtol, outcome: Outcome) -> None:
+    """The program's step first (kept: its outputs and the sampled gradients), then the eager
+    model's: the two sets of activations are never held at once."""
     comm, mesh, rank = sm.comm, sm.mesh, sm.rank
     dp = sm._dp_axis()
     named = compiled.module_state(sm.module)
@@ -112,32 +114,46 @@ def _module_step(sm, compiled, args, kwargs, rtol, outcome: Outcome) -> None:
     user = call.bind(args, kwargs) | call.constants if call else dict(zip(compiled.arg_names, args))
     inputs = named | {k: user[k] for k in compiled.traced_args}
     train = torch.is_grad_enabled() and compiled.backward_fusion is not None
+    f = compiled.forward_fusion
+    splits = [axis_split(f.sharding(v.name)[dp]) if dp is not None else None for v in compiled.output_values()]
+    dp_size = mesh.shape[dp] if dp is not None else 1
+
+    def view(t: torch.Tensor, k: int) -> torch.Tensor:  # this rank's rows of a whole-batch tensor the program splits over dp
+        return _dp_rows(t, f.sharding(compiled.output_values()[k].name), mesh, rank, dp) if splits[k] else t
+
     with torch.no_grad():
         outs, values = compiled.forward(inputs, seed=0)
+    paths = _paths(compiled.rebuild(outs), outs)
+    got_grads, grads = {}, []
+    if train:
+        grads = _output_grads([_whole_shape(t, splits[k], dp_size) for k, t in enumerate(outs)], outs)
+        params = {label: _dt.local(named[label]) for label in named}
+        by_grad = compiled.backward(values, params, [None if g is None else view(g, k) for k, g in enumerate(grads)],
+                                    device=_device(sm.module))
+        sample = _sample([n for n, p in sm.module.named_parameters() if p.requires_grad and n in by_grad])
+        got_grads = {n: _dt.local(by_grad[n]) for n in sample}
+    del values
     whole = {n: _gathered(p, sm.placement(n), sm.global_shape(n), comm, mesh) for n, p in sm.module.named_parameters()}
     if dp is not None:
         args, kwargs = _whole_batch((args, kwargs), on_axis(comm, dp))
-    f = compiled.forward_fusion
-    split = [dp is not None and axis_split(f.sharding(v.name)[dp]) is not None for v in compiled.output_values()]
-
-    def view(t: torch.Tensor, k: int) -> torch.Tensor:  # this rank's rows of an eager output split over dp
-        return _dp_rows(t, f.sharding(compiled.output_values()[k].name), mesh, rank, dp) if split[k] else t
-
     eager = _Eager(sm.module, whole, args, kwargs, train)
-    paths = _paths(compiled.rebuild(outs), outs)
     wants = eager.outputs(paths)
     for k, (path, got) in enumerate(zip(paths, outs)):
         _compare(outcome, _output_name(path), got, view(wants[k], k), rtol)
     if not train or outcome.failures:
         return
-    grads = _output_grads(wants)
-    params = {label: _dt.local(named[label]) for label in named}
-    by_grad = compiled.backward(values, params, [None if g is None else view(g, k) for k, g in enumerate(grads)], device=_device(sm.module))
-    dp_size = mesh.shape[dp] if dp is not None else 1
-    sample = _sample([n for n, p in sm.module.named_parameters() if p.requires_grad and n in by_grad])
-    expected = eager.gradients(sample, [None if g is None else g / dp_size if split[k] else g for k, g in enumerate(grads)])
-    for name, want in zip(sample, expected):
-        _compare(outcome, f"gradient of {name}", _dt.local(by_grad[name]), spmd.shard_tensor(want, sm.placement(name), mesh, rank), rtol)
+    # the program's loss is the mean of the dp ranks' (DDP): an output it splits over dp gets 1/dp of its gradient
+    expected = eager.gradients(list(got_grads), [None if g is None else g / dp_size if splits[k] else g for k, g in enumerate(grads)])
+    for (name, got), want in zip(got_grads.items(), expected):
+        _compare(outcome, f"gradient of {name}", got, spmd.shard_tensor(want, sm.placement(name), mesh, rank), rtol)
+
+
+def _whole_shape(t: torch.Tensor, split: tuple[int, int] | None, dp_size: int) -> tuple[int, ...]:
+    """The whole batch's shape of a rank's output ``t`` (its rows: dim ``split[0]`` is 1/dp of the whole)."""
+    shape = list(t.shape)
+    if split is not None:
+        shape[split[0]] *= dp_size
+    return tuple(shape)
 
 
 # -- nvtp.ShardingTransform --------------------------------------------------------------------------
@@ -168,26 +184,26 @@ def _transform_step(transform, rp, named, module, train, rtol, outcome: Outcome)
     comm, mesh = transform.comm, transform.mesh
     with torch.no_grad():
         outs, values = rp.forward(named, seed=0)
-    whole = {}
-    for name, shape in transform._whole_shapes.items():
-        if name in named:
-            whole[name] = _gathered(named[name], transform._placements.get(name, REPLICATE), shape, comm, mesh)
-    whole = {n: whole[n] for n, _ in module.named_parameters() if n in whole}
-    eager = _Eager(module, whole, tuple(named[n] for n in rp.arg_names), {}, train)
     paths = _paths(rp.rebuild(outs), outs)
-    wants = eager.outputs(paths)
-    for path, got, want in zip(paths, outs, wants):
+    got_grads, grads = {}, []
+    if train:
+        grads = _output_grads([tuple(t.shape) for t in outs], outs)
+        params = {label: t.detach() for label, t in named.items() if label not in rp.arg_names}
+        device = next((t.device for t in named.values()), torch.device("cpu"))
+        by_grad = rp.backward(values, params, grads, device=device)
+        sample = _sample([n for n, _ in module.named_parameters() if n in by_grad and n in transform._whole_shapes])
+        got_grads = {n: by_grad[n] for n in sample}
+    del values
+    whole = {n: _gathered(named[n], transform._placements.get(n, REPLICATE), transform._whole_shapes[n], comm, mesh)
+             for n, _ in module.named_parameters() if n in named and n in transform._whole_shapes}
+    eager = _Eager(module, whole, tuple(named[n] for n in rp.arg_names), {}, train)
+    for path, got, want in zip(paths, outs, eager.outputs(paths)):
         _compare(outcome, _output_name(path), got, want, rtol)
     if not train or outcome.failures:
         return
-    grads = _output_grads(wants)
-    params = {label: t.detach() for label, t in named.items() if label not in rp.arg_names}
-    device = next((t.device for t in named.values()), torch.device("cpu"))
-    by_grad = rp.backward(values, params, grads, device=device)
-    sample = _sample([n for n in whole if n in by_grad and whole[n].is_floating_point()])
-    for name, want in zip(sample, eager.gradients(sample, grads)):
+    for (name, got), want in zip(got_grads.items(), eager.gradients(list(got_grads), grads)):
         placement = transform._placements.get(name, REPLICATE)
-        _compare(outcome, f"gradient of {name}", by_grad[name], spmd.shard_tensor(want, placement, mesh, comm.rank), rtol)
+        _compare(outcome, f"gradient of {name}", got, spmd.shard_tensor(want, placement, mesh, comm.rank), rtol)
 
 
 # -- pipelines --------------------------------------------------------------------------------------
@@ -277,10 +293,12 @@ class _Eager:
         return [torch.zeros_like(w) if g is None else g for w, g in zip(weights, got)]
 
 
-def _output_grads(outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """A fixed pseudo-random gradient for each floating output (its own generator: no random state consumed)."""
+def _output_grads(shapes: list[tuple[int, ...]], like: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A fixed pseudo-random gradient of each floating output (of ``shapes``, the dtype and device of
+    ``like``), from a generator of its own: no random state is consumed."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(t.shape, generator=gen).to(t.dtype).to(t.device) if t.is_floating_point() else None for t in outputs]
+    return [torch.randn(shape, generator=gen).to(t.dtype).to(t.device) if t.is_floating_point() else None
+            for shape, t in zip(shapes, like)]
 
 
 def _output_name(path: str) -> str:
@@ -307,12 +325,13 @@ def _compare(outcome: Outcome, what: str, got: Any, want: torch.Tensor, rtol: fl
         outcome.failures.append(f"{what}: shape {list(got.shape)}, eager {list(want.shape)}")
         return
     if not want.is_floating_point():
-        if not torch.equal(got.cpu(), want.detach().cpu()):
-            outcome.failures.append(f"{what}: {int((got.cpu() != want.detach().cpu()).sum())} of {want.numel()} elements differ")
+        if not torch.equal(got.to(want.device), want.detach()):
+            outcome.failures.append(f"{what}: {int((got.to(want.device) != want.detach()).sum())} of {want.numel()} elements differ")
         return
     r, atol = TOLERANCE.get(want.dtype, TOLERANCE[torch.float32])
     r = rtol if rtol is not None else r
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    compute = torch.float64 if want.dtype == torch.float64 else torch.float32  # a 16-bit value compared in fp32
+    g, w = got.detach().to(device=want.device, dtype=compute), want.detach().to(compute)
     if not torch.equal(torch.isnan(g), torch.isnan(w)):
         outcome.failures.append(f"{what}: NaN where eager has a number, or a number where eager has NaN")
         return
