@@ -124,3 +124,8 @@ def train_eager(net: nn.Module, data, lr: float = 0.1) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def window():
+    """A factory for ``nvtp explain --module tests.differing:window``: (model, args, kwargs)."""
+    return model("window"), batches(1)[0], {}

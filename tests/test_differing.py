@@ -125,6 +125,20 @@ def test_blocks_that_differ_train_like_one_process_through_the_thunder_transform
     assert "variant" in transforms[0].last.traced.how or kind == "buffer", transforms[0].last.traced.how
 
 
+@pytest.mark.slow  # a subprocess, and a trace per variant: 40 s
+def test_nvtp_explain_says_how_many_variants_and_why():
+    """The command line as typed: the report's time line says how the fusions were made."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "tests.differing:window", "--plan", "megatron", "--devices", "2"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("(spliced: 4 blocks of h from 2 traced blocks, one per variant: 2 variants (blocks 0, 2; 1, 3: block 1 differs at "
+            "its call ") in out.stdout, out.stdout
+
+
 # -- the FX route: a transformers model whose layers differ ------------------------------------------
 
 def _llama(layers: int = 3, **extra):
