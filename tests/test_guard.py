@@ -163,6 +163,27 @@ def test_the_thunder_transform_refuses_a_miscompiled_splice(one_variant):
         jm(*differing.batches(1)[0])
 
 
+@pytest.mark.slow  # a GPT traced for a cp axis on 2 simulated ranks: 30 s
+def test_a_context_parallel_program_is_checked_with_its_ring():
+    """cp = 2: the sequence split, attention by ring (its dropout_p 0: nothing drawn, so checked);
+    the boundary is whole, so the outputs and gradients compare as on tp."""
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny")
+    torch.manual_seed(0)
+    net = gpt.GPT(cfg)
+    mesh = DeviceMesh.of_shape((2,), ("cp",))
+    threads = spmd.ThreadMesh(mesh, timeout=600)
+    ranks = [nvtp.jit(copy.deepcopy(net), plan="megatron", mesh=mesh, comm=threads.comm(r)) for r in range(2)]
+    args = gpt.example_tokens(cfg)
+    ranks[0].compile(*args)
+    ranks[1].share_compiled(ranks[0])
+    spmd.on_threads(lambda r: ranks[r](*args).backward(), threads)
+    for m in ranks:
+        [outcome] = guard.outcomes(m)
+        assert not outcome.skipped and outcome.failures == [] and outcome.compared == 1 + guard.SAMPLE
+
+
 def test_a_program_that_draws_random_numbers_is_not_checked_and_says_so():
     """Dropout in training mode: eager draws other masks, so nothing can be compared; a warning says so."""
 
