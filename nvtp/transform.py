@@ -53,7 +53,7 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 from thunder.extend import OperatorExecutor
 
-from nvtp import driver
+from nvtp import driver, guard
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
@@ -96,11 +96,12 @@ class ShardingTransform(Transform):
     every rank of the default process group). ``comm``: a simulated mesh's communicator for this
     rank (tests; ranks as threads). ``backend``: "auto", "reference" or "nvfuser", as in
     ``nvtp.jit``. ``regional``: trace a chain of repeated blocks once (``nvtp.jit``'s option).
+    ``verify``: check each program's first call against the model run eagerly (``nvtp.jit``'s option).
     Bad input (a mesh unlike the process group, an unknown plan, a backend that cannot run here)
     is refused when the transform is made or applied, before anything is traced."""
 
     def __init__(self, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, *, comm: Comm | None = None,
-                 backend: str = "auto", regional: bool = True):
+                 backend: str = "auto", regional: bool = True, verify: bool | float = True):
         world = comm.size if comm is not None else _world()
         self.mesh = make_mesh(mesh, world=world)
         if self.mesh.ndim != 1:
@@ -113,6 +114,7 @@ class ShardingTransform(Transform):
         self.plan = plan
         self.backend = backend
         self.regional = regional
+        self.verify = guard.option(verify)  # each program's first call checked against eager (nvtp/guard.py)
         self._comm = comm
         self._programs = _Programs()
         self._module: weakref.ref | None = None
@@ -183,7 +185,8 @@ class ShardingTransform(Transform):
         for label, placement in placed.items():
             if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
                 rows.update(part_rows(label, placement, self.mesh.size))
-        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows)
+        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows,
+                         call=program.source.call)
         labels, proxies = self._inputs(computation_trace, call, rp)
         ret, matched = _outputs(computation_trace, rp)
         # Everything is checked: only now do the ThunderModule's parameters become this rank's parts.
@@ -359,10 +362,12 @@ class ShardingTransform(Transform):
         constants = rp.call.constants if rp.call is not None else {}
 
         def run_program(*tensors):
+            guard.check_transform(self, rp, labels, tensors, model._model, train=False)  # once: raises MiscompileError
             outs, _ = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(outs)
 
         def run_forward(*tensors):
+            guard.check_transform(self, rp, labels, tensors, model._model, train=True)  # once: raises MiscompileError
             _, values = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(values[v.name] for v in f.outputs)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nvtp import driver
+from nvtp import driver, guard
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
@@ -50,7 +50,7 @@ class PipelineModule(torch.nn.Module):
     """``module`` pipelined over a (pp, dp, tp) mesh; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
-                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto"):
+                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto", verify: bool | float = True):
         super().__init__()
         import torch.distributed as dist
 
@@ -61,6 +61,7 @@ class PipelineModule(torch.nn.Module):
         self.schedule = sched.check(schedule)
         self.cut = cut
         self.frontend = frontend
+        self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -253,6 +254,7 @@ class PipelineModule(torch.nn.Module):
         if train and self.program.programs[self.stage].backward is None:
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
+        guard.check_pipeline(self, args, train)  # once: a step run for the check, raises MiscompileError
         return calls.result(self.program.traced, _PipeRun.apply(self, args, train, *self._all))  # the loss, or the model's object holding it
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
