@@ -38,12 +38,13 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nvtp import driver
+from nvtp import driver, options, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.step import RankProgram, part_rows
-from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
+from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
+from nvtp.frontend import user_code
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
@@ -269,6 +270,7 @@ class ShardedModule(torch.nn.Module):
         # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
         # (dp, tp) mesh keep them whole.
         split = tuple(self.mesh.names) == ("tp",) and self.plan in ("megatron", "megatron-sp")
+        precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
         traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
                               batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module,
                               ring="cp" in self.mesh.names)
@@ -348,7 +350,8 @@ class ShardedModule(torch.nn.Module):
         compiled = self._compiled.get(key)
         if compiled is None:
             self._check_new_signature(args, kwargs)
-            compiled = self._compile(args, kwargs)
+            with PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it time (COMPILE_S)
+                compiled = self._compile(args, kwargs)
             self._compiled[key] = compiled
         return compiled
 
@@ -392,6 +395,7 @@ class ShardedModule(torch.nn.Module):
         return next((c for c in self._compiled.values() if kind(c.signature) == kind(signature)), None)
 
     def forward(self, *args, **kwargs):
+        user_code.check_hooks(self.module)  # a hook registered since nvtp.jit would never fire: refused
         args, kwargs = self._call(args, kwargs)
         if self._dp_axis() is not None and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
@@ -508,7 +512,7 @@ def _whole(placement) -> bool:
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str = "1f1b",
+        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
         cut: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
@@ -540,21 +544,20 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``.
     On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
-    each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
-    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``)."""
+    each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
+    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
+    Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
     from nvtp.pipeline.layout import has_pp
 
+    options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
+                  frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
+                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut)
+    user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if has_pp(mesh):
-        if fsdp or comm is not None:
-            raise InputError("a pipeline mesh runs on torch.distributed's processes with DDP-style data parallelism: "
-                             "fsdp=True and comm= are not available with a 'pp' axis")
         from nvtp.pipeline.runtime import PipelineModule
 
-        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule, cut=cut, backend=backend,
-                              frontend=frontend)
-    if microbatches is not None:
-        raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
-                         "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
+        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
+                              backend=backend, frontend=frontend, timeout=timeout)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul)
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from nvtp.frontend import parts
+from nvtp.frontend import parts, user_code
 from nvtp.frontend.complex import ComplexAsReal
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
 from nvtp.frontend.outputs import Leaf, structure as output_structure, tensors as output_tensors
@@ -298,12 +298,11 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     fwd = fusion_callables(fwd_trace)
     bwd_traces = thunder.last_backward_traces(jitted) if backward else []
     bwd = fusion_callables(bwd_traces[-1]) if bwd_traces else []
-    if strict and (runtime.unclaimed or len(fwd) != 1 or len(bwd) > 1):
-        names = ", ".join(str(u) for u in runtime.unclaimed) or "none"
-        raise CaptureError(
-            f"nvtp fused the forward into {len(fwd)} fusion(s) and the backward into {len(bwd)}; it needs one each. "
-            f"Operations left to other executors: {names}. Add translators for them in nvtp/frontend/translate.py."
-        )
+    if strict and runtime.unclaimed:  # said in the user's terms: the module, the line, what to write instead
+        raise CaptureError(user_code.unclaimed_message(module, runtime.unclaimed))
+    if strict and (len(fwd) != 1 or len(bwd) > 1):
+        raise CaptureError(f"nvtp fused the forward of {type(module).__name__} into {len(fwd)} fusion(s) and the backward into "
+                           f"{len(bwd)}, though it claimed every operation: a bug in nvtp's capture; report the model")
     if not fwd:
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
     if bwd_traces and not bwd and any(g is not None for g in _flat(bwd_traces[-1].bound_symbols[-1].args[0])):

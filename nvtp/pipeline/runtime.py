@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
-from nvtp import driver
+from nvtp import driver, precheck
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, collectives, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
+from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
+from nvtp.frontend import user_code
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import schedule as sched
 from nvtp.pipeline.layout import layout_of
@@ -48,7 +50,8 @@ class PipelineModule(torch.nn.Module):
     """``module`` pipelined over a (pp, dp, tp) mesh; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
-                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto"):
+                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
+                 timeout: float | None = 60.0):
         super().__init__()
         import torch.distributed as dist
 
@@ -71,6 +74,8 @@ class PipelineModule(torch.nn.Module):
         check_plan(plan, driver.plan_names(module), type(module).__name__)
         self.backend = backends.resolve(backend, next((p.device.type for p in module.parameters()), "cpu")).name
         self.rank = dist.get_rank() if world > 1 else 0
+        if timeout is not None and world > 1:  # names a dead or silent rank and stops this one (nvtp.execute.watchdog)
+            start_watchdog(timeout)
         self.stage, self.dp_index, self.tp_index = self.layout.coords(self.rank)
         self.program = None  # the PipelineProgram, after the first call
         self._groups: dict[str, Any] = {}
@@ -116,9 +121,11 @@ class PipelineModule(torch.nn.Module):
         for a in args:
             if isinstance(a, torch.Tensor) and a.device.type != device:
                 raise InputError(f"an argument is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
-        self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
-                                                    microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                    backend=self.backend, frontend=self.frontend)
+        precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
+        with collectives.PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it time
+            self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
+                                                        microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
+                                                        backend=self.backend, frontend=self.frontend)
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
@@ -189,6 +196,7 @@ class PipelineModule(torch.nn.Module):
     # -- run --------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        user_code.check_hooks(self.module)  # a hook registered since nvtp.jit would never fire: refused
         if kwargs:
             args, _ = driver.bind_call(self.module, "thunder", args, kwargs)
         if self.program is None:
@@ -206,8 +214,6 @@ class PipelineModule(torch.nn.Module):
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
-        import torch.distributed as dist
-
         pp, lay, m = self.program, self.layout, self.microbatches
         rp = self._runner
         mine = pp.programs[self.stage]
@@ -239,13 +245,13 @@ class PipelineModule(torch.nn.Module):
             if list(t.shape) != p["local_shape"]:
                 raise RuntimeError(f"nvtp: stage {self.stage} would send {p['label']} of shape {list(t.shape)}, planned "
                                    f"{p['local_shape']} (a bug in nvtp's pipeline plan)")
-            handles.append(dist.isend(t, peer(p["dst"]), tag=tag))
+            handles.append(collectives.isend(t, peer(p["dst"]), tag))
             self.sent.append({"phase": p["phase"], "label": p["label"], "bytes": t.numel() * t.element_size()})
             self.moved.append({"kind": "send", "phase": p["phase"], "label": p["label"], "peer": p["dst"], "bytes": t.numel() * t.element_size()})
 
         def recv(p: dict, dtype: torch.dtype, tag: int) -> torch.Tensor:
             buf = torch.empty(p["local_shape"], dtype=dtype)
-            dist.recv(buf, peer(p["src"]), tag=tag)
+            collectives.recv(buf, peer(p["src"]), tag)
             self.moved.append({"kind": "recv", "phase": p["phase"], "label": p["label"], "peer": p["src"], "bytes": buf.numel() * buf.element_size()})
             return buf
 
@@ -293,12 +299,12 @@ class PipelineModule(torch.nn.Module):
                     g = by_name[v.name]
                     grads[label] = g if label not in grads else grads[label] + g
         for h in handles:
-            h.wait()
+            collectives.wait_sent(h)
         # the loss: the mean over microbatches, from the last stage to every rank of this pp group
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         if lay.pp > 1:
             loss = loss.detach().clone().contiguous()
-            dist.broadcast(loss, peer(lay.pp - 1), group=self._groups["pp"])
+            DistComm(self._groups["pp"]).broadcast(loss, peer(lay.pp - 1))
         if train:
             grads = self._join_tied(grads)
         return loss, grads
@@ -306,8 +312,6 @@ class PipelineModule(torch.nn.Module):
     def _join_tied(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One gradient per parameter object: names of one tied parameter summed in a stage, then
         over the stages that hold it (Megatron's embedding group)."""
-        import torch.distributed as dist
-
         first = {label: self._tied.get(label, label) for label in self._labels}
         by_first: dict[str, torch.Tensor] = {}
         for label, g in grads.items():
@@ -317,8 +321,7 @@ class PipelineModule(torch.nn.Module):
             g = by_first.get(name)
             if g is None:
                 g = torch.zeros_like(next(self._params[lab] for lab in self._labels if first[lab] == name).data)
-            g = g.contiguous().clone()
-            dist.all_reduce(g, group=self._tie_groups[name])
+            g = DistComm(self._tie_groups[name]).all_reduce(g, "sum")
             by_first[name] = g
         return {label: by_first.get(first[label]) for label in self._unique}
 
