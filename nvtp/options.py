@@ -69,7 +69,7 @@ def _timeout(name: str, value: Any) -> str | None:
 def _one_of(choices: Callable[[], tuple[str, ...]], normal: Callable[[str], str] = lambda s: s) -> Callable[[str, Any], str | None]:
     def rule(name: str, value: Any) -> str | None:
         names = choices()
-        if not isinstance(value, str) or normal(value) not in names:
+        if value is not None and (not isinstance(value, str) or normal(value) not in names):
             return f"{name}={value!r}: choose one of {', '.join(map(repr, names))}"
         return None
 
@@ -361,8 +361,11 @@ def _spelled(entry: str, name: str, value: Any) -> str:
     if entry in ("jit", "plan", "transform"):
         return f"{name}={value!r}"
     flag = _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+    typed = next((k for k, v in _CLI_VALUES.get(name, {}).items() if v is value), None)
+    if typed is not None:
+        return f"{flag} {typed}"
     if isinstance(value, bool):
-        return flag if value else f"{flag} off"
+        return flag
     return f"{flag} {value}"
 
 

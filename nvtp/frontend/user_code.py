@@ -206,7 +206,7 @@ def check_hooks(module: torch.nn.Module, registered_after: bool = True) -> None:
         return
     name, kind, fn = found[0]
     part = f"{type(module).__name__}" + (f".{name}" if name else "")
-    hook = getattr(fn, "__qualname__", None) or type(fn).__name__
+    hook = getattr(fn, "__name__", None) or type(fn).__name__
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     where = f" ({_short(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
     on = "the module nvtp.jit returned (sharded.register_forward_hook(...))"
