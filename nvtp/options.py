@@ -340,6 +340,11 @@ def check_cli(args: Any) -> None:
             options[name] = value
     if options.get("plan") is None:
         options.pop("plan", None)
+    if command == "replay" and "timeout" in options and not (options.get("plan") or (options.get("devices") or 1) > 1
+                                                             or options.get("mesh")):
+        raise OptionError(f"--timeout {options['timeout']:g} bounds the wait for a silent rank of a mesh of processes, and this "
+                          "replay runs in one process: add --devices N (or --mesh, --plan) to replay on a mesh, or leave "
+                          "--timeout out")
     check(command, **options)
 
 

@@ -8,7 +8,8 @@ before that, in the user's terms:
 
 * a mesh with a "cp" axis splits every argument of 2 or more dimensions along its sequence
   (dimension 1) into cp x chunks pieces (``nvtp.sharding.context``: 2 a rank without tp, for the
-  balanced layout): a length they do not divide;
+  balanced layout): token ids, targets ([B, T]) and activations ([B, T, C]) of a length they do
+  not divide (a mask's shape is left to the cp pass, whose refusal of the mask itself says more);
 * a model with a learned table of positions (an ``nn.Embedding`` named for positions, ``wpe``
   or ``*pos*``, as nanoGPT, GPT-2 and BERT name theirs): a token sequence longer than the table,
   which would otherwise fail inside the trace's ``index_select``.
@@ -49,8 +50,8 @@ def _named(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> l
 def _check_sequence_splits(mesh: DeviceMesh, named: list[tuple[str, torch.Tensor]]) -> None:
     cp = mesh.shape[mesh.names.index("cp")]
     parts = chunks(mesh)
-    for name, a in named:
-        if a.ndim > SEQUENCE_DIM and a.shape[SEQUENCE_DIM] % (cp * parts):
+    for name, a in named:  # token ids and targets [B, T], activations [B, T, C]; a mask's refusal says more after the trace
+        if a.ndim in (2, 3) and a.dtype != torch.bool and a.shape[SEQUENCE_DIM] % (cp * parts):
             n = a.shape[SEQUENCE_DIM]
             up = -(-n // (cp * parts)) * cp * parts
             raise ContextError(f"argument {name} {list(a.shape)}: its sequence (dimension {SEQUENCE_DIM}) of length {n} cannot be "

@@ -206,3 +206,12 @@ def test_a_cut_outside_the_blocks_is_refused_at_nvtp_jit_before_the_first_call(n
     with pytest.raises(ValueError, match=r"cut=\[4\]: the model has 4 blocks"):
         nvtp.jit(model, mesh="2x1x1", microbatches=2, cut=[4])
     assert time.perf_counter() - start < 5
+
+
+def test_a_replay_in_one_process_refuses_a_timeout_it_would_not_use(capsys):
+    from nvtp import cli
+
+    code = cli.main(["replay", "any_file.py", "--timeout", "5"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.startswith("nvtp replay: --timeout 5 bounds the wait for a silent rank of a mesh of processes, and "
+                                        "this replay runs in one process: add --devices N"), err
