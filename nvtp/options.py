@@ -88,6 +88,12 @@ def _routes() -> tuple[str, ...]:
     return ROUTES
 
 
+def _backend(name: str, value: Any) -> str | None:
+    if isinstance(value, str) and value in BACKEND_CHOICES:
+        return None
+    return f"unknown backend {value!r}; choose one of {', '.join(map(repr, BACKEND_CHOICES))}"  # nvtp.execute.backends' words
+
+
 def _plan(name: str, value: Any) -> str | None:
     if isinstance(value, str) and value.strip():
         return None
@@ -139,7 +145,7 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = {
     "frontend": (_one_of(_routes), "auto"),
     "fsdp": (_bool, False),
     "regional": (_bool, True),
-    "backend": (_one_of(lambda: BACKEND_CHOICES), "auto"),
+    "backend": (_backend, "auto"),
     "overlap": (_bool, True),
     "collective_matmul": (_collective_matmul, "auto"),
     "machine": (_machine, None),
@@ -194,6 +200,8 @@ _EXAMPLES = {  # how to make a mesh with the axis, for the messages
     "cp": "init_device_mesh(device, (cp,), mesh_dim_names=('cp',)) (on the command line --mesh cp=N)",
     "tp": "a number of devices, or init_device_mesh(device, (tp,), mesh_dim_names=('tp',))",
 }
+_CLI_EXAMPLES = {"pp": "--mesh PPxDPxTP (e.g. --mesh 2x1x2)", "dp": "--mesh DPxTP (e.g. --mesh 2x2)", "cp": "--mesh cp=N",
+                 "tp": "--devices N"}
 _WHAT = {"pp": "a pipeline", "dp": "data parallelism", "cp": "context parallelism", "tp": "tensor parallelism"}
 
 
@@ -234,23 +242,27 @@ def check(entry: str, *, module: Any = None, **options: Any) -> None:
     ``module`` (a pipeline's), ``cut`` is checked against its blocks too. Touches nothing."""
     takes = ENTRIES[entry]
     for name, value in options.items():
-        if name not in takes:
+        if name not in takes and entry in _PYTHON:
             raise OptionError(f"{_caller(entry)} takes no option {name}=; it takes {', '.join(sorted(takes))}")
+        if name not in takes and given(name, value):
+            raise OptionError(f"{_spelled(entry, name, value)} does not apply to nvtp {entry}; it takes "
+                              f"{', '.join(sorted(_flag(entry, n) for n in takes))}")
         if not given(name, value):
             continue
         problem = RULES[name][0](name, value)
         if problem is not None:
             raise OptionError(problem)
     axes = mesh_axes(options.get("mesh"))
-    if options.get("mesh") is not None and options.get("devices") is not None:
+    if entry in _PYTHON and options.get("mesh") is not None and options.get("devices") is not None:  # the CLI's own check words it
         raise OptionError(f"devices={options['devices']} and mesh={options['mesh']!r} both say which mesh: give one of them")
     for name, value in options.items():
         if not given(name, value):
             continue
         for axis, wanted in AXIS_OPTIONS.items():
             if name in wanted and axis not in axes:
+                example = _EXAMPLES[axis] if entry in _PYTHON else _CLI_EXAMPLES[axis]
                 raise OptionError(f"{_spelled(entry, name, value)} is an option of the {axis!r} mesh axis ({_WHAT[axis]}), and "
-                                  f"this mesh has {_axes_text(axes)}: give a mesh with a {axis!r} axis, {_EXAMPLES[axis]}, or "
+                                  f"this mesh has {_axes_text(axes)}: give a mesh with a {axis!r} axis, {example}, or "
                                   f"leave {_flag(entry, name)} out")
         for axis in axes:
             why = AXIS_REFUSES.get(axis, {}).get(name)
@@ -327,7 +339,7 @@ def check_cli(args: Any) -> None:
     if command not in ENTRIES:
         return
     options = {}
-    for name in ENTRIES[command]:
+    for name in RULES:  # every flag that sets an option, so one the command does not use is refused, not ignored
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
@@ -352,18 +364,21 @@ def check_cli(args: Any) -> None:
 # wording
 
 
+_PYTHON = ("jit", "plan", "transform")
+
+
 def _caller(entry: str) -> str:
     return {"jit": "nvtp.jit", "plan": "nvtp.plan", "transform": "nvtp.ShardingTransform"}.get(entry, f"nvtp {entry}")
 
 
 def _flag(entry: str, name: str) -> str:
-    if entry in ("jit", "plan", "transform"):
+    if entry in _PYTHON:
         return f"{name}="
     return _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def _spelled(entry: str, name: str, value: Any) -> str:
-    if entry in ("jit", "plan", "transform"):
+    if entry in _PYTHON:
         return f"{name}={value!r}"
     flag = _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
     typed = next((k for k, v in _CLI_VALUES.get(name, {}).items() if v is value), None)

@@ -66,7 +66,7 @@ BAD = [
     (2, {"collective_matmul": "yes"}, r"collective_matmul='yes': pass True \(wherever it applies\), False \(never\) or 'auto'"),
     (2, {"collective_matmul": 1}, r"collective_matmul=1: pass True"),
     (2, {"regional": "no"}, r"regional='no': pass True or False"),
-    (2, {"backend": "cuda"}, r"backend='cuda': choose one of 'auto', 'reference', 'nvfuser'"),
+    (2, {"backend": "cuda"}, r"unknown backend 'cuda'; choose one of 'auto', 'reference', 'nvfuser'"),
 ]
 JIT_ONLY = [
     ("2x1x1", {"dynamic": True}, r"dynamic=True is not honoured on a mesh with a 'pp' axis: a pipeline is compiled for one batch "
@@ -151,8 +151,8 @@ def _nvtp(*args: str, timeout: float = 120):
 
 @pytest.mark.parametrize("argv,message", [
     (["explain", "--model", "nanogpt", "--config", "tiny", "--devices", "2", "--plan", "megatron", "--microbatches", "2"],
-     r"--microbatches 2 is an option of the 'pp' mesh axis \(a pipeline\), and this mesh has the axis tp: .*--mesh PPxDPxTP\), "
-     r"or leave --microbatches out"),
+     r"--microbatches 2 is an option of the 'pp' mesh axis \(a pipeline\), and this mesh has the axis tp: give a mesh with a 'pp' "
+     r"axis, --mesh PPxDPxTP \(e.g. --mesh 2x1x2\), or leave --microbatches out"),
     (["explain", "--model", "nanogpt", "--config", "tiny", "--mesh", "2x1x2", "--plan", "megatron", "--collective-matmul", "on"],
      r"--collective-matmul on is not honoured on a mesh with a 'pp' axis"),
     (["demo", "--devices", "2", "--schedule", "gpipe"], r"--schedule gpipe is an option of the 'pp' mesh axis"),
@@ -215,3 +215,12 @@ def test_a_replay_in_one_process_refuses_a_timeout_it_would_not_use(capsys):
     err = capsys.readouterr().err
     assert code == 3 and err.startswith("nvtp replay: --timeout 5 bounds the wait for a silent rank of a mesh of processes, and "
                                         "this replay runs in one process: add --devices N"), err
+
+
+def test_a_flag_a_command_does_not_use_is_refused_not_ignored(capsys):
+    from nvtp import cli
+
+    code = cli.main(["shard", "any_file.py", "--plan", "megatron", "--devices", "2", "--out", "x.py", "--microbatches", "2"])
+    err = capsys.readouterr().err
+    assert code == 3 and err.startswith("nvtp shard: --microbatches 2 does not apply to nvtp shard; it takes --devices, --fsdp, "
+                                        "--mesh, --plan"), err

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from nvtp.sharding.placements import Placement, Zigzag, axis_split, is_partial, local_indices
 
@@ -244,8 +245,6 @@ class DistComm:
 def recv(buf: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     """Receive ``buf`` from global rank ``src`` (blocking); a rank that never sends is named by
     the watchdog after its timeout, one that died at once."""
-    import torch.distributed as dist
-
     with PROGRESS.on((src,), f"a receive from rank {src}"):
         dist.recv(buf, src, tag=tag)
     return buf
@@ -253,8 +252,6 @@ def recv(buf: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
 
 def isend(t: torch.Tensor, dst: int, tag: int = 0):
     """Start sending ``t`` to global rank ``dst``; ``wait_sent`` the handle it returns."""
-    import torch.distributed as dist
-
     with PROGRESS.on((dst,), f"a send to rank {dst}"):
         return dist.isend(t, dst, tag=tag), dst
 

@@ -149,7 +149,16 @@ def _install_exit_hooks() -> None:
             wd.communication_failed(value)  # a transport error because a peer failed: stop naming the peer, no traceback
         previous(kind, value, tb)
         if wd is not None and not wd._exiting and isinstance(value, Exception):
-            _report(wd.rank, value, wd, print_traceback=False)
+            code = _report(wd.rank, value, wd, print_traceback=False)
+            wd._stop.set()  # this process is ending: its watchdog has nothing left to watch
+            # The program's own atexit hooks run, then the process ends: torch's teardown of a process group whose
+            # peers or store are gone can wait many seconds (8.5 s seen with gloo), as run_rank's failed ranks avoid too.
+            with contextlib.suppress(Exception):
+                atexit._run_exitfuncs()
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
 
     sys.excepthook = hook
 

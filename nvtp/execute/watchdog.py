@@ -198,6 +198,8 @@ class Watchdog:
             self._failed_self = True
         with contextlib.suppress(Exception):
             _record(self.store, rank, reason, code)
+            if rank == self.rank:  # it knows it failed: a store host need not wait for it to read the record
+                self.store.set(self._key("stopped", rank), reason)
 
     def failures(self) -> list[PeerFailure]:
         """Every failure recorded so far, first recorded first."""

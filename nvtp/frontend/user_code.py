@@ -33,6 +33,7 @@ import textwrap
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from nvtp.errors import InputError
 
@@ -183,8 +184,6 @@ def hooks(module: torch.nn.Module) -> list[tuple[str, str, Any]]:
             for fn in (getattr(m, attr, None) or {}).values():
                 if not _from_torch(fn):
                     found.append((name, kind, fn))
-    from torch.nn.modules import module as nn_module
-
     for attr, kind in GLOBAL_HOOKS.items():
         for fn in (getattr(nn_module, attr, None) or {}).values():
             if not _from_torch(fn):

@@ -111,7 +111,8 @@ class PipelineModule(torch.nn.Module):
     def compile(self, *args: Any) -> "PipelineModule":
         """Plan and lower for arguments like ``args`` (this rank's batch), without running."""
         if self.program is None:
-            self._compile(args)
+            with collectives.PROGRESS.busy("tracing and sharding the model"):
+                self._compile(args)
         return self
 
     def _compile(self, args: tuple) -> None:
@@ -122,10 +123,9 @@ class PipelineModule(torch.nn.Module):
             if isinstance(a, torch.Tensor) and a.device.type != device:
                 raise InputError(f"an argument is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
         precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
-        with collectives.PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it time
-            self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
-                                                        microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                        backend=self.backend, frontend=self.frontend)
+        self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
+                                                    microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
+                                                    backend=self.backend, frontend=self.frontend)
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
@@ -199,8 +199,10 @@ class PipelineModule(torch.nn.Module):
         user_code.check_hooks(self.module)  # a hook registered since nvtp.jit would never fire: refused
         if kwargs:
             args, _ = driver.bind_call(self.module, "thunder", args, kwargs)
-        if self.program is None:
-            self._compile(args)
+        first = self.program is None
+        if first:
+            with collectives.PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it COMPILE_S
+                self._compile(args)
         shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         if shapes != self._arg_shapes:
             raise InputError(f"the pipeline was compiled for arguments of shapes {list(self._arg_shapes)}, got {list(shapes)}; "
@@ -210,7 +212,10 @@ class PipelineModule(torch.nn.Module):
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
         params = [self._params[label] for label in self._unique]
-        return _PipeRun.apply(self, args, train, *params)
+        if not first:
+            return _PipeRun.apply(self, args, train, *params)
+        with collectives.PROGRESS.busy("running its first step"):  # the first run lowers what it runs: given time too
+            return _PipeRun.apply(self, args, train, *params)
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
