@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from nvtp.sharding import axes
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Usage
 from nvtp.options import check_cli
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
@@ -38,10 +39,6 @@ examples:
   nvtp dump --model nanogpt --config gpt2 --out fusions
   nvtp replay fusions/nanogpt_gpt2_bf16_fwd.py --check
 """
-
-
-class Usage(Exception):
-    pass
 
 
 def _dtype(name: str):
@@ -87,8 +84,8 @@ def _load_sharded(args, backend: str):
     sharded by the compile driver for ``backend``'s target."""
     from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare
 
-    mesh = check_mesh_options(args.devices, getattr(args, "mesh", None), getattr(args, "fsdp", False))
-    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=getattr(args, "fsdp", False), backend=backend))
+    mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
+    return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=args.fsdp, backend=backend)).sharded
 
 
 def _ring_mode(args) -> bool | str:
@@ -117,7 +114,7 @@ def cmd_shard(args) -> int:
     sharded = _load_sharded(args, "nvfuser")  # the file nvFuser runs: sharded for nvFuser's target
     where = f"--devices {args.devices}" if args.mesh is None else f"--mesh {args.mesh}{' --fsdp' if args.fsdp else ''}"
     command = f"nvtp shard {args.file} --plan {args.plan} {where} --out {args.out}"
-    data = None if args.mesh is None else ("fsdp" if args.fsdp else "ddp")
+    data = None if args.mesh is None else axes.data_mode(args.fsdp)
     path = write_sharded(sharded, args.out, command, data=data)
     comms = sharded.communications
     mesh = sharded.mesh
@@ -170,7 +167,7 @@ def _explain_model(args) -> int:
 
     mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)  # (dp, tp) or None; bad spellings refused here
     check_plan(args.plan, [])  # a misspelt plan name, before the factory runs or anything is traced
-    where = {"devices": args.devices} if mesh is None else {"mesh": mesh, "fsdp": args.fsdp}
+    where = dict(devices=args.devices) if mesh is None else dict(mesh=mesh, fsdp=args.fsdp)
     backend = _planning_backend(args)
     if args.module:
         mod_name, _, attr = args.module.partition(":")
@@ -199,7 +196,7 @@ def _explain_model(args) -> int:
         result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, machine=args.machine,
                                      collective_matmul=_ring_mode(args), **where)
     if args.machine is not None:
-        from nvtp.sharding.overlap import MACHINES
+        from nvtp.sharding.cost import MACHINES
 
         result.machine = MACHINES[args.machine]
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
@@ -272,7 +269,7 @@ def cmd_demo(args) -> int:
                   "installs it) or `pip install nvtp[hf]`", file=sys.stderr)
             return EXIT_BAD_INPUT
     if args.mesh is not None and str(args.mesh).lower().count("x") == 2:  # PPxDPxTP: a pipeline (nvtp/pipeline/demo.py)
-        from nvtp.pipeline.layout import parse
+        from nvtp.sharding.axes.pp import parse
 
         parse(args.mesh)  # a bad spelling refused here
         from nvtp.pipeline import demo as pipeline_demo
@@ -342,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "on everywhere, off never")
             c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib", "cpu-gloo"],
                            help="estimate, on this machine model, what the communication schedule hides per step "
-                                "(h100-nvlink: 8x H100 in one node; h100-ib: dp across nodes over InfiniBand)")
+                                "(h100-nvlink: 8x H100 in one node; h100-ib: nodes of 8 over InfiniBand, the mesh's last axis fastest)")
             c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],
                            help="the backend to plan for: auto (default) is the one nvtp.jit would run the model on here "
                                 "(nvfuser with a CUDA GPU and nvFuser, else reference); nvfuser plans for GPUs on any machine")

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nvtp.sharding import axes
+from nvtp.sharding.axes.cp import chunks
+from nvtp.sharding.placements import DeviceMesh
+
 
 @dataclass
 class TrainJob:
@@ -40,7 +44,7 @@ class TrainJob:
     model: str = "nanogpt"  # nvtp's GPT (with ``config``), or a small Hugging Face causal LM: llama, gpt2, mistral, qwen2
     mesh: tuple[int, int] | None = None  # (dp, tp): a 2-D mesh, each dp rank training on its own part of every batch
     fsdp: bool = False  # with ``mesh``: the weights split over dp too (ZeRO-3)
-    axes: tuple[str, ...] = ("dp", "tp")  # the names of ``mesh``'s axes: ("cp",) or ("cp", "tp") from --mesh cp=4 / cp=2,tp=2
+    axes: tuple[str, ...] = axes.spelled(2)  # the names of ``mesh``'s axes: ("cp",) or ("cp", "tp") from --mesh cp=4 / cp=2,tp=2
 
 
 def build_model(job: TrainJob) -> torch.nn.Module:
@@ -137,6 +141,21 @@ def make_optimizer(job: TrainJob, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=job.lr, momentum=0.9)
 
 
+def _nvtp_mesh(job: TrainJob) -> DeviceMesh:
+    return DeviceMesh.of_shape(job.mesh, job.axes)
+
+
+def _share(job: TrainJob) -> str:
+    """How much of each weight a rank holds, said in the mesh's terms."""
+    mesh = _nvtp_mesh(job)
+    plan, data = axes.find(mesh, "runs_plan"), axes.batch_axis(mesh)
+    if plan is None:
+        return " (weights whole" + (", split over dp at rest)" if job.fsdp else ")")
+    k = mesh.shape[plan] * (mesh.shape[data] if job.fsdp and data is not None else 1)
+    over = mesh.names[plan] + (f" and {mesh.names[data]}" if job.fsdp and data is not None else "")
+    return f" (1/{k} of each weight split over {over})"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:.0f} B"
 
@@ -170,13 +189,15 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
 
             with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every group
                 mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=job.axes)
-            dp_rank = mesh.get_local_rank("dp") if "dp" in job.axes else 0
+            data = axes.batch_axis(_nvtp_mesh(job))
+            dp_rank = mesh.get_local_rank(data) if data is not None else 0
         model = nvtp.jit(build_model(job), plan=job.plan, mesh=mesh, fsdp=job.fsdp, timeout=job.timeout)
         whole_bytes = sum(p.nbytes for p in model.parameters())
 
         def step_batch(step: int) -> tuple[tuple, dict]:
             args, kwargs = batch(job, step)
-            return (args, kwargs) if job.mesh is None or "dp" not in job.axes else dp_part(args, kwargs, dp_rank, job.mesh[0])
+            data = None if job.mesh is None else axes.batch_axis(_nvtp_mesh(job))
+            return (args, kwargs) if data is None else dp_part(args, kwargs, dp_rank, job.mesh[data])
 
         args, kwargs = step_batch(0)
         start = time.perf_counter()
@@ -196,20 +217,19 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
                 print(f"     {note}")
             for note in model.notes:  # what the data plan left whole (fsdp: a bias tp splits)
                 print(f"     {note}")
-            share = "" if job.mesh is None else " (weights whole over cp)" if "tp" not in job.axes else \
-                f" (1/{job.mesh[1] * (job.mesh[0] if job.fsdp else 1)} of each weight split " + ("over tp and dp)" if job.fsdp else "over tp)")
+            share = "" if job.mesh is None else _share(job)
             print(f"   each rank holds {_mib(held)} of the {_mib(whole_bytes)} of parameters{share}")
-            axes = [None] if job.mesh is None else list(reversed(job.axes))
+            names = [None] if job.mesh is None else list(reversed(job.axes))
             for name, s in (("forward", fwd), ("backward", bwd)):
-                for axis in axes:
+                for axis in names:
                     comms = [c for c in s.communications if axis is None or s.mesh.names[c.axis] == axis]
                     kinds = sorted({c.kind for c in comms})
                     summary = ", ".join(f"{sum(c.kind == k for c in comms)} {k}" for k in kinds) or "none"
                     where = "" if axis is None else f" on {axis}"
                     print(f"   {name}{where}: {summary}; {_mib(sum(c.bytes for c in comms))} sent per rank per step")
-                    if axis == "cp":  # the ring attention's point-to-point steps (nvtp.sharding.context)
-                        ring = [r for r in program.steps() if r.phase == name and r.kind == "sendrecv"]
-                        print(f"   {name} on cp, ring attention: {len(ring)} point-to-point steps (K/V blocks"
+                    ring = [r for r in program.steps() if r.phase == name and r.axis == axis and r.kind == "sendrecv"]
+                    if ring:  # a ring attention's point-to-point steps (a cp axis)
+                        print(f"   {name} on {axis}, ring attention: {len(ring)} point-to-point steps (K/V blocks"
                               f"{' and their gradients' if name == 'backward' else ''}); {_mib(sum(r.bytes for r in ring))} sent per rank per step")
             print(f"2. training {job.steps} steps ({type(opt).__name__}, lr {job.lr}) on {world} processes (gloo):", flush=True)
         first = 0
@@ -331,33 +351,39 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
     (``split_sizes`` must divide by the number of processes). (The plan checks the same once
     traced; this says it at once, once, instead of on every rank after tracing.)"""
-    from nvtp.sharding.context import chunks
-    from nvtp.sharding.placements import DeviceMesh
     from nvtp.sharding.plans import check_plan
     from nvtp.sharding.propagate import ShardingError
 
     what = f"the demo's {type(model).__name__}"
     check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
     over, choose = f"{devices} processes", "--devices"
-    if job.mesh is not None and "dp" not in job.axes:  # (cp,) or (cp, tp): the sequence split over cp
-        cp = job.mesh[job.axes.index("cp")]
-        parts = chunks(DeviceMesh.of_shape(job.mesh, job.axes))  # the balanced layout: a piece from each end (of each pair of tp's chunks)
+    mesh = None if job.mesh is None else _nvtp_mesh(job)
+    ring = mesh is not None and axes.trace_options(mesh, job.plan)["ring"]
+    if ring:  # a cp axis: the sequence split (balanced: a piece from each end of each pair of tp's chunks)
+        cp_axis = next(a for s, a in axes.passes(mesh) if s.trace_options(mesh, a, job.plan).get("ring"))
+        cp, parts = mesh.shape[cp_axis], chunks(mesh)
         seq = gpt_seq(job)
         if seq % (cp * parts):
             raise ShardingError(f"--mesh {','.join(f'{n}={k}' for n, k in zip(job.axes, job.mesh))}: the demo's sequence of {seq} "
-                                f"tokens cannot be split over cp={cp} (it must be a multiple of {cp} x {parts}); choose cp "
-                                + " or ".join(str(k) for k in range(1, seq + 1) if seq % (k * parts) == 0))
-        if "tp" not in job.axes:
-            return
-        devices, over, choose = job.mesh[job.axes.index("tp")], f"tp={job.mesh[job.axes.index('tp')]}", "tp"
-    elif job.mesh is not None:  # (dp, tp): dp splits the batch, the plan splits over tp
-        dp, tp = job.mesh
+                                f"tokens cannot be split over {mesh.names[cp_axis]}={cp} (it must be a multiple of {cp} x {parts}); "
+                                f"choose {mesh.names[cp_axis]} " + " or ".join(str(k) for k in range(1, seq + 1) if seq % (k * parts) == 0))
+    if mesh is not None and axes.batch_axis(mesh) is not None:  # dp splits the batch
+        data = axes.batch_axis(mesh)
+        dp = mesh.shape[data]
         rows = batch_size(job)
         if rows % dp:
             fits = [k for k in range(1, rows + 1) if rows % k == 0]
-            raise ShardingError(f"--mesh {dp}x{tp}: dp={dp} does not divide the demo's batch of {rows} sequences (each dp rank trains "
-                                f"on its own part of every batch); choose dp {', '.join(map(str, fits[:-1]))} or {fits[-1]} (e.g. --mesh {fits[-1]}x{tp})")
-        devices, over, choose = tp, f"tp={tp} (--mesh {dp}x{tp})", "tp"
+            spelt = f"{dp}x{job.mesh[-1]}" if mesh.ndim == 2 else ",".join(f"{n}={k}" for n, k in zip(job.axes, job.mesh))
+            raise ShardingError(f"--mesh {spelt}: dp={dp} does not divide the demo's batch of {rows} sequences (each dp rank trains "
+                                f"on its own part of every batch); choose dp {', '.join(map(str, fits[:-1]))} or {fits[-1]} "
+                                f"(e.g. --mesh {fits[-1]}x{job.mesh[-1]})")
+    if mesh is not None:
+        plan = axes.find(mesh, "runs_plan")
+        if plan is None:
+            return
+        tp = mesh.shape[plan]
+        devices, choose = tp, mesh.names[plan]
+        over = f"{choose}={tp} (--mesh {'x'.join(map(str, job.mesh))})" if mesh.ndim == 2 and not ring else f"{choose}={tp}"
     if job.plan not in ("megatron", "megatron-sp"):
         return
     sizes = split_sizes(job)
@@ -366,6 +392,19 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
         fits = [k for k in range(1, max(sizes.values()) + 1) if all(n % k == 0 for n in sizes.values())]
         raise ShardingError(f"plan {job.plan} cannot split {what} over {over}: {devices} does not divide its "
                             f"{' and '.join(bad)}; choose {choose} {', '.join(map(str, fits[:-1]))} or {fits[-1]}")
+
+
+def _where(job: TrainJob, d: int) -> str:
+    """The mesh of the demo's processes, said as each axis's strategy runs it."""
+    mesh = _nvtp_mesh(job)
+    data, plan = axes.batch_axis(mesh), axes.find(mesh, "runs_plan")
+    if axes.trace_options(mesh, job.plan)["ring"]:
+        return (f"{', '.join(f'{n}={k}' for n, k in zip(job.axes, job.mesh))} = {d} processes (the sequence split over cp, "
+                f"attention by ring{'; the plan on tp' if plan is not None else ''}; "
+                + ("every rank passes the whole batch)" if data is None else "each dp rank passes its part of the batch)"))
+    rows = batch_size(job)
+    return (f"{'x'.join(map(str, job.mesh))} = {d} processes (dp={mesh.shape[data]} data parallel{' with FSDP' if job.fsdp else ''}, "
+            f"tp={mesh.shape[plan]} tensor parallel; each dp rank trains on its {rows // mesh.shape[data]} of the batch's {rows} sequences)")
 
 
 def describe(model: torch.nn.Module, job: TrainJob) -> str:
@@ -383,20 +422,16 @@ def describe(model: torch.nn.Module, job: TrainJob) -> str:
 
 def main(args) -> int:
     mesh = getattr(args, "mesh_shape", None)  # (dp, tp), from --mesh DPxTP; a named mesh from --mesh cp=4 or cp=2,tp=2
-    axes = ("dp", "tp")
+    names = axes.spelled(2)
     if mesh is not None and not isinstance(mesh, tuple):
-        mesh, axes = tuple(mesh.shape), tuple(mesh.names)
+        mesh, names = tuple(mesh.shape), tuple(mesh.names)
     d = args.devices if mesh is None else math.prod(mesh)
     with tempfile.TemporaryDirectory() as tmp:
         job = TrainJob(args.config, args.plan, args.steps, 0.1, os.path.join(tmp, "result.pt"), timeout=args.timeout,
-                       model=args.model, mesh=mesh, fsdp=getattr(args, "fsdp", False), axes=axes)
+                       model=args.model, mesh=mesh, fsdp=args.fsdp, axes=names)
         model = build_model(job)
         check_job(job, d, model)
-        where = f"{d} processes" if mesh is None else (
-            f"{', '.join(f'{n}={k}' for n, k in zip(axes, mesh))} = {d} processes (the sequence split over cp, attention by ring"
-            f"{'; the plan on tp' if 'tp' in axes else ''}; every rank passes the whole batch)") if "cp" in axes else (
-            f"{mesh[0]}x{mesh[1]} = {d} processes (dp={mesh[0]} data parallel{' with FSDP' if job.fsdp else ''}, tp={mesh[1]} "
-            f"tensor parallel; each dp rank trains on its {batch_size(job) // mesh[0]} of the batch's {batch_size(job)} sequences)")
+        where = f"{d} processes" if mesh is None else _where(job, d)
         against = "one process" if mesh is None else "one process on the whole batch"
         print(f"nvtp demo: train {describe(model, job)} sharded with plan {args.plan} over a local CPU mesh of {where}, "
               f"and check it against {against}\n", flush=True)

@@ -39,9 +39,15 @@ from typing import Any, Mapping
 import torch
 
 from nvtp.frontend.tied import aliases, merge_tied
+from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.mesh import make_mesh, roles
-from nvtp.program import Program, join_parts
+from nvtp.mesh import make_mesh
+from nvtp.program import Program, Source, join_parts
+from nvtp.sharding import axes
+from nvtp.sharding.collective_matmul import check_mode, plan_rings
+from nvtp.sharding.compose import compose
+from nvtp.sharding.cost import MACHINES, default_machine
+from nvtp.sharding.overlap import schedule_collectives
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement
 from nvtp.sharding.target import Target, as_target
 
@@ -67,6 +73,13 @@ class Traced:
     seconds: float = 0.0
     split_parts: bool = False  # fused projections of unequal parts were split into their parts
     declined: list[str] = field(default_factory=list)  # traced for a cp axis (ring=True): attentions not claimed whole, and why
+
+    def record(self) -> Source:
+        """This trace as plain data, for the Program (``nvtp.program.Source``): no tracer object."""
+        captured = self.captured
+        return Source(self.forward, self.backward, self.route, self.how, tuple(self.arguments), self.weights, dict(self.tied),
+                      dict(self.parts), self.boundary, tuple(self.declined), self.seconds,
+                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None))
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -172,7 +185,7 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     and argument gradients stay where the plan places them. ``tie=False``: a tied parameter stays
     one input per name, each use's gradient its own output (pipeline stages hold each use).
     ``ring``: for a mesh with a "cp" axis, every causal or full attention is claimed whole
-    (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.context``); the
+    (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.axes.cp``); the
     ones declined are in ``Traced.declined``."""
     if ring:
         from nvtp.frontend.attention import claim_for_ring
@@ -286,44 +299,61 @@ def trace_dump(dump: Any) -> Traced:
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
           fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True,
           collective_matmul: bool | str = "auto", machine: Any = None) -> Program:
-    """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: the plan on the "tp"
-    axis, the data plan on "dp" (``fsdp``: weights split over dp too). ``placed`` (label ->
-    placement): parameters already placed by an earlier compile of the same module stay there.
-    ``overlap``: schedule the collectives (``nvtp.sharding.overlap``: started as soon as their
-    inputs exist, small ones bucketed, FSDP's gathers prefetched a bucket ahead); False: each
-    blocks where it stands. ``collective_matmul`` (with ``overlap``): a gather before a matmul and
-    a reduce-scatter after one run as ring steps beside the matmul's blocks (``collective_matmul.plan_rings``):
-    "auto" where the cost model says it pays on ``machine`` (an ``overlap.Machine`` or its name;
-    by default the backend's: ``overlap.default_machine``), True everywhere it applies, False
-    nowhere. Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
-    from nvtp.gcpause import paused
-
+    """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: one loop over the
+    mesh's axis strategies (``nvtp.sharding.axes``), in their order (the plan on "tp", the data
+    plan on "dp", the sequence on "cp"), forward and backward alike, each pass sharding what the
+    one before it left; ``compose`` joins them. ``fsdp``: weights split over the data axis too.
+    ``placed`` (label -> placement): parameters already placed by an earlier compile of the same
+    module stay there. ``overlap``: schedule the collectives (``nvtp.sharding.overlap``: started
+    as soon as their inputs exist, small ones bucketed, FSDP's gathers prefetched a bucket
+    ahead); False: each blocks where it stands. ``collective_matmul`` (with ``overlap``): a gather
+    before a matmul and a reduce-scatter after one run as ring steps beside the matmul's blocks
+    (``collective_matmul.plan_rings``): "auto" where the cost model says it pays on ``machine``
+    (an ``cost.Machine`` or its name; by default the backend's: ``cost.default_machine``),
+    True everywhere it applies, False nowhere. Raises ``ShardingError`` before any work when the
+    plan or mesh does not fit."""
     target = as_target(backend)
-    axes = roles(mesh)
+    order = axes.passes(mesh)
     start = time.perf_counter()
     with paused():
-        if "cp" in axes:  # context parallel: the sequence split, attention by ring (nvtp/sharding/context.py)
-            forward, backward, notes = _shard_cp(traced, plan, mesh, target, placed, fsdp)
-        elif len(axes) == 1:
-            forward, backward, notes = _shard_1d(traced, plan, mesh, target, placed)
-        else:
-            forward, backward, notes = _shard_2d(traced, plan, mesh, target, fsdp, placed)
+        for s, axis in order:
+            s.check_traced(traced, mesh, axis, fsdp)
+        out_hints, grad_hints = _boundary_hints(traced)
+        plan_name = plan if isinstance(plan, str) else "explicit"
+        run = axes.AxisPass(traced, plan, mesh, target, fsdp, _annotations(traced, placed, mesh), out_hints, grad_hints)
+        for s, axis in order:
+            run.done.append((axis, s.forward(run, axis)))
+        forward = compose(run.done, mesh, traced.forward, plan_name)
+        backward = None
+        if traced.backward is not None:
+            run.done = []
+            for s, axis in order:
+                run.done.append((axis, s.backward(run, axis, forward)))
+            backward = compose(run.done, mesh, traced.backward, forward.plan)
         schedules = {}
         if overlap and mesh.size > 1:
-            from nvtp.sharding.collective_matmul import check_mode, plan_rings
-            from nvtp.sharding.overlap import MACHINES, default_machine, schedule_collectives
-
             check_mode(collective_matmul)
             on = MACHINES[machine] if isinstance(machine, str) else machine or default_machine(target.name)
             schedules = {phase: schedule_collectives(s, rings=plan_rings(s, on, collective_matmul))
                          for phase, s in (("forward", forward), ("backward", backward)) if s is not None}
     parameters = join_parts(_placed_inputs(forward), traced.parts, mesh)
-    return Program(forward, backward, mesh, plan if isinstance(plan, str) else "explicit", target.name, fsdp, traced,
-                   parameters, schedules, notes, {"trace": traced.seconds, "shard": time.perf_counter() - start})
+    return Program(forward, backward, mesh, plan_name, target.name, fsdp, traced.record(),
+                   parameters, schedules, list(run.notes), {"trace": traced.seconds, "shard": time.perf_counter() - start})
 
 
-def _annotations(traced: Traced, placed: Mapping[str, Any] | None, ndim: int) -> dict[str, Any]:
-    """Forward inputs that are parameters placed already (a new call shape of a compiled module)."""
+def adopt(sharded: Any, backend: str | Target = "reference", *, overlap: bool = True) -> Program:
+    """A fusion sharded already (a file with its own device schedule: ``nvtp.dump.sharded.from_dump``)
+    as a Program of one phase, its collectives scheduled as every program's are: what ``nvtp
+    replay`` runs through the backend."""
+    traced = of_fusions(sharded.source, None, sharded.source.name)
+    schedules = {"forward": schedule_collectives(sharded)} if overlap and sharded.mesh.size > 1 else {}
+    return Program(sharded, None, sharded.mesh, sharded.plan, as_target(backend).name, False, traced.record(),
+                   join_parts(_placed_inputs(sharded), {}, sharded.mesh), schedules, [], {})
+
+
+def _annotations(traced: Traced, placed: Mapping[str, Any] | None, mesh: DeviceMesh) -> dict[str, tuple[Placement, ...]]:
+    """Forward inputs that are parameters placed already (a new call shape of a compiled module),
+    one placement per mesh axis."""
     out = {}
     if placed:
         f = traced.forward
@@ -331,7 +361,7 @@ def _annotations(traced: Traced, placed: Mapping[str, Any] | None, ndim: int) ->
             label = f.label(v.name)
             if label in placed:
                 p = placed[label]
-                out[v.name] = p if ndim > 1 or not isinstance(p, tuple) else p[0]
+                out[v.name] = p if isinstance(p, tuple) else (p,) * mesh.ndim
     return out
 
 
@@ -344,51 +374,6 @@ def _boundary_hints(traced: Traced) -> tuple[dict[str, Placement], dict[str, Pla
     outputs = {v.name: REPLICATE for v in f.outputs if f.role(v.name) == "output"}
     grads = {} if b is None else {v.name: REPLICATE for v in b.outputs if b.grad_of(v.name) in traced.arguments}
     return outputs, grads
-
-
-def _shard_1d(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed):
-    from nvtp.sharding.passes import backward_annotations
-    from nvtp.sharding.passes import shard as run_passes
-
-    out_hints, grad_hints = _boundary_hints(traced)
-    forward = run_passes(traced.forward, plan, mesh, annotations=_annotations(traced, placed, 1), output_hints=out_hints,
-                         target=target)
-    backward = None
-    if traced.backward is not None:  # parameters' gradients land where the parameters live
-        inputs, hints = backward_annotations(traced.backward, forward)
-        backward = run_passes(traced.backward, "replicate", mesh, annotations=inputs, output_hints=hints | grad_hints,
-                              target=target)
-        backward.plan = forward.plan
-    return forward, backward, []
-
-
-def _shard_2d(traced: Traced, plan, mesh: DeviceMesh, target: Target, fsdp: bool, placed):
-    from nvtp.sharding.multi import shard_backward_mesh, shard_mesh
-
-    out_hints, grad_hints = _boundary_hints(traced)
-    forward, data = shard_mesh(traced.forward, plan, mesh, fsdp=fsdp, target=target,
-                               batched=set(traced.arguments) if traced.boundary else None,
-                               annotations=_annotations(traced, placed, 2), output_hints=out_hints,
-                               weights=traced.weights)
-    backward = None
-    if traced.backward is not None:  # arguments' gradients whole over tp, split over dp like the arguments
-        backward = shard_backward_mesh(traced.backward, forward, target, output_hints=grad_hints)
-    return forward, backward, list(data.notes)
-
-
-def _shard_cp(traced: Traced, plan, mesh: DeviceMesh, target: Target, placed, fsdp: bool):
-    from nvtp.sharding import context
-
-    context.check_traced(traced, mesh, fsdp)
-    out_hints, grad_hints = _boundary_hints(traced)
-    ann = _annotations(traced, placed, 2)
-    if mesh.ndim == 1:
-        ann = {n: (p,) if not isinstance(p, tuple) else p for n, p in ann.items()}
-    forward, notes = context.shard_forward(traced, plan, mesh, target, annotations=ann, output_hints=out_hints, fsdp=fsdp)
-    backward = None
-    if traced.backward is not None:
-        backward = context.shard_backward(traced.backward, forward, target, output_hints=grad_hints)
-    return forward, backward, notes
 
 
 def _placed_inputs(forward) -> list[tuple[str, Any]]:
@@ -422,10 +407,7 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     args, kwargs = bind_call(source, way, args, kwargs)
-    axes = roles(mesh)
-    dp = mesh.shape[axes["dp"]] if "dp" in axes else 1
-    split = tuple(mesh.names) == ("tp",) and plan in ("megatron", "megatron-sp")
-    traced = trace(source, args, kwargs, frontend=way, regional=regional, split_parts=split, batch=dp, ring="cp" in axes)
+    traced = trace(source, args, kwargs, frontend=way, regional=regional, **axes.trace_options(mesh, plan))
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed, **schedule)
 
 
@@ -433,7 +415,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
                      microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
                      frontend: str = "auto", **kwargs: Any):
     """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
-    rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.pipeline.layout``), traced whole for
+    rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.sharding.axes.pp``), traced whole for
     one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
     block boundaries (``nvtp.pipeline.stages``: balanced by cost, or at ``cut``), and each stage
     sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
@@ -447,7 +429,10 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     mb_args, kwargs = bind_call(source, way, mb_args, kwargs)
-    traced = trace(source, mb_args, kwargs, frontend=way, batch=layout.dp, tie=False)
+    # one trace for every stage, as a stage's sub-mesh asks (a stage holds each fused projection
+    # whole, and a weight tied across stages as one input per name)
+    options = axes.trace_options(layout.submesh(0), plan) | {"split_parts": False}
+    traced = trace(source, mb_args, kwargs, frontend=way, tie=False, **options)
     _check_loss_only(traced, type(source).__name__)
     staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
     tied = aliases(source)
@@ -458,8 +443,9 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
         program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
-    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
-                           if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name)
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args
+                           if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name,
+                           tied, frozenset(n for n, _ in source.named_parameters(remove_duplicate=False)))
 
 
 def _check_loss_only(traced: Traced, model: str) -> None:
@@ -491,5 +477,5 @@ def default_mesh(world: int | None = None) -> DeviceMesh:
     return make_mesh(None, world=world)
 
 
-__all__ = ["Traced", "Program", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
+__all__ = ["Traced", "Program", "adopt", "trace", "trace_dump", "of_fusions", "shard", "compile", "compile_pipeline", "route", "bind_call", "meta_copy",
            "tensor_attributes", "plan_names", "default_mesh"]

@@ -38,7 +38,67 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["FusedShard", "PartsShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
+__all__ = ["FusedShard", "OnStage", "PartsShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
+
+
+class OnStage(Shard):
+    """A pipeline's placement of a parameter on the stage axis: the one stage ``stage`` holds it
+    (its local part under the other mesh axes), every other stage holds nothing of it (a local
+    tensor with ``dim`` of size 0: no memory).
+
+    To torch it is a ``Shard(dim)`` whose pieces are all on one rank, so the rules that need no
+    data movement (elementwise ops, the optimizers' updates, ``linalg.vector_norm`` giving a
+    partial norm) run on each rank's part, and a norm is reduced over the stage axis:
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees the whole model's gradients, each
+    once. ``full_tensor`` broadcasts from the holding stage; DCP's planner asks each rank's box
+    (``_local_shard_size_and_offset``): the holder's is the whole extent, the others' empty, so a
+    pipeline's checkpoint loads on any mesh.
+    """
+
+    def __init__(self, dim: int, stage: int):
+        super().__init__(dim)
+        self.stage = stage
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        return (curr_local_size, 0) if rank == self.stage else (0, curr_local_size)
+
+    def _split_tensor(self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True):
+        pieces, pads = [], []
+        for r in range(num_chunks):
+            t = tensor if r == self.stage else tensor.narrow(self.dim, 0, 0)
+            pad = tensor.size(self.dim) - t.size(self.dim) if with_padding else 0
+            if pad:
+                shape = list(t.shape)
+                shape[self.dim] = pad
+                t = torch.cat([t, t.new_zeros(shape)], self.dim)
+            pieces.append(t.contiguous() if contiguous else t)
+            pads.append(pad)
+        return pieces, pads
+
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        import torch.distributed as dist
+
+        group = mesh.get_group(mesh_dim)
+        held = mesh.get_local_rank(mesh_dim) == self.stage
+        buf = local_tensor.contiguous().clone() if held else local_tensor.new_zeros(list(current_logical_shape))
+        dist.broadcast(buf, dist.get_global_rank(group, self.stage), group=group)
+        return buf
+
+    def __eq__(self, other) -> bool:
+        # Equal to its own kind on the same stage, and to plain Shard(dim) (torch's DTensorSpec checks
+        # each Shard against Shard(dim)); nvtp never mixes it with a plain Shard on the stage axis.
+        if isinstance(other, OnStage):
+            return other.dim == self.dim and other.stage == self.stage
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash((OnStage, self.dim, self.stage))
+
+    def __repr__(self) -> str:
+        return f"OnStage({self.dim}, stage={self.stage})"
+
+    def __str__(self) -> str:
+        return f"stage {self.stage}"
 
 
 class PartsShard(Shard):
@@ -167,8 +227,14 @@ class FusedShard(DTensor):
         chunk = self.shape[p.dim] // p.split_factor
         return axis, p.dim, p.split_factor, chunk // self.device_mesh.size(axis)
 
+    def _held_elsewhere(self) -> bool:
+        """Whether another pipeline stage holds this tensor (``OnStage``): this rank's part is empty."""
+        return any(isinstance(q, OnStage) and self.device_mesh.get_local_rank(a) != q.stage for a, q in enumerate(self.placements))
+
     def _boxes(self) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
         """This rank's k boxes of the whole tensor: (offsets, sizes, view of the local tensor)."""
+        if self._held_elsewhere():
+            return []
         parts = _parts(self)
         if parts is not None:  # one box per part (1-D mesh)
             boxes, at = [], 0
@@ -183,8 +249,8 @@ class FusedShard(DTensor):
         sizes = list(self._local_tensor.shape)
         sizes[dim] = piece
         base = [0] * self.ndim
-        for a, q in enumerate(self.placements):  # the plain splits of the other mesh axes
-            if a != axis and isinstance(q, Shard):
+        for a, q in enumerate(self.placements):  # the plain splits of the other mesh axes (a stage's holder starts at 0)
+            if a != axis and isinstance(q, Shard) and not isinstance(q, OnStage):
                 base[q.dim] = self.device_mesh.get_local_rank(a) * self._local_tensor.shape[q.dim]
         rank = self.device_mesh.get_local_rank(axis)
         boxes = []
@@ -195,6 +261,13 @@ class FusedShard(DTensor):
         return boxes
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        held = next(((a, q) for a, q in enumerate(self.placements) if isinstance(q, OnStage)), None)
+        if held is not None:  # the holding stage's part to every stage first, then as on a mesh without stages
+            a, q = held
+            local = q._to_replicate_tensor(self._local_tensor, self.device_mesh, a, self._holder_shape(a))
+            placements = [Replicate() if i == a else p for i, p in enumerate(self.placements)]
+            spec = DTensor.from_local(local, self.device_mesh, placements, shape=self.shape, stride=self.stride(), run_check=False)
+            return FusedShard(spec._local_tensor, spec._spec, requires_grad=False).full_tensor()
         parts = _parts(self)
         if parts is not None:  # every rank's rows (all ranks hold as many), put back where they belong
             n, dim = self.device_mesh.size(), parts.dim
@@ -225,6 +298,18 @@ class FusedShard(DTensor):
         whole = DTensor.from_local(part, self.device_mesh, placements, shape=torch.Size(shape),
                                    stride=_contiguous_stride(shape), run_check=False).full_tensor()
         return whole.flatten(dim, dim + 1)
+
+    def _holder_shape(self, stage_axis: int) -> list[int]:
+        """The local shape the holding stage has (this rank's part, were it the holder)."""
+        shape = list(self.shape)
+        for a, q in enumerate(self.placements):
+            if a == stage_axis:
+                continue
+            if isinstance(q, _StridedShard):
+                shape[q.dim] //= self.device_mesh.size(a)
+            elif isinstance(q, Shard):
+                shape[q.dim] //= self.device_mesh.size(a)
+        return shape
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs) -> DTensor:
         if placements is None or not all(isinstance(p, Replicate) for p in placements):

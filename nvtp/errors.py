@@ -21,6 +21,10 @@ EXIT_RUNTIME = 4
 EXIT_BROKEN_PIPE = 128 + 13  # the reader of stdout went away: the status of a command SIGPIPE stopped
 
 
+class Usage(Exception):
+    """A command line nvtp cannot read (exit 2): says which flags to give instead."""
+
+
 class InputError(ValueError):
     """An argument that does not match what the module was compiled for (shape, dtype, device),
     or a replicated input that differs between ranks."""

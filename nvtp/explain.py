@@ -14,7 +14,7 @@ output back the same way (tests/test_explain.py checks it against the whole mode
 figure). The report is ``nvtp.report.ModelReport``.
 
 On a 2-D (dp, tp) mesh (``mesh=(dp, tp)``, ``fsdp``) the plan runs on tp and the data plan on dp
-(nvtp.sharding.multi); every communication names its mesh axis; the traced batch is dp times one
+(nvtp.sharding.compose); every communication names its mesh axis; the traced batch is dp times one
 rank's (``batch``, or the config's, or the example arguments'); ``dp_traffic`` sets the dp bytes
 against DDP's 2W(dp-1)/dp and FSDP's 3Psi(dp-1)/dp + 2R(dp-1)/dp.
 """
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from nvtp.report import ModelReport, Region, report_of  # noqa: F401 - the report's types, where users found them
+from nvtp.sharding import axes
 from nvtp.sharding.placements import DeviceMesh
 
 
@@ -41,10 +42,6 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
     return make_mesh(mesh, devices=devices if devices is not None or mesh is not None else default, fsdp=fsdp)
 
 
-def _axis_size(mesh: DeviceMesh, name: str) -> int:
-    return mesh.shape[mesh.names.index(name)] if name in mesh.names else 1
-
-
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
          collective_matmul: bool | str = "auto", **example_kwargs) -> ModelReport:
@@ -57,18 +54,17 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     ``backend``: the backend to plan for (default: the one ``nvtp.jit`` would run this model on
     here, ``nvtp.execute.backends.default_name``); "nvfuser" plans for GPUs on any machine.
     Takes every model ``nvtp.jit`` takes (the FX route for transformers models included).
-    ``machine`` (an ``nvtp.sharding.overlap.Machine`` or its name): plan the collective matmuls
+    ``machine`` (an ``nvtp.sharding.cost.Machine`` or its name): plan the collective matmuls
     for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it."""
     from nvtp import driver, options, precheck
     from nvtp.execute import backends
     from nvtp.frontend import user_code
-    from nvtp.pipeline.layout import has_pp
 
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
                   machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
-    if mesh is not None and has_pp(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
+    if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
         from nvtp import pipeline
 
         pipelined = {k: example_kwargs.pop(k) for k in ("microbatches", "schedule", "cut") if k in example_kwargs}
@@ -84,15 +80,15 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
                              machine=machine, collective_matmul=collective_matmul, **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
-        batch = f"traced batch = dp x each rank's batch (the example arguments') = {_axis_size(mesh, 'dp')} x {example_args[0].shape[0]}"
-    tp = _axis_size(mesh, "tp") if mesh.ndim > 1 else mesh.size
-    report = report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, tp))
+        batch = f"traced batch = dp x each rank's batch (the example arguments') = {axes.extent(mesh, 'splits_batch')} x {example_args[0].shape[0]}"
+    t = axes.extent(mesh, "runs_plan")
+    report = report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, t))
     report.machine = _machine(machine)
     return report
 
 
 def _machine(machine: Any):
-    from nvtp.sharding.overlap import MACHINES
+    from nvtp.sharding.cost import MACHINES
 
     return MACHINES[machine] if isinstance(machine, str) else machine
 
@@ -131,16 +127,16 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
         raise ValueError(f"batch={batch!r}: each rank's batch must be a positive integer")
     check_plan(plan, [])  # a misspelt plan name, before any tracing
     mesh = _mesh(devices, mesh, fsdp, 8)
-    dp, tp = _axis_size(mesh, "dp"), _axis_size(mesh, "tp")  # a 1-D mesh is ("tp",) or ("cp",)
+    dp, tp = axes.extent(mesh, "splits_batch"), axes.extent(mesh, "runs_plan")
     per_rank = batch or cfg.batch
     cfg = replace(cfg, batch=per_rank * dp)
     start = time.perf_counter()
     shape = {"s": cfg.seq_len, "b": per_rank, "h": cfg.n_embd, "a": cfg.n_head, "t": tp, "L": layers}
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
     extra = {"backend": backend} | ({"machine": _machine(machine)} if machine is not None else {})
-    ring = "cp" in mesh.names  # attention claimed whole, for the ring (nvtp.sharding.context)
-    if mesh.ndim > 1 or ring:
-        extra |= {"mesh": mesh, "data": "fsdp" if fsdp else "ddp",
+    ring = axes.trace_options(mesh, plan)["ring"]  # attention claimed whole, for a ring (a cp axis)
+    if not axes.plain(mesh):
+        extra |= {"mesh": mesh, "data": axes.data_mode(fsdp),
                   "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
         whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp, machine, collective_matmul)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvtp.sharding.axes import AXES, MeshError, roles  # noqa: F401 - what each axis name means lives with the passes
+from nvtp.sharding import axes
+from nvtp.sharding.axes import AXES, MeshError, roles  # noqa: F401 - what each axis name means lives with the strategies
 from nvtp.sharding.placements import DeviceMesh
 
 
@@ -78,17 +79,15 @@ def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = Fals
         mesh = named(spec)
     elif isinstance(spec, str):
         shape = parse(spec)
-        mesh = DeviceMesh.of_size(shape[0]) if len(shape) == 1 else DeviceMesh.of_shape(shape, ("dp", "tp"))
+        mesh = DeviceMesh.of_size(shape[0]) if len(shape) == 1 else DeviceMesh.of_shape(shape, axes.spelled(len(shape)))
     elif isinstance(spec, (tuple, list)):
         if len(spec) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in spec):
             raise MeshError(f"mesh={spec!r}: expected (dp, tp), two positive integers, or a 2-D DeviceMesh with axes ('dp', 'tp')")
-        mesh = DeviceMesh.of_shape(tuple(spec), ("dp", "tp"))
+        mesh = DeviceMesh.of_shape(tuple(spec), axes.spelled(2))
     else:
         mesh = _from_torch(spec)
-    axes = roles(mesh)
-    if fsdp and "dp" not in axes:
-        raise MeshError("fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh, "
-                        "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) (on the command line --mesh DPxTP --fsdp)")
+    roles(mesh)
+    axes.check(mesh, fsdp=fsdp)
     return mesh
 
 
@@ -100,10 +99,10 @@ def _from_torch(mesh: Any) -> DeviceMesh:
         raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh, nvtp's DeviceMesh, a number of devices "
                         f"or (dp, tp), not {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if (mesh.ndim > 2 and sorted(names) != ["cp", "dp", "tp"]) or (mesh.ndim == 2 and sorted(names) not in (["dp", "tp"], ["cp", "tp"], ["cp", "dp"])):
-        raise MeshError(f"nvtp.jit shards over a 1-D mesh or a 2-D mesh with axes ('dp', 'tp'); got a {mesh.ndim}-D mesh of shape "
-                        f"{tuple(mesh.shape)}{' named ' + str(names) if names else ' without names'}; pass "
-                        "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) or one of its dimensions (mesh['tp'])")
+    if mesh.ndim > 1 and not names:
+        raise MeshError(f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without names: nvtp reads each axis's strategy from its "
+                        f"name; pass mesh_dim_names, e.g. init_device_mesh(device, {tuple(mesh.shape)}, "
+                        f"mesh_dim_names={axes.spelled(mesh.ndim)}); the names nvtp knows: {axes.known()}")
     import torch.distributed as dist
 
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())

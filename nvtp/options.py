@@ -1,25 +1,24 @@
 """Every option of nvtp's entry points, checked in one place, before any work.
 
     options.check("jit", module=model, mesh=mesh, microbatches=0)
-    # OptionError: microbatches=0: give a positive number of microbatches per step (an int, e.g. microbatches=2)
+    # OptionError: microbatches=0: give a positive whole number (e.g. microbatches=2)
     options.check("plan", mesh=(2, 2), schedule="gpipe")
-    # OptionError: schedule='gpipe' is an option of the 'pp' mesh axis (a pipeline), and this mesh has axes dp, tp: ...
+    # OptionError: schedule='gpipe' is an option of the 'pp' mesh axis (pipeline parallel: ...), and this mesh has axes dp, tp: ...
 
 ``nvtp.jit``, ``nvtp.plan``, ``nvtp.ShardingTransform`` and the command line (``check_cli``: each
-command's flags named as the Python options they set) call ``check`` at their top, so plan and run
-accept the same inputs, and no option is dropped: one that the chosen path does not honour is
-refused, saying why and what to do. The knowledge is in four tables:
+command's flags named as the Python options they set) call ``check`` at their top with every
+option they take, so plan and run accept the same inputs, and no option is dropped: one that the
+chosen path does not honour is refused, saying why and what to do. The knowledge is in tables:
 
 * ``RULES``: each option's type and values, and its default (what every path does anyway: an
   option counts as given when it differs from its default);
-* ``ENTRIES``: the options each entry point takes;
-* ``AXIS_OPTIONS``: the options each mesh axis takes: an option listed there is refused on a mesh
-  without that axis (``schedule=`` without "pp", ``fsdp=True`` without "dp");
-* ``AXIS_REFUSES``: the options a mesh with that axis does not honour, with why and what to do.
+* ``COMMANDS``: the flags each command of the command line takes;
+* from each mesh axis's strategy (``nvtp.sharding.axes``): ``Strategy.options``, the options only
+  that axis takes (refused on a mesh without it: ``schedule=`` without a pipeline axis), and
+  ``Strategy.refuses``, the options a mesh with that axis does not honour, with why and what to do.
 
-The last two are plain data keyed by axis name, to move into each axis's strategy. This module
-imports no torch (the command line refuses bad flags before torch loads); the few tables a rule
-reads from torch-side modules (schedules, machines, routes) are read when the rule runs.
+This module imports no torch until an option needs a mesh's strategies (the command line refuses
+its other bad flags before torch loads).
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ def _collective_matmul(name: str, value: Any) -> str | None:
 
 
 def _machine(name: str, value: Any) -> str | None:
-    from nvtp.sharding.overlap import MACHINES, Machine
+    from nvtp.sharding.cost import MACHINES, Machine
 
     if value is None or isinstance(value, Machine) or (isinstance(value, str) and value in MACHINES):
         return None
@@ -133,101 +132,87 @@ def _comm(name: str, value: Any) -> str | None:
     return f"{name}={value!r}: give a simulated mesh's communicator for this rank (nvtp.execute.collectives), or None"
 
 
-# option -> (rule, default)
-RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = {
-    "plan": (_plan, "megatron"),
-    "mesh": (lambda name, value: None, None),  # built and checked by nvtp.mesh.make_mesh / nvtp.pipeline.layout
-    "devices": (_positive_int(2), None),
-    "comm": (_comm, None),
-    "dynamic": (_bool, False),
-    "timeout": (_timeout, 60.0),
-    "check_replicas": (_bool, False),
-    "frontend": (_one_of(_routes), "auto"),
-    "fsdp": (_bool, False),
-    "regional": (_bool, True),
-    "backend": (_backend, "auto"),
-    "overlap": (_bool, True),
-    "collective_matmul": (_collective_matmul, "auto"),
-    "machine": (_machine, None),
-    "microbatches": (_positive_int(2), None),
-    "schedule": (_one_of(_schedules, lambda s: s.lower().replace("-", "")), None),
-    "cut": (_cut, None),
+# option -> (rule, default), written as the entry points' keywords
+RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
+    plan=(_plan, "megatron"),
+    mesh=(lambda name, value: None, None),  # built and checked by nvtp.mesh.make_mesh and the pipeline's layout
+    devices=(_positive_int(2), None),
+    comm=(_comm, None),
+    dynamic=(_bool, False),
+    timeout=(_timeout, 60.0),
+    check_replicas=(_bool, False),
+    frontend=(_one_of(_routes), "auto"),
+    fsdp=(_bool, False),
+    regional=(_bool, True),
+    backend=(_backend, "auto"),
+    overlap=(_bool, True),
+    collective_matmul=(_collective_matmul, "auto"),
+    machine=(_machine, None),
+    microbatches=(_positive_int(2), None),
+    schedule=(_one_of(_schedules, lambda s: s.lower().replace("-", "")), None),
+    cut=(_cut, None),
+)
+
+# The flags each command of the command line takes (each sets the option of its name).
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
+                "--schedule"),
+    "shard": ("--plan", "--mesh", "--devices", "--fsdp"),
+    "replay": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--backend"),
+    "demo": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--microbatches", "--schedule"),
 }
 
-# The options each entry point takes (the command line's commands: their flags, named as these).
-ENTRIES: dict[str, frozenset[str]] = {
-    "jit": frozenset({"plan", "mesh", "comm", "dynamic", "timeout", "check_replicas", "frontend", "fsdp", "regional", "backend",
-                      "overlap", "collective_matmul", "microbatches", "schedule", "cut"}),
-    "plan": frozenset({"plan", "mesh", "devices", "backend", "fsdp", "regional", "machine", "collective_matmul", "microbatches",
-                       "schedule", "cut"}),
-    "transform": frozenset({"plan", "mesh", "comm", "backend", "regional", "timeout"}),
-    "explain": frozenset({"plan", "mesh", "devices", "backend", "fsdp", "machine", "collective_matmul", "microbatches", "schedule"}),
-    "shard": frozenset({"plan", "mesh", "devices", "fsdp"}),
-    "replay": frozenset({"plan", "mesh", "devices", "fsdp", "timeout", "backend"}),
-    "demo": frozenset({"plan", "mesh", "devices", "fsdp", "timeout", "microbatches", "schedule"}),
-}
 
-# The options each mesh axis takes: refused on a mesh without that axis.
-AXIS_OPTIONS: dict[str, frozenset[str]] = {
-    "tp": frozenset(),
-    "dp": frozenset({"fsdp"}),
-    "cp": frozenset(),
-    "pp": frozenset({"microbatches", "schedule", "cut"}),
-}
+def axis_options() -> dict[str, frozenset[str]]:
+    """Each mesh axis name -> the options only it takes (its strategy's ``options``)."""
+    from nvtp.sharding import axes
 
-# The options a mesh with this axis does not honour: why, and what to do instead.
-AXIS_REFUSES: dict[str, dict[str, str]] = {
-    "pp": {
-        "fsdp": "a pipeline's dp axis is DDP-style (each stage's weights whole over dp); shard without a 'pp' axis for FSDP",
-        "comm": "a pipeline runs on torch.distributed's processes, not a simulated mesh; call it in processes after "
-                "torch.distributed.init_process_group",
-        "dynamic": "a pipeline is compiled for one batch shape, cut into microbatches; pass the same shapes every step, or shard "
-                   "without a 'pp' axis to compile each new shape",
-        "check_replicas": "a pipeline does not compare replicated inputs across ranks; leave it out, or check without a 'pp' axis",
-        "regional": "a pipeline traces a chain of repeated blocks once and splices it, as its stages are cut at block boundaries; "
-                    "leave regional at its default",
-        "overlap": "a pipeline's stages start each collective as soon as its input exists (the default schedule); leave overlap "
-                   "at its default, or shard without a 'pp' axis to run each collective where it stands",
-        "collective_matmul": "a pipeline's stages plan collective matmuls where the cost model says they pay (the default, "
-                             "'auto'); leave it at its default, or shard without a 'pp' axis to force it on or off",
-        "machine": "a pipeline's report does not estimate overlap on a machine model; leave machine out",
-    },
-}
+    return {name: s.options for name, s in axes.AXES.items()}
 
-_EXAMPLES = {  # how to make a mesh with the axis, for the messages
-    "pp": "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp')) (on the command line --mesh PPxDPxTP)",
-    "dp": "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) (on the command line --mesh DPxTP)",
-    "cp": "init_device_mesh(device, (cp,), mesh_dim_names=('cp',)) (on the command line --mesh cp=N)",
-    "tp": "a number of devices, or init_device_mesh(device, (tp,), mesh_dim_names=('tp',))",
-}
-_CLI_EXAMPLES = {"pp": "--mesh PPxDPxTP (e.g. --mesh 2x1x2)", "dp": "--mesh DPxTP (e.g. --mesh 2x2)", "cp": "--mesh cp=N",
-                 "tp": "--devices N"}
-_WHAT = {"pp": "a pipeline", "dp": "data parallelism", "cp": "context parallelism", "tp": "tensor parallelism"}
+
+def axis_refuses() -> dict[str, Mapping[str, str]]:
+    """Each mesh axis name -> the options a mesh with it does not honour, and why (``refuses``)."""
+    from nvtp.sharding import axes
+
+    return {name: s.refuses for name, s in axes.AXES.items()}
+
+
+def _option(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 # ---------------------------------------------------------------------------------------------
 # the check
 
 
-def mesh_axes(mesh: Any) -> tuple[str, ...]:
-    """The axis names of anything ``nvtp.jit`` / ``nvtp.plan`` / the command line take as a mesh,
-    without building it (None: "tp"); () when the spelling is not one nvtp knows (the mesh's own
-    check then refuses it)."""
+def mesh_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """The axis names (and sizes, when the spelling gives them) of anything ``nvtp.jit``,
+    ``nvtp.plan`` or the command line take as a mesh, without building it; ((), None) when the
+    spelling is not one nvtp knows (the mesh's own check then refuses it)."""
+    from nvtp.sharding import axes
+
     if mesh is None or (isinstance(mesh, int) and not isinstance(mesh, bool)):
-        return ("tp",)
+        return axes.spelled(1), None
     if isinstance(mesh, str):
         text = mesh.replace(" ", "").lower()
         if "=" in text:
-            return tuple(part.partition("=")[0] for part in text.split(","))
-        return {1: ("tp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}.get(text.count("x") + 1, ())
+            pairs = [part.partition("=") for part in text.split(",")]
+            return tuple(n for n, _, _ in pairs), tuple(int(k) if k.isdigit() else 0 for _, _, k in pairs)
+        parts = text.split("x")
+        if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+            return (), None
+        return axes.spelled(len(parts)), tuple(int(p) for p in parts)
     if isinstance(mesh, (tuple, list)):
-        return {2: ("dp", "tp"), 3: ("pp", "dp", "tp")}.get(len(mesh), ())
-    if all(hasattr(mesh, a) for a in ("pp", "dp", "tp")):  # nvtp.pipeline.layout.Layout
-        return ("pp", "dp", "tp")
-    names = getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "names", None)
-    if names:
-        return tuple(names)
-    return ("tp",) if getattr(mesh, "ndim", None) == 1 else ()
+        if not 1 <= len(mesh) <= 3:
+            return (), None
+        return axes.spelled(len(mesh)), tuple(mesh)
+    if isinstance(mesh, axes.Layout):
+        return axes.spelled(3), (mesh.pp, mesh.dp, mesh.tp)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "names", None) or ())
+    shape = tuple(int(n) for n in getattr(mesh, "shape", ()))
+    if not names and getattr(mesh, "ndim", None) == 1:
+        names = axes.spelled(1)
+    return names, (shape if len(shape) == len(names) else None)
 
 
 def given(name: str, value: Any) -> bool:
@@ -237,49 +222,58 @@ def given(name: str, value: Any) -> bool:
 
 
 def check(entry: str, *, module: Any = None, **options: Any) -> None:
-    """Refuse (``OptionError``) an option of the wrong type or value, one ``entry`` does not take,
-    one that needs a mesh axis the mesh lacks, and one the mesh's path does not honour. With
-    ``module`` (a pipeline's), ``cut`` is checked against its blocks too. Touches nothing."""
-    takes = ENTRIES[entry]
+    """Refuse (``OptionError``) an option of the wrong type or value, one that needs a mesh axis
+    the mesh lacks, and one the mesh's path does not honour; ``entry`` ("jit", "plan",
+    "transform", or a command of the command line) passes every option it takes. With ``module``
+    (a pipeline's), ``cut`` is checked against its blocks too. Touches nothing."""
     for name, value in options.items():
-        if name not in takes and entry in _PYTHON:
-            raise OptionError(f"{_caller(entry)} takes no option {name}=; it takes {', '.join(sorted(takes))}")
-        if name not in takes and given(name, value):
+        if name not in RULES:
+            raise OptionError(f"{_caller(entry)} takes no option {name}=")
+        if entry in COMMANDS and _flag(name) not in COMMANDS[entry] and given(name, value):
             raise OptionError(f"{_spelled(entry, name, value)} does not apply to nvtp {entry}; it takes "
-                              f"{', '.join(sorted(_flag(entry, n) for n in takes))}")
+                              f"{', '.join(sorted(COMMANDS[entry]))}")
         if not given(name, value):
             continue
         problem = RULES[name][0](name, value)
         if problem is not None:
             raise OptionError(problem)
-    axes = mesh_axes(options.get("mesh"))
-    if entry in _PYTHON and options.get("mesh") is not None and options.get("devices") is not None:  # the CLI's own check words it
+    if entry not in COMMANDS and options.get("mesh") is not None and options.get("devices") is not None:  # the CLI's own check words it
         raise OptionError(f"devices={options['devices']} and mesh={options['mesh']!r} both say which mesh: give one of them")
-    for name, value in options.items():
-        if not given(name, value):
-            continue
-        for axis, wanted in AXIS_OPTIONS.items():
-            if name in wanted and axis not in axes:
-                example = _EXAMPLES[axis] if entry in _PYTHON else _CLI_EXAMPLES[axis]
-                raise OptionError(f"{_spelled(entry, name, value)} is an option of the {axis!r} mesh axis ({_WHAT[axis]}), and "
-                                  f"this mesh has {_axes_text(axes)}: give a mesh with a {axis!r} axis, {example}, or "
-                                  f"leave {_flag(entry, name)} out")
-        for axis in axes:
-            why = AXIS_REFUSES.get(axis, {}).get(name)
+    mine = {name: value for name, value in options.items() if given(name, value)}
+    wanted = {name for name in mine if name != "mesh"}
+    if not wanted:
+        return
+    refuses, takes = axis_refuses(), axis_options()
+    if not wanted & (set().union(*takes.values()) | set().union(*(set(r) for r in refuses.values()))):
+        return  # no option of this call depends on the mesh's axes
+    names, sizes = mesh_axes(options.get("mesh"))
+    for name in sorted(wanted):
+        for axis, own in takes.items():
+            if name in own and axis not in names:
+                raise OptionError(f"{_spelled(entry, name, options[name])} is an option of the {axis!r} mesh axis "
+                                  f"({_summary(axis)}), and this mesh has {_axes_text(names)}: give a mesh with a {axis!r} axis"
+                                  f"{_example(entry, axis)}, or leave {_flag(name) if entry in COMMANDS else name + '='} out")
+        for axis in names:
+            why = refuses.get(axis, {}).get(name)
             if why is not None:
-                raise OptionError(f"{_spelled(entry, name, value)} is not honoured on a mesh with a {axis!r} axis: {why}")
-    if "pp" in axes and given("cut", options.get("cut")) and module is not None:
-        check_cut(options["cut"], _blocks(module), _pp_size(options.get("mesh")))
+                raise OptionError(f"{_spelled(entry, name, options[name])} is not honoured on a mesh with a {axis!r} axis: {why}")
+    if "cut" in wanted and module is not None:
+        stages = _stages(names, sizes)
+        check_cut(options["cut"], _blocks(module), stages)
 
 
 def pipeline_options(model: Any, example_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The pipeline's options among ``nvtp.plan``'s keywords (the others are the model's example
-    keywords): ``microbatches``, ``schedule``, ``cut``, unless the model's forward takes that name."""
+    """The options of a stage-cutting axis (a pipeline's ``microbatches``, ``schedule``, ``cut``)
+    among ``nvtp.plan``'s keywords (the others are the model's example keywords), unless the
+    model's forward takes that name."""
+    from nvtp.sharding import axes
+
     try:
         takes = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):
         takes = set()
-    return {k: example_kwargs[k] for k in AXIS_OPTIONS["pp"] if k in example_kwargs and k not in takes}
+    own = set().union(*(s.options for s in axes.AXES.values() if s.cuts_stages))
+    return {k: example_kwargs[k] for k in sorted(own) if k in example_kwargs and k not in takes}
 
 
 def check_cut(cut: Any, blocks: tuple[str, int] | None, stages: int | None) -> None:
@@ -294,9 +288,9 @@ def check_cut(cut: Any, blocks: tuple[str, int] | None, stages: int | None) -> N
     cuts = list(cut)
     if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or (cuts and (cuts[0] < 1 or cuts[-1] >= count)):
         even = [count * (i + 1) // stages for i in range(stages - 1)]
-        raise OptionError(f"cut={cuts}: the model has {count} blocks ({prefix}.0 .. {prefix}.{count - 1}) and the mesh pp={stages} "
-                          f"stages: give the first block of each stage after the first, {stages - 1} increasing number(s) in "
-                          f"1..{count - 1} (e.g. cut={even}), or leave cut out for the balanced cut")
+        raise OptionError(f"cut={cuts}: the model has {count} blocks ({prefix}.0 .. {prefix}.{count - 1}) and the mesh {stages} "
+                          f"pipeline stages: give the first block of each stage after the first, {stages - 1} increasing "
+                          f"number(s) in 1..{count - 1} (e.g. cut={even}), or leave cut out for the balanced cut")
 
 
 def _blocks(module: Any) -> tuple[str, int] | None:
@@ -309,34 +303,27 @@ def _blocks(module: Any) -> tuple[str, int] | None:
     return rep.prefix, rep.count
 
 
-def _pp_size(mesh: Any) -> int | None:
-    if isinstance(mesh, str):
-        return int(mesh.lower().split("x")[0]) if mesh.lower().split("x")[0].strip().isdigit() else None
-    if isinstance(mesh, (tuple, list)):
-        return mesh[0] if isinstance(mesh[0], int) else None
-    if hasattr(mesh, "pp") and isinstance(mesh.pp, int):
-        return mesh.pp
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "names", None) or ())
-    shape = tuple(getattr(mesh, "shape", ()))
-    return int(shape[names.index("pp")]) if "pp" in names and len(shape) == len(names) else None
+def _stages(names: tuple[str, ...], sizes: tuple[int, ...] | None) -> int | None:
+    """The extent of the axis that cuts stages, when the mesh's spelling gives it."""
+    from nvtp.sharding import axes
+
+    at = next((i for i, n in enumerate(names) if n in axes.AXES and axes.AXES[n].cuts_stages), None)
+    return None if at is None or sizes is None else int(sizes[at])
 
 
 # ---------------------------------------------------------------------------------------------
 # the command line: flags as options
 
 
-_CLI_FLAGS = {"plan": "--plan", "mesh": "--mesh", "devices": "--devices", "fsdp": "--fsdp", "timeout": "--timeout",
-              "backend": "--backend", "machine": "--machine", "collective_matmul": "--collective-matmul",
-              "microbatches": "--microbatches", "schedule": "--schedule"}
 _CLI_VALUES = {"collective_matmul": {"auto": "auto", "on": True, "off": False}}
 
 
 def check_cli(args: Any) -> None:
     """The command line's flags of ``args.command`` (argparse's namespace) checked as the options
     they set, by ``check``: e.g. ``nvtp explain --mesh 2x2 --microbatches 4`` is refused as
-    ``microbatches=4`` without a 'pp' axis is."""
+    ``microbatches=4`` without a pipeline axis is; a flag the command does not use, as well."""
     command = getattr(args, "command", None)
-    if command not in ENTRIES:
+    if command not in COMMANDS:
         return
     options = {}
     for name in RULES:  # every flag that sets an option, so one the command does not use is refused, not ignored
@@ -346,12 +333,10 @@ def check_cli(args: Any) -> None:
         value = _CLI_VALUES.get(name, {}).get(value, value) if isinstance(value, str) else value
         if name == "timeout" and value == 60.0:
             continue  # the flag's default, the same as the option's
-        if name == "backend" and command in ("replay",) and value == "reference":
+        if name == "backend" and command == "replay" and value == "reference":
             continue  # replay's default backend
-        if value is not None or name in ("plan",):
+        if value is not None:
             options[name] = value
-    if options.get("plan") is None:
-        options.pop("plan", None)
     if command == "replay" and "timeout" in options and not (options.get("plan") or (options.get("devices") or 1) > 1
                                                              or options.get("mesh")):
         raise OptionError(f"--timeout {options['timeout']:g} bounds the wait for a silent rank of a mesh of processes, and this "
@@ -364,34 +349,51 @@ def check_cli(args: Any) -> None:
 # wording
 
 
-_PYTHON = ("jit", "plan", "transform")
+_PYTHON = {"jit": "nvtp.jit", "plan": "nvtp.plan", "transform": "nvtp.ShardingTransform"}
 
 
 def _caller(entry: str) -> str:
-    return {"jit": "nvtp.jit", "plan": "nvtp.plan", "transform": "nvtp.ShardingTransform"}.get(entry, f"nvtp {entry}")
+    return _PYTHON.get(entry, f"nvtp {entry}")
 
 
-def _flag(entry: str, name: str) -> str:
-    if entry in _PYTHON:
-        return f"{name}="
-    return _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _spelled(entry: str, name: str, value: Any) -> str:
-    if entry in _PYTHON:
+    if entry not in COMMANDS:
         return f"{name}={value!r}"
-    flag = _CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
     typed = next((k for k, v in _CLI_VALUES.get(name, {}).items() if v is value), None)
     if typed is not None:
-        return f"{flag} {typed}"
+        return f"{_flag(name)} {typed}"
     if isinstance(value, bool):
-        return flag
-    return f"{flag} {value}"
+        return _flag(name)
+    return f"{_flag(name)} {value}"
 
 
-def _axes_text(axes: tuple[str, ...]) -> str:
-    return f"axes {', '.join(axes)}" if len(axes) > 1 else f"the axis {axes[0]}" if axes else "no named axes"
+def _summary(axis: str) -> str:
+    from nvtp.sharding import axes
+
+    return axes.AXES[axis].summary if axis in axes.AXES else axis
 
 
-__all__ = ["OptionError", "RULES", "ENTRIES", "AXIS_OPTIONS", "AXIS_REFUSES", "check", "check_cut", "check_cli", "given",
+def _example(entry: str, axis: str) -> str:
+    """How to make a mesh with ``axis``: its spelling by shape when it has one, else by name."""
+    from nvtp.sharding import axes
+
+    for ndim in (1, 2, 3):
+        names = axes.spelled(ndim)
+        if axis in names:
+            shape = "x".join(n.upper() for n in names)
+            if entry in COMMANDS:
+                return f", --mesh {shape}" if ndim > 1 else f", --devices {shape}"
+            return f", init_device_mesh(device, ({', '.join(names)}), mesh_dim_names={names!r})"
+    return f", --mesh {axis}=N" if entry in COMMANDS else f", init_device_mesh(device, (n,), mesh_dim_names=({axis!r},))"
+
+
+def _axes_text(names: tuple[str, ...]) -> str:
+    return f"axes {', '.join(names)}" if len(names) > 1 else f"the axis {names[0]}" if names else "no named axes"
+
+
+__all__ = ["OptionError", "RULES", "COMMANDS", "axis_options", "axis_refuses", "check", "check_cut", "check_cli", "given",
            "mesh_axes", "pipeline_options"]

@@ -48,6 +48,7 @@ from nvtp.frontend import user_code
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
+from nvtp.sharding import axes
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
@@ -126,8 +127,7 @@ class ShardedModule(torch.nn.Module):
         check_world(self.mesh, comm)
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
-        if self.backend == "nvfuser" and "cp" in self.mesh.names:  # refused before tracing (nvtp/execute/backends.py says why)
-            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis); use backend='reference' (docs/context.md)")
+        axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
@@ -238,7 +238,7 @@ class ShardedModule(torch.nn.Module):
         return self._placements.get(name, REPLICATE if self.mesh.ndim == 1 else (REPLICATE,) * self.mesh.ndim)
 
     def _dp_axis(self) -> int | None:
-        return self.mesh.names.index("dp") if "dp" in self.mesh.names else None
+        return axes.batch_axis(self.mesh)
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return self._global_shapes[self._tied.get(name, name)]
@@ -265,21 +265,15 @@ class ShardedModule(torch.nn.Module):
         backend's target), this rank's parameters made its shards, and the backend's runner.
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
-        dp = self._dp_axis()
-        # Fused projections with parts of different sizes become one per part (nvtp/frontend/fused.py)
-        # for the derived plans on a 1-D mesh; explicit plans (they name whole weights) and a
-        # (dp, tp) mesh keep them whole.
-        split = tuple(self.mesh.names) == ("tp",) and self.plan in ("megatron", "megatron-sp")
         precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
-        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, split_parts=split,
-                              batch=1 if dp is None else self.mesh.shape[dp], on_meta=False, like=self.module,
-                              ring="cp" in self.mesh.names)
+        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
+                              like=self.module, **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
-        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs))
+        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), traced.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -330,6 +324,13 @@ class ShardedModule(torch.nn.Module):
         self.last = self._compiled_for(args, kwargs).program  # ``last.traced.how``: how it was traced
         return self
 
+    def lower(self, *args, **kwargs) -> Program:
+        """The ``Program`` a call with arguments like these runs, before any step (as
+        ``jax.jit(f).lower(x)``): traced and sharded now if it was not yet, the parameters made
+        their shards. ``.as_text()`` is what ``nvtp explain`` prints, ``.steps()`` every
+        communication of a training step, ``.write_nvfuser(dir)`` the files nvFuser runs."""
+        return self.compile(*args, **kwargs).last
+
     def _call(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
         """A call's arguments as the compiled programs take them (``nvtp.driver.bind_call``)."""
         return driver.bind_call(self.module, self._route, args, kwargs)
@@ -340,7 +341,7 @@ class ShardedModule(torch.nn.Module):
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
             self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
-                                              self.rank, self._part_rows, compiled.signature)
+                                              self.rank, self._part_rows, compiled.signature, compiled.call)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
@@ -536,24 +537,22 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (``nvtp.sharding.overlap``); False runs each where it stands, blocking. ``collective_matmul``
     (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
     projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
-    the cost model says it pays on the backend's machine (``overlap.default_machine``), True
+    the cost model says it pays on the backend's machine (``cost.default_machine``), True
     wherever it applies, False never.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
-    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.multi``.
+    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.compose``.
     On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
-    from nvtp.pipeline.layout import has_pp
-
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
                   collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
-    if has_pp(mesh):
+    if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,

@@ -20,34 +20,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from nvtp.ir.graph import TensorValue
+from nvtp.dump.program_files import write_program
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.report import report_of
 from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
 from nvtp.sharding.sharded import ShardedFusion
+from nvtp.steps import Step, issued, issued_steps, tensor_steps
 
 @dataclass(frozen=True)
-class Step:
-    """One reshard of a training step, as the program runs it."""
+class Source:
+    """What the program was made from, as plain data (no tracer object: Thunder's traces and the
+    FX binder stay with the runtime that calls the module): the fusions before sharding, the
+    route and how it traced, and what the module boundary is."""
 
-    phase: str  # "forward" or "backward"
-    kind: str  # allreduce, allgather, reduce_scatter, sendrecv (cp), send / recv (pp) (communication); slice, partition (local)
-    axis: str  # the mesh axis's name: its process group runs it
-    value: str  # the value it reshards (the sharded fusion's name)
-    tensor: str  # its label where it has one (a parameter, an argument), else the value's name
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int  # what each rank sends with ring algorithms (0 for local steps)
-    src: str
-    dst: str
-
-    @property
-    def is_communication(self) -> bool:
-        from nvtp.sharding.reshard import COLLECTIVES
-
-        return (self.kind in COLLECTIVES or self.kind in ("sendrecv", "send", "recv")) and self.bytes > 0  # send, recv: a pipeline's pp axis
+    forward: Fusion
+    backward: Fusion | None
+    route: str  # "thunder", "fx" or "dump"
+    how: str  # how the fusions were made ("spliced: ...", "whole trace: <why>", or the file)
+    arguments: tuple[str, ...]  # labels of the inputs that are the caller's arguments
+    weights: frozenset[str] | None  # labels of the module's parameters (None: every parameter input)
+    tied: Mapping[str, str]  # a tied parameter's other names -> its first name
+    parts: Mapping[str, Any]  # inputs that are rows of a parameter (label -> nvtp.frontend.fused.Part)
+    boundary: bool = True  # a module: outputs and argument gradients whole on the model-parallel axis
+    declined: tuple[str, ...] = ()  # attentions not claimed whole for a ring, and why
+    seconds: float = 0.0
+    layers: Mapping[str, int] = field(default_factory=dict)  # spliced: each forward value a block's copy computes -> its block
+    output_tree: Any = None  # the model's output object, each tensor a Leaf naming its output (nvtp.frontend.outputs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
     forward: ShardedFusion
     backward: ShardedFusion | None
@@ -55,11 +57,16 @@ class Program:
     plan: str
     backend: str  # the backend whose target the passes sharded for (nvtp.execute.backends)
     fsdp: bool
-    traced: "Traced"  # nvtp.driver.Traced: the fusions before sharding, the route, the module boundary
+    source: Source  # the fusions before sharding, the route, the module boundary (plain data)
     parameters: dict[str, Any]  # label -> placement of each forward input that is a whole tensor the caller or module holds (parts joined)
     schedules: dict[str, Any] = field(default_factory=dict)  # phase -> nvtp.sharding.overlap.Schedule (empty: collectives block where they stand)
     notes: list[str] = field(default_factory=list)  # the data plan's: weights FSDP leaves whole, and why (the plan's are forward.annotations.notes)
     seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def traced(self) -> Source:
+        """The program's ``source`` (the name ``nvtp.jit(...).last.traced.how`` has always read)."""
+        return self.source
 
     # -- what it does ---------------------------------------------------------------------
 
@@ -67,34 +74,28 @@ class Program:
         return [("forward", self.forward)] + ([("backward", self.backward)] if self.backward is not None else [])
 
     def steps(self, communication_only: bool = False) -> list[Step]:
-        """Every reshard step of one training step, in the order the fusions run them."""
-        from nvtp.sharding.context import ring_steps
-
+        """Every step of one training step, in the order this rank's backend runs them: each
+        collective as the schedule starts it (a bucket one step; ``at`` the op after which it
+        starts, ``waits`` where its tensors are needed), each point-to-point exchange of a ring
+        (cp's ring attention, a collective matmul) inside the op it belongs to, and the local
+        reshards at their ``set``. ``communication_only``: the steps that move data."""
         out = []
         for phase, sharded in self.phases():
-            order = {op.outputs[0].name: i for i, op in enumerate(sharded.fusion.ops) if op.outputs}
-            ordered = []
-            for result, step in sharded.set_steps.items():
-                if communication_only and not step.is_communication:
-                    continue
-                src = sharded.source
-                v = src.value(step.value) if step.value in src.values else sharded.fusion.value(step.value)
-                label = src.label(step.value) if step.value in src.info else ""
-                ordered.append((order.get(result, 0), Step(phase, step.kind, self.mesh.names[step.axis], step.value, label or step.value,
-                                                           tuple(v.shape), v.dtype.value, step.bytes if step.is_communication else 0,
-                                                           str(step.src), str(step.dst))))
-            for r in ring_steps(phase, sharded):  # the cp axis's ring attention (nvtp.sharding.context)
-                ordered.append((r.position, Step(phase, "sendrecv", "cp", r.op, r.tensor, r.shape, r.dtype, r.bytes, "cp ring", "next rank")))
-            out += [s for _, s in sorted(ordered, key=lambda x: x[0])]
+            out += issued_steps(phase, sharded, self.schedules.get(phase), communication_only)
         return out
 
     def communications(self) -> list[Step]:
-        """The steps that move data between ranks, in run order."""
-        return self.steps(communication_only=True)
+        """Each tensor a training step moves between ranks, one step per tensor, in run order
+        (a bucket's members apart, so each is named with its shape and bytes)."""
+        out = []
+        for phase, sharded in self.phases():
+            out += tensor_steps(phase, sharded, communication_only=True)
+        return out
 
     def collectives(self) -> list[dict[str, Any]]:
-        """The collectives one training step issues, in the order it starts them: one per bucket
-        of the schedule (``nvtp.sharding.overlap``), or one per communication step unscheduled."""
+        """The communications one training step issues, in the order it starts them, as records:
+        {phase, kind, axis, bytes, tensors, at, waits, overlaps_ops} (and ``ring``, ``ring_steps``
+        for a collective matmul's steps): ``steps()`` less the local ones."""
         return issued(self.phases(), self.schedules)
 
     def parameter_bytes(self) -> int:
@@ -123,8 +124,6 @@ class Program:
 
     def report(self, model: str = ""):
         """The ``nvtp explain`` report of this program (``nvtp.report.ModelReport``)."""
-        from nvtp.report import report_of
-
         return report_of(self, model)
 
     def as_text(self) -> str:
@@ -134,60 +133,9 @@ class Program:
         """The forward and backward as nvFuser's own Python files in ``directory`` (``<name>_fwd.py``,
         ``<name>_bwd.py``): what the nvFuser backend builds for every rank, with the device schedule
         (``set_device_mesh``, splits, ``ParallelType.mesh_x``) and the resharding ``set`` ops; each
-        rank passes its own shards. nvfuser_direct builds them from their text, anywhere."""
-        from nvtp.dump.sharded import write_sharded
-        from nvtp.sharding.schedule import ScheduleError
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = []
-        data = ("fsdp" if self.fsdp else "ddp") if self.mesh.ndim > 1 else None
-        for phase, sharded in self.phases():
-            path = out / f"{name}_{'fwd' if phase == 'forward' else 'bwd'}.py"
-            command = f"nvtp.jit(model, plan={self.plan!r}, backend={self.backend!r}).program.write_nvfuser({str(directory)!r})"
-            try:
-                paths.append(write_sharded(sharded, path, command, data=data))
-            except ScheduleError as e:
-                if self.backend == "nvfuser":
-                    raise
-                raise ScheduleError(f"this program was sharded for the {self.backend} backend's target, whose placements "
-                                    f"nvFuser's device schedule cannot always express ({e}); write the program nvFuser would run: "
-                                    "nvtp.plan(..., backend='nvfuser') or nvtp.driver.compile(..., backend='nvfuser')") from e
-        if "cp" in self.mesh.names:  # the ring attention's per-step fusions (nvtp.sharding.context)
-            from nvtp.sharding.context import write_ring_steps
-
-            paths += write_ring_steps(self.forward, out, name)
-        for phase, sharded in self.phases():  # collective matmuls, as nvFuser's stream-parallel schedule writes them
-            rings = list(getattr(self.schedules.get(phase), "rings", ()))
-            if rings:
-                from nvtp.sharding.collective_matmul import write_collective_matmuls
-
-                paths += write_collective_matmuls(sharded, rings, out, f"{name}_{'fwd' if phase == 'forward' else 'bwd'}")
-        return paths
-
-
-def issued(phases, schedules: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """(phase, sharded fusion) pairs and their schedules -> the collectives as started:
-    {phase, kind, axis, bytes, tensors, at, waits}, ``at`` the op after which it starts."""
-    out = []
-    for phase, sharded in phases:
-        schedule = schedules.get(phase)
-        names = sharded.mesh.names
-        if schedule is not None:
-            started = [{"phase": phase, "kind": i.kind, "axis": names[i.axis], "bytes": i.bytes, "tensors": list(i.sets),
-                        "at": i.at, "waits": list(i.waits), "overlaps_ops": min(i.waits) - i.at - 1} for i in schedule.issues]
-            for r in schedule.rings:  # a collective matmul: its point-to-point steps, each beside a block's matmuls
-                started += [{"phase": phase, "kind": "sendrecv", "axis": names[r.axis], "bytes": r.step_bytes, "tensors": [r.name],
-                             "at": r.at - 1, "waits": [r.at], "overlaps_ops": len(r.linears), "ring": r.kind, "ring_steps": r.steps}
-                            for _ in range(r.steps)]
-            out += sorted(started, key=lambda c: c["at"])
-            continue
-        order = {op.outputs[0].name: k for k, op in enumerate(sharded.fusion.ops) if op.outputs}
-        for name, step in sorted(sharded.set_steps.items(), key=lambda kv: order.get(kv[0], 0)):
-            if step.is_communication:
-                out.append({"phase": phase, "kind": step.kind, "axis": names[step.axis], "bytes": step.bytes, "tensors": [name],
-                            "at": order[name] - 1, "waits": [order[name]], "overlaps_ops": 0})
-    return out
+        rank passes its own shards; then each ring step's fusions (a collective matmul, a ring
+        attention). nvfuser_direct builds them from their text, anywhere."""
+        return write_program(self, directory, name)  # the one writer: nvtp.dump.program_files
 
 
 def join_parts(placed: Sequence[tuple[str, Any]], parts: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Any]:

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import collections
 
-import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.sharding.placements import DeviceMesh, axis_split, local_shape
-from nvtp.sharding.context import context_header, ring_records
-from nvtp.sharding.report import communication_records
+from nvtp.sharding import axes
+from nvtp.sharding.cost import exposure
+from nvtp.sharding.report import communication_records, size_text
+from nvtp.steps import issued
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ModelReport:
     notes: list[str] = field(default_factory=list)  # the data plan's (weights FSDP leaves whole, and why)
     how: str = ""  # how the fusions were traced (nvtp.frontend.regional's Captured.regional)
     backend: str = "nvfuser"  # the backend whose target the program was sharded for (nvtp.execute.backends)
-    machine: Any = None  # an nvtp.sharding.overlap.Machine: estimate what the schedule hides on it
+    machine: Any = None  # an nvtp.sharding.cost.Machine: estimate what the schedule hides on it
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
     layers: dict[str, int] = field(default_factory=dict)  # a spliced program: each forward value a block's copy computes -> its block
 
@@ -77,11 +77,12 @@ class ModelReport:
         out = []
         for phase, r, sharded, layers in self._in_step_order():
             records = communication_records(sharded)
-            axes = [sharded.mesh.names[step.axis] for step in sharded.communications]
-            ring = ring_records(phase, sharded)  # the cp axis's ring attention: point-to-point steps (nvtp.sharding.context)
-            records, axes = records + ring, axes + ["cp"] * len(ring)
+            names = [sharded.mesh.names[step.axis] for step in sharded.communications]
+            for st, axis in axes.passes(sharded.mesh):  # what an axis runs beside the set ops (cp's ring attention)
+                extra = st.extra_steps(phase, sharded, axis)
+                records, names = records + extra, names + [sharded.mesh.names[axis]] * len(extra)
             for layer in layers:
-                for c, axis in zip(records, axes):
+                for c, axis in zip(records, names):
                     tensor = c["label"] or c["tensor"]
                     out.append({"kind": c["kind"], "tensor": tensor if layer is None else f"{r.name}.{layer}/{tensor}",
                                 "shape": c["shape"], "dtype": c["dtype"], "bytes": c["bytes"], "phase": phase,
@@ -103,8 +104,6 @@ class ModelReport:
         """The collectives one step issues, as started (buckets of the schedule are one each):
         {phase, kind, axis, bytes, tensors, at, waits, region, layer}; what ``communications``
         lists per tensor, grouped as the backend runs it."""
-        from nvtp.program import issued
-
         out = []
         for phase, r, sharded, layers in self._in_step_order():
             for layer in layers:
@@ -115,8 +114,6 @@ class ModelReport:
         """Under ``self.machine``: per phase the ops' time, the collectives' own time, and what the
         step still waits for them, scheduled and blocking (seconds; a repeated region counted
         ``count`` times), and the fraction the schedule hides."""
-        from nvtp.sharding.overlap import exposure
-
         out: dict[str, Any] = {"machine": self.machine.name, "describe": self.machine.describe}
         for phase in ("forward", "backward"):
             total = {"compute": 0.0, "communication": 0.0, "exposed": 0.0, "exposed_blocking": 0.0}
@@ -137,7 +134,7 @@ class ModelReport:
 
     def memory_per_rank(self) -> dict[str, int]:
         params = grads = optimizer = 0
-        for r, v, _ in self._parameters():
+        for r, v, _ in self.parameters():
             n = _numel(local_shape(v.shape, r.forward.shardings[v.name], r.forward.mesh))
             params += r.count * n * v.dtype.itemsize
             grads += r.count * n * v.dtype.itemsize
@@ -151,7 +148,7 @@ class ModelReport:
         return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
                 "peak_activations": peak, "total": params + grads + optimizer + peak}
 
-    def _parameters(self):
+    def parameters(self):
         """(region, forward input, label) of each parameter once (a tied weight is one parameter;
         buffers and folded constants, inputs too, are not parameters where the module's are known)."""
         seen: set[str] = set()
@@ -169,75 +166,17 @@ class ModelReport:
                 yield r, v, label
 
     def dp_traffic(self) -> dict[str, Any] | None:
-        """On a (dp, tp) mesh, the bytes each rank sends per step on dp against DDP's and FSDP's
-        formulas: DDP 2W(dp-1)/dp; FSDP 3Psi(dp-1)/dp for the weights it splits (gathered in
-        forward and again in backward, gradients reduce-scattered) plus 2R(dp-1)/dp for those it
-        leaves whole; W, Psi, R this rank's tp shards of the weights, in their dtype. A split
-        weight the backward does not read (an embedding table, the bias of a residual projection)
-        is not gathered again: it counts 2Psi'(dp-1)/dp (Psi' within ``split_weight_bytes``,
-        outside ``split_read_by_backward_bytes``). ``weights``
-        is the measured dp collectives of the weights and their gradients, each counted in its
-        weight's dtype, so it equals ``formula``; ``gradients_in_fp32`` the extra bytes of 16-bit
-        weights' gradients reduced in fp32 before their cast; ``other`` the rest (the loss's
-        scalars); ``measured`` = weights + gradients_in_fp32 + other; ``deviations`` the weights
-        whose measured bytes differ from their share of the formula (nvtp's GPT on megatron-sp:
-        wpe's gradient is reduced over dp while still split along the sequence by tp, so 1/tp of
-        it; with FSDP it is all-reduced whole before the slice to the rank's shard, not
-        reduce-scattered). None on a 1-D mesh."""
-        if self.mesh is None or "dp" not in self.mesh.names:
-            return None
-        tp_axis, dp_axis = self.mesh.names.index("tp") if "tp" in self.mesh.names else None, self.mesh.names.index("dp")
-        dp = self.mesh.shape[dp_axis]
-        itemsize, split, once, whole = {}, 0, 0, 0
-        expected: dict[str, float] = {}
-        for r, v, label in self._parameters():
-            if self.weights is not None and label not in self.weights:
-                continue
-            itemsize[label] = v.dtype.itemsize
-            sharding = r.forward.shardings[v.name]
-            tp_part = (_numel(v.shape) if tp_axis is None else  # a (dp, cp) mesh: no tp
-                       _numel(local_shape(v.shape, (sharding[tp_axis],), self.mesh.sub(tp_axis)))) * v.dtype.itemsize
-            b = r.backward.source if r.backward is not None else None
-            read = b is not None and any(b.role(u.name) == "parameter" and b.label(u.name) == label for u in b.inputs)
-            if axis_split(sharding[dp_axis]) is None:
-                whole += r.count * tp_part
-                times = 2
-            elif read:
-                split += r.count * tp_part
-                times = 3
-            else:  # the backward does not read it (an embedding table, a bias): gathered once a step
-                once += r.count * tp_part
-                times = 2
-            expected[label] = expected.get(label, 0) + times * r.count * tp_part * (dp - 1) / dp
-        measured: dict[str, int] = {}
-        widened = other = 0
-        others: list[str] = []
-        for r in self.regions:
-            for sharded in (r.forward, r.backward):
-                if sharded is None:
-                    continue
-                for result, step in sharded.set_steps.items():
-                    if step.axis != dp_axis or not step.is_communication:
-                        continue
-                    label = _weight_of(sharded, result, step)
-                    v = sharded.fusion.value(result)
-                    if label not in itemsize:
-                        other += r.count * step.bytes
-                        others.append(f"{step.kind} {sharded.source.label(step.value) if step.value in sharded.source.info else step.value} "
-                                      f"{list(v.shape)} {v.dtype.value}")
-                        continue
-                    at_weight = step.bytes * itemsize[label] // v.dtype.itemsize
-                    measured[label] = measured.get(label, 0) + r.count * at_weight
-                    widened += r.count * (step.bytes - at_weight)
-        frac = (dp - 1) / dp
-        formula = round((3 * split + 2 * once + 2 * whole) * frac)
-        weights = sum(measured.values())
-        return {"data": self.data, "dp": dp, "split_weight_bytes": split + once, "split_read_by_backward_bytes": split,
-                "whole_weight_bytes": whole,
-                "formula": formula, "weights": weights, "gradients_in_fp32": widened, "other": other,
-                "other_collectives": others, "measured": weights + widened + other,
-                "deviations": {k: {"measured": measured.get(k, 0), "formula": round(expected[k])}
-                               for k in expected if measured.get(k, 0) != round(expected[k])}}
+        """The data axis's bytes per rank per step against DDP's and FSDP's formulas
+        (``nvtp.sharding.axes.dp.dp_traffic``); None on a mesh without one."""
+        return self.axis_json().get("dp_traffic")
+
+    def axis_json(self) -> dict[str, Any]:
+        """Each axis strategy's own terms of this report (dp's traffic against its formula)."""
+        out: dict[str, Any] = {}
+        if self.mesh is not None:
+            for st, axis in axes.passes(self.mesh):
+                out |= st.report_json(self, axis)
+        return out
 
     def activations_per_layer(self, square_only: bool = False) -> int | None:
         """Local bytes one layer keeps for backward: a block region's (``explain_gpt``), or in a
@@ -300,19 +239,17 @@ class ModelReport:
             "notes": list(self.notes),
             "communication_bytes_per_axis": {a: {p: sum(c["bytes"] for c in comms if c["phase"] == p and c["axis"] == a)
                                                  for p in ("forward", "backward")} for a in self.mesh.names},
-            "dp_traffic": self.dp_traffic(),
+            **self.axis_json(),
         })
 
     def as_text(self) -> str:
-        if self.mesh is not None and "cp" in self.mesh.names:
-            lines = [context_header(self)]
-        elif self.mesh is None:
+        if self.mesh is None:
             lines = [f"{self.model}: plan {self.plan} on a mesh of {self.devices} device(s), for the {self.backend} backend"]
         else:
             shape = "x".join(map(str, self.mesh.shape))
-            lines = [f"{self.model}: plan {self.plan} on tp, {self.data.upper()} on dp, on a {shape} mesh "
-                     f"({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; {self.devices} devices), "
-                     f"for the {self.backend} backend"]
+            parts = ", ".join(st.headline(self, axis) for st, axis in axes.passes(self.mesh))
+            lines = [f"{self.model}: {parts}, on a {shape} mesh ({', '.join(f'{n} {k}' for n, k in zip(self.mesh.names, self.mesh.shape))}; "
+                     f"{self.devices} devices), for the {self.backend} backend"]
             if self.batch:
                 lines.append(f"  {self.batch}")
             lines += [f"  {n}" for n in self.notes]
@@ -331,15 +268,15 @@ class ModelReport:
         for (phase, region, axis, kind, shape, dtype), cs in groups.items():
             per = f" ({len(cs) // max(1, self._count(region))} per layer)" if self._count(region) > 1 else ""
             where = f" on {axis}" if on else ""
-            lines.append(f"  {phase:8} {region:10}{where} {len(cs):5} x {kind:15} {dtype:>8}{shape:20}{per} {_size(sum(c['bytes'] for c in cs)):>12}")
+            lines.append(f"  {phase:8} {region:10}{where} {len(cs):5} x {kind:15} {dtype:>8}{shape:20}{per} {size_text(sum(c['bytes'] for c in cs)):>12}")
         for phase in ("forward", "backward"):
             for axis in (self.mesh.names if on else ("",)):
                 cs = [c for c in comms if c["phase"] == phase and (not on or c["axis"] == axis)]
-                lines.append(f"  {phase}{' on ' + axis if on else ''}: {len(cs)} collectives, {_size(sum(c['bytes'] for c in cs))} per rank")
+                lines.append(f"  {phase}{' on ' + axis if on else ''}: {len(cs)} collectives, {size_text(sum(c['bytes'] for c in cs))} per rank")
         issued = self.collectives()
         if any(r.schedules for r in self.regions):
             for phase in ("forward", "backward"):
-                cs = [c for c in issued if c["phase"] == phase and "ring" not in c]
+                cs = [c for c in issued if c["phase"] == phase and "ring" not in c and c["kind"] != "sendrecv"]
                 moved = sum(len(c["tensors"]) for c in cs)
                 lines.append(f"  {phase} as issued: {len(cs)} collectives for {moved} tensors (started as soon as their inputs "
                              f"exist, buckets of one kind and axis sent as one; nvtp.sharding.overlap)")
@@ -359,22 +296,22 @@ class ModelReport:
                 lines.append(f"  {phase:8} ops {t['compute'] * 1e3:9.2f} ms, communication {t['communication'] * 1e3:8.2f} ms, "
                              f"exposed {t['exposed'] * 1e3:8.2f} ms (blocking: {t['exposed_blocking'] * 1e3:.2f} ms): "
                              f"{t['hidden']:.0%} hidden")
-        traffic = self.dp_traffic()
-        if traffic is not None:
-            lines += _traffic_text(traffic)
+        if self.mesh is not None:
+            for st, axis in axes.passes(self.mesh):
+                lines += st.report_lines(self, axis)
         mem = self.memory_per_rank()
         lines.append("memory per rank:")
         for k in ("parameters", "gradients", "optimizer", "activations", "peak_activations", "total"):
-            lines.append(f"  {k:18} {_size(mem[k]):>12}")
+            lines.append(f"  {k:18} {size_text(mem[k]):>12}")
         formula = self.korthikanti_per_layer()
         mine = self.activations_per_layer()
         if formula is not None and mine is not None:
             square = self.activations_per_layer(square_only=True) or 0
             why = ("with flash attention nvtp keeps no s*s attention scores or probabilities" if not square else
-                   f"of which {_size(square)} s*s attention matrices (the formula counts 5 bytes an element of them: scores, "
+                   f"of which {size_text(square)} s*s attention matrices (the formula counts 5 bytes an element of them: scores, "
                    "probabilities, dropout mask)")
-            lines.append(f"activations saved per layer per rank: {_size(mine)}; Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)"
-                         f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {_size(int(formula))} "
+            lines.append(f"activations saved per layer per rank: {size_text(mine)}; Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)"
+                         f"{'/t' if self.plan == 'megatron-sp' else ' (TP: 10 + 24/t + 5as/(ht))'}: {size_text(int(formula))} "
                          f"(ratio {mine / formula:.2f}; {why})")
         if self.seconds:
             lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + (f" ({self.how})" if self.how else ""))
@@ -382,25 +319,6 @@ class ModelReport:
 
     def _count(self, name: str) -> int:
         return next((r.count for r in self.regions if r.name == name), 1)
-
-
-def _traffic_text(t: dict[str, Any]) -> list[str]:
-    """dp's bytes against DDP's or FSDP's formula, as ``dp_traffic`` counts them."""
-    k = f"(dp-1)/dp = {t['dp'] - 1}/{t['dp']}"
-    if t["data"] == "ddp":
-        formula = f"DDP's 2W{k[:9]} with W = {_size(t['whole_weight_bytes'])} (this rank's tp shards of the weights)"
-    else:
-        once = t["split_weight_bytes"] - t["split_read_by_backward_bytes"]
-        formula = (f"FSDP's 3Psi{k[:9]} + 2Psi'{k[:9]} + 2R{k[:9]} with Psi = {_size(t['split_read_by_backward_bytes'])} "
-                   f"(split weights the backward gathers again), Psi' = {_size(once)} (split weights it does not read), "
-                   f"R = {_size(t['whole_weight_bytes'])} (weights left whole); this rank's tp shards")
-    lines = [f"dp bytes per rank per step: {_size(t['measured'])} measured = {_size(t['weights'])} weights and gradients "
-             f"(in the weights' dtype) + {_size(t['gradients_in_fp32'])} gradients reduced in fp32 before their cast "
-             f"+ {_size(t['other'])} other ({', '.join(t['other_collectives']) or 'none'})",
-             f"  formula: {formula}, {k}: {_size(t['formula'])} ({t['formula']} B; weights measured {t['weights']} B)"]
-    for label, d in t["deviations"].items():
-        lines.append(f"  {label}: {d['measured']} B measured, {d['formula']} B by the formula")
-    return lines
 
 
 def _is_weight(label: str, weights: frozenset[str] | None) -> bool:
@@ -414,13 +332,6 @@ def _numel(shape: Sequence[int]) -> int:
     for x in shape:
         n *= x
     return n
-
-
-def _size(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _local_bytes(sharded: ShardedFusion, v: TensorValue) -> int:
@@ -522,34 +433,13 @@ def _folded(shardings: dict[str, str]) -> list[tuple[str, str]]:
     return out
 
 
-def _weight_of(sharded: ShardedFusion, result: str, step) -> str:
-    """The label of the parameter a collective moves: the parameter itself (FSDP's gathers), or the
-    parameter whose gradient output the reduced value becomes through single-use ops (a cast, a
-    slice to the at-rest shard); "" for anything else."""
-    src = sharded.source
-    if step.value in src.info and src.role(step.value) == "parameter":
-        return src.label(step.value)
-    outputs = {out.name: s.name for s, out in zip(src.outputs, sharded.fusion.outputs)}
-    users = sharded.fusion.consumers()
-    name = result
-    for _ in range(8):
-        if name in outputs:
-            return src.grad_of(outputs[name])
-        ops = users.get(name, [])
-        if len(ops) != 1 or len(ops[0].outputs) != 1:
-            return ""
-        name = ops[0].outputs[0].name
-    return ""
-
-
 def report_of(program, model: str = "", *, batch: str = "", shape: dict[str, int] | None = None) -> ModelReport:
     """The report of a whole ``nvtp.program.Program``: one region, the model. ``shape`` (s, b, h,
     a, t, L): a transformer's, for Korthikanti et al.'s formula."""
     mesh = program.mesh
-    two = mesh.ndim > 1 or "cp" in mesh.names
-    captured = program.traced.captured
+    two = mesh.names != DeviceMesh.of_size(mesh.size).names  # a plain 1-D mesh is reported as its device count
     return ModelReport(model or "model", program.plan, mesh.size, [Region("model", 1, program.forward, program.backward, dict(program.schedules))],
                        dict(program.seconds), dict(shape or {}), mesh=mesh if two else None,
-                       data=("fsdp" if program.fsdp else "ddp") if two else "", weights=program.traced.weights, batch=batch,
+                       data=axes.data_mode(program.fsdp) if two else "", weights=program.traced.weights, batch=batch,
                        notes=list(program.notes), how=program.traced.how, backend=program.backend, tied=dict(program.traced.tied),
-                       layers=dict(getattr(captured, "layers", None) or {}))
+                       layers=dict(program.source.layers))

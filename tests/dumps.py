@@ -30,4 +30,4 @@ def sharded_dump(dtype: str, dropout: float | None, role: str, plan: str, device
     source = fwd if role == "fwd" else bwd
     out = source.with_name(f"{source.stem}_{plan}_tp{devices}.py")
     command = f"nvtp shard {source.name} --plan {plan} --devices {devices} --out {out.name}"
-    return write_sharded(prepare(MeshJob(str(source), plan, devices, backend="nvfuser")), out, command)  # as nvtp shard: for nvFuser
+    return write_sharded(prepare(MeshJob(str(source), plan, devices, backend="nvfuser")).sharded, out, command)  # as nvtp shard: for nvFuser

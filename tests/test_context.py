@@ -25,7 +25,7 @@ import nvtp
 from nvtp import driver
 from nvtp.execute import ring, spmd
 from nvtp.models import gpt
-from nvtp.sharding.context import ContextError
+from nvtp.sharding.axes.cp import ContextError
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Zigzag, axis_split, held, local_indices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,9 +437,10 @@ def test_nvtp_explain_on_the_command_line_shows_the_ring():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "the sequence split over cp" in out and "allgather" not in out, out
-    # bf16 blocks [2, 4, 4, 16] (one rank's K or V): 6 a layer forward, 14 backward
+    # bf16 blocks [2, 4, 4, 16] (one rank's K or V): 6 a layer forward, 6 backward; their gradients' float32 accumulators 8
     assert re.search(r"forward\s+block\s+on cp\s+12 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(6 per layer\)\s+12.00 KiB", out), out
-    assert re.search(r"backward\s+block\s+on cp\s+28 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(14 per layer\)\s+28.00 KiB", out), out
+    assert re.search(r"backward\s+block\s+on cp\s+12 x sendrecv\s+BFloat16\[2, 4, 4, 16\]\s+\(6 per layer\)\s+12.00 KiB", out), out
+    assert re.search(r"backward\s+block\s+on cp\s+16 x sendrecv\s+Float\[2, 4, 4, 16\]\s+\(8 per layer\)\s+32.00 KiB", out), out
     bad = subprocess.run(cmd[:-1] + ["cp4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "cp=4" in bad.stderr, bad.stderr
 

@@ -37,11 +37,9 @@ TRACERS_AND_PASSES = {
     "nvtp.frontend.fx": {"trace", "export_program", "export_graph"},
     "nvtp.frontend.fx_regional": {"trace"},
     "nvtp.sharding.passes": {"shard", "shard_pair", "shard_backward"},
-    "nvtp.sharding.multi": {"shard_mesh", "shard_backward_mesh", "shard_pair_mesh"},
-    "nvtp.sharding.context": {"shard_forward", "shard_backward"},
 }
 OWNERS = {"nvtp/driver.py", "nvtp/frontend/capture.py", "nvtp/frontend/regional.py", "nvtp/frontend/fx.py", "nvtp/frontend/fx_regional.py",
-          "nvtp/sharding/passes.py", "nvtp/sharding/multi.py", "nvtp/sharding/context.py",
+          "nvtp/sharding/passes.py", "nvtp/sharding/axes/tp.py", "nvtp/sharding/axes/dp.py", "nvtp/sharding/axes/cp.py",
           # measures the one-block splice against the three-block one by patching the tracer the driver calls
           "tools/jit_depth.py"}
 

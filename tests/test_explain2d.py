@@ -139,7 +139,7 @@ def test_bad_mesh_spellings_are_refused_with_one_line(argv, says, capsys):
 def test_plan_refuses_a_bad_mesh_before_tracing():
     with pytest.raises(ValueError, match=r"expected \(dp, tp\)"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), mesh=(2,))
-    with pytest.raises(ValueError, match="fsdp=True shards weights over a data-parallel axis: pass a 2-D mesh"):
+    with pytest.raises(ValueError, match=r"fsdp=True shards weights over a data-parallel axis \('dp'\); the mesh \['tp'\] has none"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), devices=2, fsdp=True)
 
 

@@ -195,8 +195,8 @@ def test_dp_ranks_with_batches_of_different_shapes_are_refused_on_every_rank():
 
 
 def test_mesh_names_fsdp_without_dp_and_undividable_batches_are_refused():
+    from nvtp import driver
     from nvtp.frontend.capture import capture
-    from nvtp.sharding.multi import shard_mesh
     from nvtp.sharding.placements import DeviceMesh
     from nvtp.sharding.propagate import ShardingError
 
@@ -204,12 +204,12 @@ def test_mesh_names_fsdp_without_dp_and_undividable_batches_are_refused():
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((1, 1), ("data", "model")))
     with pytest.raises(ShardingError, match=r"the mesh has 4 device\(s\) but torch.distributed is not initialized"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((DP, TP), ("dp", "tp")))  # a mesh unlike the world: one process
-    with pytest.raises(ValueError, match=r"fsdp=True is an option of the 'dp' mesh axis \(data parallelism\), and this mesh has the "
+    with pytest.raises(ValueError, match=r"fsdp=True is an option of the 'dp' mesh axis \(data parallel: .*\), and this mesh has the "
                                          r"axis tp: give a mesh with a 'dp' axis, init_device_mesh\(device, \(dp, tp\)"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_size(1), fsdp=True)
     captured = capture(_model("llama"), torch.randn(3, CFG.seq_len, 64))  # a dump's batch of 3 on dp = 2
     with pytest.raises(ShardingError, match=r"batch dimension of size 3 cannot be split over the dp axis of size 2"):
-        shard_mesh(captured.forward, "megatron", DeviceMesh.of_shape((DP, TP), ("dp", "tp")))
+        driver.shard(driver.of_fusions(captured.forward), "megatron", DeviceMesh.of_shape((DP, TP), ("dp", "tp")))
 
 
 # -- checkpoints: DCP saved under tp = 4 loads under (dp, tp) = (2, 2) -----------------------------
@@ -297,16 +297,18 @@ def test_dp_bytes_per_step_equal_the_formula(fsdp):
     from nvtp import dump
     from nvtp.execute import spmd
     from nvtp.execute.collectives import MeshComm
+    from nvtp import driver
     from nvtp.frontend.capture import capture
-    from nvtp.sharding.multi import shard_pair_mesh
     from nvtp.sharding.placements import DeviceMesh, axis_split
 
     mesh = DeviceMesh.of_shape((DP, TP), ("dp", "tp"))
     model = _model("llama")
     weights = {n for n, _ in model.named_parameters()}  # not the rotary buffers: they have no gradients
     captured = capture(model, _activations(0, None))
-    fwd, bwd, data = shard_pair_mesh(captured.forward, captured.backward, "megatron", mesh, fsdp=fsdp, target="reference",
-                                     weights=weights)
+    traced = driver.of_fusions(captured.forward, captured.backward)
+    traced.weights = frozenset(weights)
+    program = driver.shard(traced, "megatron", mesh, "reference", fsdp=fsdp, overlap=False)
+    fwd, bwd = program.forward, program.backward
     split, whole = 0, 0
     for v in captured.forward.inputs:
         if captured.forward.label(v.name) not in weights:

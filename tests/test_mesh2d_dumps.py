@@ -39,7 +39,7 @@ CASES = [
 
 def _sharded_file(role: str, plan: str, fsdp: bool, mesh: tuple[int, int], out: Path) -> tuple[ShardedFusion, Path]:
     fwd, bwd = tiny_dump("bf16")  # `nvtp dump --config tiny`: the default dtype
-    sharded = prepare(MeshJob(str(fwd if role == "fwd" else bwd), plan, None, mesh=mesh, fsdp=fsdp, backend="nvfuser"))  # as nvtp shard
+    sharded = prepare(MeshJob(str(fwd if role == "fwd" else bwd), plan, None, mesh=mesh, fsdp=fsdp, backend="nvfuser")).sharded  # as nvtp shard
     return sharded, write_sharded(sharded, out, f"nvtp shard ... --plan {plan} --mesh {'x'.join(map(str, mesh))}")
 
 

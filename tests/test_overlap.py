@@ -229,8 +229,8 @@ def test_collective_matmul_computes_what_the_collectives_compute(mesh):
 def test_the_cost_model_takes_a_ring_where_it_pays():
     """On the H100 machine model a GPT-3 layer's projections pay as rings; on this CPU's gloo
     model the tiny GPT's (a few KiB a step, 0.5 ms a step) do not, so "auto" leaves them."""
-    from nvtp.sharding.collective_matmul import find_rings, plan_rings, ring_seconds
-    from nvtp.sharding.overlap import MACHINES
+    from nvtp.sharding.collective_matmul import find_rings, plan_rings
+    from nvtp.sharding.cost import MACHINES, ring_seconds
 
     program = _program(DeviceMesh.of_size(4), plan="megatron-sp")
     candidates = find_rings(program.forward)

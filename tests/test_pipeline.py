@@ -12,15 +12,18 @@
 
 from __future__ import annotations
 
+import math
+
 
 import pytest
 import torch
 
 import nvtp
+from nvtp.dtensor import local
 from nvtp.execute.launch import spawn
 from nvtp.models import gpt
 from nvtp.pipeline import schedule as sched
-from nvtp.pipeline.layout import Layout
+from nvtp.sharding.axes.pp import Layout
 from tests.complex_rotary import ComplexRotaryLM, Config
 
 STEPS = 3
@@ -62,21 +65,22 @@ def _optimizer(params):
 
 def _train(model, batches, dp: int, dp_rank: int):
     opt = _optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for idx, targets in batches:
         n = idx.shape[0] // dp
         loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
         opt.zero_grad()
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         losses.append(loss.item())
-    return losses
+    return losses, norms
 
 
 def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
     model = _model(layers, tied, family)
-    losses = _train(model, _batches(global_batch, layers, family), 1, 0)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, norms = _train(model, _batches(global_batch, layers, family), 1, 0)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def _hand_in(out, world: int, result) -> int:
@@ -107,12 +111,14 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
     model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
     dp_rank = model.layout.coords(rank)[1]
     opt = _optimizer(model.module.parameters())
-    losses, tie_gaps, sent, moved = [], [], [], []
+    losses, tie_gaps, sent, moved, norms = [], [], [], [], []
     for idx, targets in _batches(global_batch, layers, family):
         n = idx.shape[0] // dp
         loss = model(idx[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n])
         opt.zero_grad()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # torch's own, on the pipeline's parameters
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         losses.append(loss.item())
         sent.append(list(model.sent))
@@ -121,24 +127,26 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
             whole = model.full_parameters()
             tie_gaps.append(float((whole["wte.weight"] - _tied_copy(model)).abs().max()))
     whole = model.full_parameters()
-    held = sum(p.numel() * p.element_size() for p in model.module.parameters())
-    planned = [(s.kind, s.phase, s.tensor, int(s.dst.split()[1]) if s.kind == "send" else int(s.src.split()[1]), s.bytes)
+    held = sum(local(p).numel() * p.element_size() for p in model.module.parameters())
+    held += sum(r.numel() * r.element_size() for r in model._replicas.values())  # a weight an earlier stage holds, read here
+    keys = sorted(model.state_dict()) == sorted(_model(layers, tied, family).state_dict())
+    planned = [(s.kind, s.phase, s.tensor, int(s.dst.split()[1]) if s.kind in ("send", "reduce") else int(s.src.split()[1]), s.bytes)
                for s in model.program.steps(model.stage) if s.axis == "pp"]
-    result = {"losses": losses, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
+    result = {"losses": losses, "norms": norms, "keys": keys, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
     return _hand_in(out, world, result)
 
 
 def _tied_copy(model) -> torch.Tensor:
-    """The last stage's copy of the tied weight (lm_head.weight), whole, on every rank."""
+    """The last stage's copy of the tied weight (its replica of wte.weight, read as lm_head.weight), whole, on every rank."""
     import torch.distributed as dist
 
     lay = model.layout
-    p = model.module.wte.weight
     last = lay.pp - 1
     program = model.program.programs[last]
     whole = torch.empty(model._shapes["wte.weight"])
     if model.stage == last:
+        p = model._replicas["wte.weight"]
         placement = program.parameters["lm_head.weight"]
         if lay.dp * lay.tp > 1:
             from nvtp.execute import spmd
@@ -149,7 +157,7 @@ def _tied_copy(model) -> torch.Tensor:
             whole = spmd.assemble(parts, placement, whole.shape, program.mesh)
         else:
             whole = p.detach().clone()
-    dist.broadcast(whole, lay.rank(last, model.dp_index, model.tp_index), group=model._groups["pp"])
+    dist.broadcast(whole, lay.rank(last, model.dp_index, model.tp_index), group=model._groups["pipeline"])
     return whole
 
 
@@ -163,10 +171,14 @@ def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=Fals
     out = tmp_path / "got.pt"
     assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan, family) == [0] * world
     got = torch.load(out, weights_only=False)
-    losses, params = _eager(layers, tied, global_batch, family)
+    losses, params, norms = _eager(layers, tied, global_batch, family)
     for r, g in enumerate(got):
         for step, (a, b) in enumerate(zip(g["losses"], losses)):
             assert abs(a - b) <= 1e-5 * abs(b), (r, step, a, b)
+        # torch's clip_grad_norm_ on the pipeline's parameters sees the whole model's gradients
+        for step, (a, b) in enumerate(zip(g["norms"], norms)):
+            assert abs(a - b) <= 1e-5 * abs(b), (r, step, a, b)
+        assert g["keys"], "state_dict() has the model's own keys"
         for name, want in params.items():
             assert _close(g["params"][name], want) <= 1e-4, (r, name)
         # what each rank sent is what the plan lists for its stage, microbatch by microbatch
@@ -311,11 +323,12 @@ def test_a_checkpoint_saved_on_one_pipeline_shape_loads_on_another(tmp_path):
     saved = torch.load(tmp_path / "saved.pt", weights_only=False)
     # each rank saved only its stage's parameters, under the model's own names, its tp part of each
     names = {n for n, _ in _model(4).named_parameters()}
-    held = [set(g["held"]) for g in saved]
+    held = [{k for k, (_, part, _) in g["held"].items() if math.prod(part)} for g in saved]  # names with a nonempty part
+    assert all(set(g["held"]) == names for g in saved)  # every rank's state has every name (DTensors held by one stage)
     assert held[0] == held[1] and held[2] == held[3] and held[0] | held[2] == names and not held[0] & held[2]
     assert saved[0]["held"]["h.0.mlp.c_fc.weight"] == ((256, 64), (128, 64), "DTensor")  # split over tp=2
     assert saved[2]["held"]["lm_head.weight"][:2] == ((256, 64), (128, 64))  # the vocabulary split over tp
-    _, eager = _eager(4, False, 4)
+    _, eager, _ = _eager(4, False, 4)
     initial = dict(_model(4).named_parameters())
     want = saved[0]["params"]
     for name, w in eager.items():
@@ -403,11 +416,12 @@ def test_the_pipeline_programs_steps_hold_its_sends_and_recvs_on_the_pp_axis():
     first = [(s.kind, s.phase, s.bytes) for s in program.steps(0) if s.axis == "pp"]
     last = [(s.kind, s.phase, s.bytes) for s in program.steps(1) if s.axis == "pp"]
     n = 2 * 16 * 64 * 4  # one microbatch's residual stream, fp32
-    assert first == [("send", "forward", n), ("send", "forward", n), ("recv", "backward", n), ("recv", "backward", n)]  # F0 F1 B0 B1
-    assert last == [("recv", "forward", n), ("send", "backward", n), ("recv", "forward", n), ("send", "backward", n)]  # F0 B0 F1 B1
+    loss = ("broadcast", "forward", 4)  # the step's loss, from the last stage to every stage
+    assert first == [("send", "forward", n), ("send", "forward", n), ("recv", "backward", n), ("recv", "backward", n), loss]  # F0 F1 B0 B1
+    assert last == [("recv", "forward", n), ("send", "backward", n), ("recv", "forward", n), ("send", "backward", n), loss]  # F0 B0 F1 B1
     assert all(s.is_communication for s in program.steps(0) if s.axis == "pp")
     assert program.as_data()["stages"][0]["step"]["pp send"] == {"count": 2, "bytes": 2 * n}
-    assert f"stage 1: 2 pp recv ({2 * n} B), 2 pp send ({2 * n} B)" in program.as_text()
+    assert f"stage 1: 1 pp broadcast (4 B), 2 pp recv ({2 * n} B), 2 pp send ({2 * n} B)" in program.as_text()
     with pytest.raises(ValueError, match=r"stage=2: this pipeline has stages 0..1"):
         program.steps(2)
 

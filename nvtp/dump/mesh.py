@@ -6,7 +6,7 @@ torch.distributed collectives. With ``check``, rank 0 gathers and reassembles th
 compares them with a single-device run of the unsharded fusion.
 
 ``--mesh DPxTP`` (``mesh_shape``) runs on a 2-D mesh (dp, tp) of dp·tp processes: the plan on tp,
-the data plan on dp (``nvtp.sharding.multi``; ``--fsdp`` splits the weights over dp too). Each
+the data plan on dp (``nvtp.sharding.compose``; ``--fsdp`` splits the weights over dp too). Each
 rank joins one process group per mesh axis (``torch.distributed.new_group``) and runs each
 ``set`` on its axis's group (``MeshComm``). A dump sharded over a 2-D mesh replays the same way.
 """
@@ -23,6 +23,7 @@ from nvtp.ir.parser import DumpError
 from nvtp.sharding.reshard import COLLECTIVES
 
 if TYPE_CHECKING:  # pragma: no cover
+    from nvtp.program import Program
     from nvtp.sharding.sharded import ShardedFusion
 
 
@@ -62,10 +63,23 @@ def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tup
     return shape
 
 
-def prepare(job: MeshJob) -> "ShardedFusion":
-    """The sharded fusion ``job`` runs (the same on every rank): the file's own schedule, or the
-    compile driver's program for ``--plan`` (a backward file with the forward it names);
-    raises before any communication."""
+@dataclass(frozen=True)
+class Replay:
+    """What a replay runs: the driver's ``Program`` and the phase of it the file is."""
+
+    program: "Program"
+    phase: str  # "forward" or "backward"
+
+    @property
+    def sharded(self) -> "ShardedFusion":
+        return dict(self.program.phases())[self.phase]
+
+
+def prepare(job: MeshJob) -> Replay:
+    """The program ``job`` runs (the same on every rank), from the compile driver: the file's own
+    device schedule adopted as a program (``driver.adopt``), or the program for ``--plan`` (a
+    backward file with the forward it names); its collectives scheduled as ``nvtp.jit``'s are.
+    Raises before any communication."""
     from nvtp import dump
     from nvtp.dump.sharded import from_dump, mesh_text
 
@@ -81,14 +95,16 @@ def prepare(job: MeshJob) -> "ShardedFusion":
             raise DumpError(f"the file is sharded for a {mesh_text(sharded.mesh)} mesh, not {'x'.join(map(str, job.mesh))}", job.file)
         if job.fsdp:
             raise DumpError("--fsdp applies when sharding with --plan; this file's schedule already places every weight", job.file)
-        return sharded
+        from nvtp import driver
+
+        return Replay(driver.adopt(sharded, job.backend), "forward")
     if job.devices is None and job.mesh is None:
         raise DumpError("--plan needs --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh)", job.file)
     from nvtp import driver
 
     program = driver.compile(d, plan=job.plan, mesh=job.mesh if job.mesh is not None else job.devices, fsdp=job.fsdp,
                              backend=job.backend)
-    return program.backward if program.backward is not None else program.forward
+    return Replay(program, "backward" if program.backward is not None else "forward")
 
 
 def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
@@ -102,11 +118,12 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
     import torch.distributed as dist
 
     from nvtp import dump
-    from nvtp.execute import spmd
+    from nvtp.execute import backends, spmd
     from nvtp.execute.collectives import DistComm
     from nvtp.execute.launch import init_group
 
-    sharded = prepare(job)  # bad input is refused before joining the group (run() checked the world size)
+    replay = prepare(job)  # bad input is refused before joining the group (run() checked the world size)
+    sharded = replay.sharded
     init_group(rank, world, init_method, job.timeout)
     try:
         from nvtp.demo import fault_from_env, trigger
@@ -118,7 +135,8 @@ def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -
         inputs = dump.random_inputs(sharded.source, seed=job.seed)
         local = spmd.local_inputs(sharded, inputs, rank)
         log: list = []
-        outputs = spmd.run_rank(sharded, local, comm, seed=job.seed, log=log)
+        runner = backends.BACKENDS["reference"].lower(replay.program, comm)  # the program's steps, its schedule, as given
+        outputs = runner(replay.phase, local, seed=job.seed, log=log)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object([_picklable(o) for o in outputs], gathered, dst=0)
         if rank != 0:
@@ -227,7 +245,7 @@ def run(job: MeshJob) -> int:
     from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
     from nvtp.execute.launch import spawn, under_torchrun
 
-    sharded = prepare(job)  # refuse bad input here, before starting anything
+    sharded = prepare(job).sharded  # refuse bad input here, before starting anything
     if under_torchrun():
         check_world(sharded, int(os.environ["WORLD_SIZE"]))
         check_memory(sharded.source, job.file, ranks=1, sharded=sharded, check=job.check)

@@ -22,10 +22,15 @@ definition), never a collective worked out again. Two backends sit behind the se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nvtp.execute.collectives import Comm
+    from nvtp.program import Program
 
 # One rank's runner of a program: (phase, this rank's inputs of that phase's fusion, seed) -> outputs.
 Runner = Callable[..., list[Any]]
@@ -53,13 +58,24 @@ class ReferenceBackend(Backend):
         from nvtp.execute import reference
 
         phases = dict(program.phases())
+        rings = ring_attentions(program.steps(), program.mesh)
 
         def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None) -> list[Any]:
             sharded = phases[phase]
             return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
-                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase))
+                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase))
 
         return run
+
+
+def ring_attentions(steps, mesh) -> dict[str, dict[str, int]]:
+    """phase -> {attention (its first result) -> mesh axis index} of the ring steps among
+    ``steps`` (``Program.steps()``: cp's ring attention exchanges; a collective matmul's are not)."""
+    out: dict[str, dict[str, int]] = {}
+    for s in steps:
+        if s.kind == "sendrecv" and not s.ring:
+            out.setdefault(s.phase, {})[s.value] = mesh.names.index(s.axis)
+    return out
 
 
 # -- the nvFuser backend ---------------------------------------------------------------------
@@ -94,9 +110,7 @@ class NvFuserBackend(Backend):
     def lower(self, program: "Program", comm: "Comm") -> Runner:
         import torch
 
-        if "cp" in program.mesh.names:  # nvFuser has no ring: it would run each rank's attention on its own block only
-            raise InputError("backend='nvfuser' does not run ring attention (a 'cp' mesh axis): nvFuser has no point-to-point "
-                             "step inside a fusion (docs/context.md); use backend='reference', or a mesh without cp")
+        axes.check(program.mesh, backend=self.name)  # an axis nvFuser does not run (cp's ring: no point-to-point step in a fusion)
         from nvtp.execute import nvfuser
         from nvtp.sharding.schedule import schedule_steps
 

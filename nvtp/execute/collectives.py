@@ -12,6 +12,7 @@ import contextlib
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -88,6 +89,16 @@ def on_axis(comm: Comm, axis: int) -> Comm:
             raise ValueError(f"a 1-D comm has no mesh axis {axis}")
         return comm
     return axes[axis]
+
+
+@dataclass
+class Communication:
+    """A collective that ran: its kind, the value it produced and the bytes of that value."""
+
+    kind: str
+    value: str
+    nbytes: int
+    axis: int = 0  # the mesh axis it ran on
 
 
 class ThreadGroup:
@@ -230,6 +241,12 @@ class DistComm:
         with self._waiting("a reduce-scatter"):
             self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group)
         return out
+
+    def reduce(self, t: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
+        """``t`` summed (``op``) over this group into global rank ``dst``'s ``t`` (in place)."""
+        with self._waiting(f"a reduce to rank {dst}"):
+            self.dist.reduce(t, dst, op=self._op(op), group=self.group)
+        return t
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """``t`` from global rank ``src`` of this group, on every rank of it (in place)."""

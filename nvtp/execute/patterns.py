@@ -357,7 +357,7 @@ def _softmax_pattern() -> _Builder:
 
 def _softmax_backward_pattern() -> _Builder:
     b = _Builder()
-    p, dp = b.leaf("p"), b.leaf("dp")
+    p, dp = b.leaf("p"), b.leaf("grad_p")
     s = b.sum(b.mul(p, dp), name="sum")
     return b.done(b.mul(p, b.sub(dp, b.bcast(s, 2, name="sum_full")), name="dx"))
 
@@ -388,14 +388,14 @@ def _softmax_check(m: Match):
 
 @pattern("softmax_backward", _softmax_backward_pattern())
 def _softmax_backward_check(m: Match):
-    p, dp = m["p"], m["dp"]
+    p, dp = m["p"], m["grad_p"]
     axis = _softmax_axis(m, "p", {"sum": "sum_full"})
     if axis is None or not _float(p, dp) or not _no_partial(m) or not _unsplit(m, p, [axis]):
         return None
     if p.shape != dp.shape or m.local_shape(p) != m.local_shape(dp):
         return None
     dtype = p.dtype.torch
-    return ["p", "dp"], {"dx": "dx"}, lambda p, dp: {"dx": torch._softmax_backward_data(dp, p, axis, dtype)}
+    return ["p", "grad_p"], {"dx": "dx"}, lambda p, grad_p: {"dx": torch._softmax_backward_data(grad_p, p, axis, dtype)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from nvtp.execute import patterns
-from nvtp.execute.collectives import Comm, SoloComm, on_axis, reshard, start_reshards, take
+from nvtp.execute import ring as ring_attention  # the cp axis's attention
+from nvtp.execute.collectives import Comm, Communication, SoloComm, on_axis, reshard, start_reshards, take
 from nvtp.execute.lower import lower, value_args
 from nvtp.ir.dtypes import DType, as_input
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
@@ -46,16 +47,6 @@ impl = registrar(IMPLS, "reference impl")
 
 
 @dataclass
-class Communication:
-    """A collective that ran: its kind, the value it produced and the bytes of that value."""
-
-    kind: str
-    value: str
-    nbytes: int
-    axis: int = 0  # the mesh axis it ran on
-
-
-@dataclass
 class Context:
     """What an implementation may know beyond its arguments: placements, rank and randomness."""
 
@@ -70,6 +61,7 @@ class Context:
     log: list[Communication] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # local shapes by value name, as asked
     steps: Mapping[str, Any] | None = None  # a set's result -> its ReshardStep (nvtp.sharding.reshard), as planned
+    rings: Mapping[str, int] = field(default_factory=dict)  # an attention run by ring (its first result) -> its mesh axis, as planned
 
     # -- placements -----------------------------------------------------------------------
     def sharding(self, v: Value) -> tuple[Placement, ...] | None:
@@ -603,8 +595,6 @@ def _float_arg(x) -> float | None:
     return None if x is None else float(x)
 
 
-from nvtp.execute import ring as ring_attention  # noqa: E402 - the cp axis's attention
-from nvtp.sharding.context import ring_axis  # noqa: E402
 
 
 @impl("sdpfa_fwd")
@@ -613,8 +603,8 @@ def _sdpfa_fwd(ctx, op, a):
         raise ExecutionError("sdpfa_fwd with bias or mask is not supported by the reference backend")
     q, k, v = a["query"], a["key"], a["value"]
     p = _float_arg(a["dropout_p"]) or 0.0
-    ring = ring_axis(ctx.mesh, ctx.sharding(op.operands[1]))
-    if ring is not None:  # the cp axis splits the sequence: attention by ring (nvtp/execute/ring.py)
+    ring = ctx.rings.get(op.outputs[0].name)
+    if ring is not None:  # the program runs it by ring (a cp axis splits the sequence): nvtp/execute/ring.py
         out, lse = ring_attention.forward(ctx, op, ring, q, k, v, bool(_scalar(a["is_causal"])), _float_arg(a["scale"]))
         return out, lse.to(ctx.dtype(DType.Float)), torch.zeros(2, dtype=torch.uint64), torch.tensor(0, dtype=torch.uint64)
     g = ctx.generator("sdpfa")
@@ -639,8 +629,8 @@ def _sdpfa_bwd(ctx, op, a):
     in float32 (or wider), as the flash kernels do."""
     q, k, v, go = a["query"], a["key"], a["value"], a["grad_output"]
     p = _float_arg(a["dropout_p"]) or 0.0
-    ring = ring_axis(ctx.mesh, ctx.sharding(op.operands[2]))
-    if ring is not None:  # the cp axis splits the sequence: attention's backward by ring (nvtp/execute/ring.py)
+    ring = ctx.rings.get(op.outputs[0].name)
+    if ring is not None:  # the program runs it by ring (a cp axis splits the sequence): nvtp/execute/ring.py
         return ring_attention.backward(ctx, op, ring, go, q, k, v, a["output"], a["logsumexp"], bool(_scalar(a["is_causal"])),
                                        _float_arg(a["scale"]))
     keep = _attention_keep(ctx, a["philox_seed"], a["philox_offset"], op.operands[1], q, k, p)
@@ -982,6 +972,7 @@ def run(
     compiled: bool = True,
     steps: Mapping[str, Any] | None = None,
     schedule: Any = None,
+    rings: Mapping[str, int] | None = None,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -998,6 +989,7 @@ def run(
     by its own implementation, and so do inputs of other shapes or dtypes than declared.
     ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.
+    ``rings``: the attentions the program runs by ring (first result -> mesh axis; its steps).
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -1008,7 +1000,7 @@ def run(
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
-    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, steps=steps)
+    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, steps=steps, rings=dict(rings or {}))
     if log is not None:
         ctx.log = log
     try:

@@ -18,7 +18,7 @@ placements (``placements.held``), so any layout of the sequence over cp works.
 Point-to-point steps: ``shift`` on torch.distributed (``batch_isend_irecv``: send to the next
 rank, receive from the previous) or between the threads of the simulated tier
 (``ThreadComm``). Each step is recorded in the run's log as a ``sendrecv`` (and in any open
-``recording()``), and ``nvtp.sharding.context.ring_steps`` plans the same steps with their bytes.
+``recording()``), and ``nvtp.sharding.axes.ring.ring_steps`` plans the same steps with their bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nvtp.execute.collectives import PROGRESS, DistComm, ThreadComm, on_axis
+from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
 from nvtp.sharding.placements import held
 
 _RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
@@ -93,8 +93,6 @@ def shift(t: torch.Tensor, comm: Any) -> torch.Tensor:
 def start_send(t: torch.Tensor, comm: Any, name: str, ctx: Any, axis: int, op_name: str) -> _Shift:
     """``start_shift``, recorded: in any open ``recording()`` as (``name``, bytes) and in the run's
     log as a ``sendrecv`` of ``op_name`` on mesh axis ``axis``."""
-    from nvtp.execute.reference import Communication
-
     nbytes = t.numel() * t.element_size()
     for record in _RECORDS:
         record.append((name, nbytes))
@@ -174,19 +172,19 @@ def forward(ctx: Any, op: Any, axis: int, q, k, v, causal: bool, scale: float | 
     comm = on_axis(ctx.comm, axis)
     n, me = ctx.mesh.shape[axis], ctx.coord(axis)
     work = torch.promote_types(q.dtype, torch.float32)
-    qf, kf, vf = q.to(work), k.to(work), v.to(work)
+    qf = q.to(work)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q_pos = _positions(ctx, op.arg("query"), axis, me)
     out = lse = None
     name = op.outputs[0].name
-    for step in range(n):
+    for step in range(n):  # the K/V blocks travel in their own dtype; each is computed on in float32 (or wider)
         src = (me - step) % n
-        got = _block(qf, kf, vf, q_pos, _positions(ctx, op.arg("key"), axis, src), scale, causal)
+        got = _block(qf, k.to(work), v.to(work), q_pos, _positions(ctx, op.arg("key"), axis, src), scale, causal)
         if got is not None:
             out, lse = _merge(out, lse, *got)
         if step < n - 1:
-            kf = _send(kf, comm, "key", ctx, axis, name)
-            vf = _send(vf, comm, "value", ctx, axis, name)
+            k = _send(k, comm, "key", ctx, axis, name)
+            v = _send(v, comm, "value", ctx, axis, name)
     return out.to(q.dtype), lse
 
 
@@ -195,19 +193,20 @@ def backward(ctx: Any, op: Any, axis: int, go, q, k, v, out, lse, causal: bool, 
     comm = on_axis(ctx.comm, axis)
     n, me = ctx.mesh.shape[axis], ctx.coord(axis)
     work = torch.promote_types(q.dtype, torch.float32)
-    qf, kf, vf, gof, outf, lsef = (t.to(work) for t in (q, k, v, go, out, lse))
+    k_dtype, v_dtype = k.dtype, v.dtype
+    qf, gof, outf, lsef = (t.to(work) for t in (q, go, out, lse))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q_pos = _positions(ctx, op.arg("query"), axis, me)
     delta = (gof * outf).sum(-1, keepdim=True)  # D = rowsum(dO * out)
     dq = torch.zeros_like(qf)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    dk, dv = k.to(work).new_zeros(k.shape), v.to(work).new_zeros(v.shape)  # gradient accumulators travel in float32
     name = op.outputs[0].name
     for step in range(n):
         src = (me - step) % n
         k_pos = _positions(ctx, op.arg("key"), axis, src)
         rows, cols = _visible(q_pos, k_pos, causal)
         if not isinstance(rows, str):  # the rows and columns the mask leaves (half a block off the diagonal, balanced)
-            q_s, go_s, k_s, v_s = _pick(qf, rows), _pick(gof, rows), _pick(kf, cols), _pick(vf, cols)
+            q_s, go_s, k_s, v_s = _pick(qf, rows), _pick(gof, rows), _pick(k.to(work), cols), _pick(v.to(work), cols)
             lse_s, delta_s = _pick(lsef.unsqueeze(-1), rows), _pick(delta, rows)
             probs = torch.exp(torch.matmul(q_s, k_s.transpose(-2, -1)) * scale - lse_s)
             if causal:
@@ -217,8 +216,8 @@ def backward(ctx: Any, op: Any, axis: int, go, q, k, v, out, lse, causal: bool, 
             dk = _add(dk, cols, torch.matmul(ds.transpose(-2, -1), q_s) * scale)
             dv = _add(dv, cols, torch.matmul(probs.transpose(-2, -1), go_s))
         if step < n - 1:
-            kf = _send(kf, comm, "key", ctx, axis, name)
-            vf = _send(vf, comm, "value", ctx, axis, name)
+            k = _send(k, comm, "key", ctx, axis, name)
+            v = _send(v, comm, "value", ctx, axis, name)
         dk = _send(dk, comm, "grad_key", ctx, axis, name)  # with its block; the last step brings it home
         dv = _send(dv, comm, "grad_value", ctx, axis, name)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k_dtype), dv.to(v_dtype)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from nvtp import dtensor as _dt
+from nvtp.sharding import axes
 from nvtp.execute import spmd
 from nvtp.ir.graph import TensorValue
 from nvtp.program import Program
@@ -42,6 +43,7 @@ class RankProgram:
     rank: int
     part_rows: PartRows = field(default_factory=dict)  # the owner's, shared: later compiles add parts
     signature: tuple = ()
+    call: Any = None  # the FX route's binder (nvtp.frontend.fx.Program): binds a call's arguments, rebuilds the outputs
 
     @property
     def forward_fusion(self) -> ShardedFusion:
@@ -53,22 +55,16 @@ class RankProgram:
 
     @property
     def arg_names(self) -> list[str]:
-        return self.program.traced.arguments
-
-    @property
-    def call(self) -> Any:
-        """The FX route's binding of a call's arguments and rebuilding of the outputs (None on Thunder's route)."""
-        return self.program.traced.call
+        return self.program.source.arguments
 
     @property
     def parts(self) -> dict[str, Any]:
         """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
-        return self.program.traced.parts
+        return self.program.source.parts
 
     @property
     def dp_axis(self) -> int | None:
-        mesh = self.program.mesh
-        return mesh.names.index("dp") if "dp" in mesh.names else None
+        return axes.batch_axis(self.program.mesh)
 
     @cached_property
     def traced_args(self) -> list[str]:
@@ -145,7 +141,7 @@ class RankProgram:
         (``nvtp.frontend.outputs``), each tensor found by its output's label."""
         if self.call is not None:
             return self.call.rebuild(outs)
-        tree = getattr(self.program.traced.captured, "output_tree", None)
+        tree = self.program.source.output_tree
         if tree is None:
             return outs[0] if len(outs) == 1 else tuple(outs)
         from nvtp.frontend.outputs import rebuild

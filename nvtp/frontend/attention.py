@@ -22,7 +22,7 @@ CHECKED = {_ltorch_sdpa.id}  # claimed only when ``_check`` says so
 
 # Set while tracing for a mesh with a context-parallel axis (nvtp.driver.trace(ring=True)): every
 # causal or full attention is claimed whole, float32 too, so the cp axis can run it by ring
-# (nvtp.execute.ring); each declined call is recorded with why (nvtp.sharding.context refuses it).
+# (nvtp.execute.ring); each declined call is recorded with why (nvtp.sharding.axes.cp refuses it).
 RING_CLAIM: contextvars.ContextVar[list | None] = contextvars.ContextVar("nvtp_ring_claim", default=None)
 
 

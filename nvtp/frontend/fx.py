@@ -502,7 +502,7 @@ def _fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor], first: 
 # -- causal masks, for the ring -------------------------------------------------------------------
 # transformers' attention passes its causal mask as a tensor (``attn_mask``), built from positions
 # (``kv_idx <= q_idx`` of aranges, an all-true padding term when the call passes no
-# ``attention_mask``). The ring of a cp axis (``nvtp.sharding.context``) runs causal or full
+# ``attention_mask``). The ring of a cp axis (``nvtp.sharding.axes.cp``) runs causal or full
 # attention only; a mask that depends on no argument and no parameter and whose value is exactly
 # the causal pattern ``tril(ones(L, S))`` (booleans, or 0 and -inf) is that attention, so it is
 # written ``is_causal=True`` without the mask. Any other mask stays, and the cp axis refuses it.

@@ -1,7 +1,7 @@
 """Pipeline parallelism: a (pp, dp, tp) mesh laid out as Megatron lays it out (issue 26).
 
 * ``stages.py``   stages cut by the compiler from the traced program at block boundaries, balanced by cost
-* ``layout.py``   ranks and groups (Megatron's order: tp fastest, then dp, then pp)
+* the layout of ranks and groups (Megatron's order: tp fastest, then dp, then pp) is the pp axis's strategy: ``nvtp.sharding.axes.pp``
 * ``schedule.py`` GPipe and 1F1B as lists of actions; bubble and in-flight microbatches
 * ``program.py``  ``PipelineProgram``: each stage's Program, the p2p steps with bytes, the report
 * ``runtime.py``  ``nvtp.jit`` on a "pp" mesh: this rank's stage, the schedule, p2p on gloo/NCCL

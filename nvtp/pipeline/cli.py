@@ -19,8 +19,8 @@ def explain_pipeline(args) -> int:
     import torch
 
     from nvtp import pipeline
-    from nvtp.cli import EXIT_OK, Usage
-    from nvtp.pipeline.layout import parse
+    from nvtp.errors import EXIT_OK, Usage
+    from nvtp.sharding.axes.pp import parse
     from nvtp.sharding.plans import check_plan
 
     lay = parse(args.mesh)

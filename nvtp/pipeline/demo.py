@@ -41,9 +41,10 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps,
 
     import nvtp
     from nvtp.execute.launch import init_group
+    from nvtp.sharding import axes
 
     init_group(rank, world, init_method, timeout)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes.spelled(3))  # (pp, dp, tp)
     model = nvtp.jit(_model(layers), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule, timeout=timeout)
     opt = torch.optim.SGD(model.module.parameters(), lr=LR, momentum=0.9)
     dp, dp_rank = shape[1], model.layout.coords(rank)[1]
@@ -86,7 +87,7 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps,
 
 def main(args) -> int:
     from nvtp.execute.launch import spawn
-    from nvtp.pipeline.layout import parse
+    from nvtp.sharding.axes.pp import parse
 
     lay = parse(args.mesh)
     shape = (lay.pp, lay.dp, lay.tp)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,9 +23,10 @@ import torch
 
 from nvtp.errors import InputError
 from nvtp.pipeline import schedule as sched
-from nvtp.pipeline.layout import Layout, layout_of
+from nvtp.sharding.axes.pp import NAME as STAGES, Layout, layout_of
 from nvtp.pipeline.stages import StageError, Staged
 from nvtp.sharding.placements import local_shape
+from nvtp.steps import Step
 
 
 def check_pipeline(module: torch.nn.Module, args: Sequence[Any], mesh: Any, microbatches: int, schedule: str):
@@ -67,6 +68,8 @@ class PipelineProgram:
     batch_shapes: tuple  # the shapes of one rank's tensor arguments (its whole batch)
     plan: str
     backend: str
+    tied: dict = field(default_factory=dict)  # a tied parameter's other names -> its first (nvtp.frontend.tied.aliases)
+    parameters: frozenset = frozenset()  # the module's parameter names (every name of a tied one)
 
     @property
     def stages(self):
@@ -84,6 +87,47 @@ class PipelineProgram:
             if src.name == name:
                 return sharded.sharding(out.name)
         return sharded.sharding(name)
+
+    def holders(self) -> dict[str, list[int]]:
+        """Each parameter (by its first name) -> the stages whose fusions read it, in order; the
+        first holds it (``nvtp.dtensor.OnStage``), a later one keeps a replica."""
+        out: dict[str, list[int]] = {}
+        for s in self.stages:
+            for label in s.parameters:
+                if label in self.parameters:
+                    name = self.tied.get(label, label)
+                    if s.index not in out.setdefault(name, []):
+                        out[name].append(s.index)
+        return out
+
+    def replica_steps(self, stage: int) -> tuple[list, list]:
+        """(at the start of a step, at the end of its backward): for each weight several stages read
+        that ``stage`` reads, the broadcast of its value from the stage that holds it, and the
+        reduction of its gradient to that stage, as ``Step`` records on the pp axis (bytes: one
+        rank's part, sent by ring algorithms' count for one message)."""
+        start, end = [], []
+        for name, stages in sorted(self.holders().items()):
+            if len(stages) < 2 or stage not in stages:
+                continue
+            owner = stages[0]
+            program = self.programs[owner]
+            label = next(lab for lab in self.stages[owner].parameters if self.tied.get(lab, lab) == name)
+            v = next(x for x in program.forward.source.inputs if program.forward.source.label(x.name) == label)
+            shape = tuple(local_shape(v.shape, program.forward.sharding(v.name), program.mesh))
+            nbytes = math.prod(shape) * v.dtype.itemsize
+            to = "stages " + ", ".join(map(str, stages))
+            start.append(Step("forward", "broadcast", STAGES, name, name, shape, v.dtype.value, nbytes, f"stage {owner}", to,
+                              payload=nbytes))
+            end.append(Step("backward", "reduce", STAGES, name, f"grad of {name}", shape, v.dtype.value, nbytes, to, f"stage {owner}",
+                            payload=nbytes))
+        return start, end
+
+    def loss_step(self) -> list:
+        """The step's loss, from the last stage to every stage (one float32 scalar)."""
+        if self.layout.pp < 2:
+            return []
+        return [Step("forward", "broadcast", STAGES, "loss", "loss", (), "float32", 4, f"stage {self.layout.pp - 1}", "every stage",
+                     payload=4)]
 
     def p2p(self) -> list[dict[str, Any]]:
         """Every point-to-point step of one microbatch on the pp axis: phase, from and to stage,
@@ -104,10 +148,9 @@ class PipelineProgram:
         schedule, the transfers it receives on the pp axis (kind "recv"), the stage Program's
         steps of that phase (its dp / tp collectives), then the transfers it sends (kind "send").
         A send's or recv's ``bytes`` is the message's, one rank's part (``p2p()``); ``src`` and
-        ``dst`` name the stages. The loss's broadcast from the last stage and the all-reduce of a
-        weight tied across stages are not listed (they run once a step, outside the schedule)."""
-        from nvtp.program import Step
-
+        ``dst`` name the stages. Once a step, outside the schedule: first the broadcast of each
+        weight tied across stages from its holder (``replica_steps``), last the reduction of its
+        gradient to the holder, then the loss's broadcast from the last stage (``loss_step``)."""
         if not 0 <= stage < self.layout.pp:
             raise InputError(f"stage={stage}: this pipeline has stages 0..{self.layout.pp - 1}")
         by_phase: dict[str, list] = {"forward": [], "backward": []}
@@ -116,16 +159,17 @@ class PipelineProgram:
         p2p = self.p2p()
 
         def moved(kind: str, p: dict) -> Step:
-            return Step(p["phase"], kind, "pp", p["value"], p["label"], tuple(p["local_shape"]), p["dtype"], p["bytes"],
-                        f"stage {p['src']}", f"stage {p['dst']}")
+            return Step(p["phase"], kind, STAGES, p["value"], p["label"], tuple(p["local_shape"]), p["dtype"], p["bytes"],
+                        f"stage {p['src']}", f"stage {p['dst']}", payload=p["bytes"])
 
-        out = []
+        start, end = self.replica_steps(stage)
+        out = list(start)
         for action in sched.actions(self.schedule, stage, self.layout.pp, self.microbatches):
             phase = "forward" if action.kind == "F" else "backward"
             out += [moved("recv", p) for p in p2p if p["phase"] == phase and p["dst"] == stage]
             out += by_phase[phase]
             out += [moved("send", p) for p in p2p if p["phase"] == phase and p["src"] == stage]
-        return out
+        return out + end + self.loss_step()
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -165,9 +209,7 @@ class PipelineProgram:
                            "collectives_per_microbatch": len(comms),
                            "collective_bytes_per_microbatch": sum(c.bytes for c in comms),
                            "step": _totals(self.steps(s.index, communication_only=True))})
-        return {"mesh": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "world": lay.size},
-                "groups": {"tp": lay.groups("tp"), "dp": lay.groups("dp"), "pp": lay.groups("pp"),
-                           "embedding": lay.embedding_groups()},
+        return lay.as_json() | {
                 "cut": self.staged.chosen, "block_costs": [{"flops": c.flops, "bytes": c.bytes} for c in self.staged.block_costs],
                 "stages": stages, "p2p": self.p2p(), "schedule": self.schedule, "microbatches": self.microbatches,
                 "bubble": self.bubble(), "plan": self.plan, "backend": self.backend}
@@ -178,8 +220,7 @@ class PipelineProgram:
         lines = [f"nvtp pipeline plan{' of ' + model if model else ''}: mesh pp={lay.pp} x dp={lay.dp} x tp={lay.tp} "
                  f"({lay.size} devices, Megatron's layout: rank = (pp*{lay.dp} + dp)*{lay.tp} + tp), plan {self.plan}, "
                  f"backend {self.backend}", ""]
-        for axis, what in (("tp", "tensor"), ("dp", "data"), ("pp", "pipeline")):
-            groups = d["groups"][axis]
+        for axis, what, groups in lay.group_lines():
             shown = ", ".join("[" + ", ".join(f"g{r}" for r in g) + "]" for g in groups[:4])
             lines.append(f"  {len(groups)} {what}-parallel groups: {shown}{', ...' if len(groups) > 4 else ''}")
         emb = d["groups"]["embedding"]

@@ -31,15 +31,17 @@ from typing import Any
 import torch
 
 from nvtp import driver, precheck
+from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, collectives, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
+from nvtp.parallel import _replace_parameter, full_tensor
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import schedule as sched
-from nvtp.pipeline.layout import layout_of
+from nvtp.sharding.axes.pp import layout_of
 from nvtp.sharding.axes import MeshError
 from nvtp.sharding.placements import local_shape
 
@@ -93,7 +95,8 @@ class PipelineModule(torch.nn.Module):
             return
         lay = self.layout
         stage_groups = [[lay.rank(s, d, t) for d in range(lay.dp) for t in range(lay.tp)] for s in range(lay.pp)]
-        for axis, groups in (("pp", lay.groups("pp")), ("dp", lay.groups("dp")), ("tp", lay.groups("tp")), ("stage", stage_groups)):
+        for axis, groups in (("pipeline", lay.pipeline_groups()), ("data", lay.data_groups()), ("tensor", lay.tensor_groups()),
+                             ("stage", stage_groups)):
             for ranks in groups:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
@@ -103,8 +106,8 @@ class PipelineModule(torch.nn.Module):
         lay = self.layout
         if lay.dp > 1:
             pos = lay.position(self.rank)
-            return MeshComm(pos, lay.dp * lay.tp, [DistComm(self._groups["dp"]), DistComm(self._groups["tp"])])
-        return DistComm(self._groups["tp"]) if lay.tp > 1 else SoloComm()
+            return MeshComm(pos, lay.dp * lay.tp, [DistComm(self._groups["data"]), DistComm(self._groups["tensor"])])
+        return DistComm(self._groups["tensor"]) if lay.tp > 1 else SoloComm()
 
     # -- compile ----------------------------------------------------------------------------
 
@@ -114,6 +117,11 @@ class PipelineModule(torch.nn.Module):
             with collectives.PROGRESS.busy("tracing and sharding the model"):
                 self._compile(args)
         return self
+
+    def lower(self, *args: Any):
+        """The ``PipelineProgram`` a call with arguments like these runs, before any step (as
+        ``jax.jit(f).lower(x)``): ``.steps(stage)``, ``.as_text()``, ``.programs[stage]``."""
+        return self.compile(*args).program
 
     def _compile(self, args: tuple) -> None:
         import torch.distributed as dist
@@ -131,50 +139,94 @@ class PipelineModule(torch.nn.Module):
         self._comm = self._stage_comm()
         self._pos = self.layout.position(self.rank)
         self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm), self._pos)
-        # which stages hold each parameter (by any of its names): tied weights across stages get a group
+        # which stages read each parameter (by its first name): a weight several stages read gets a group
         params = dict(self.module.named_parameters(remove_duplicate=False))
         first = {n: self._tied.get(n, n) for n in params}
-        holders: dict[str, set[int]] = {}
-        for s in pp.stages:
-            for label in s.parameters:
-                if label in first:
-                    holders.setdefault(first[label], set()).add(s.index)
-        self._holders = holders
+        self._holders = {name: set(stages) for name, stages in pp.holders().items()}
         self._tie_groups: dict[str, Any] = {}
         lay = self.layout
-        for name in sorted(n for n, st in holders.items() if len(st) > 1):
+        for name in sorted(n for n, st in self._holders.items() if len(st) > 1):
             for d in range(lay.dp):
                 for t in range(lay.tp):
-                    ranks = [lay.rank(s, d, t) for s in sorted(holders[name])]
+                    ranks = [lay.rank(s, d, t) for s in sorted(self._holders[name])]
                     g = dist.new_group(ranks) if lay.size > 1 else None
                     if self.rank in ranks:
                         self._tie_groups[name] = g
-        # this rank's parameters: its part of each it holds; the others' storage freed
+        # every parameter a DTensor on torch's (pp, dp, tp) mesh, held by its first stage (OnStage)
         self._labels = [label for label in pp.stages[self.stage].parameters if label in params]
-        placed: dict[int, Any] = {}
-        for label in self._labels:
-            p, placement = params[label], mine.parameters[label]
-            if id(p) in placed:
-                if placed[id(p)] != placement:
-                    raise MeshError(f"{label} and {first[label]} are one tied parameter placed {placement} and {placed[id(p)]} in "
-                                    f"stage {self.stage}; plan both names alike")
-                continue
-            placed[id(p)] = placement
-            with torch.no_grad():
-                p.data = spmd.shard_tensor(p.data, placement, mine.mesh, self._pos)
-        held = set(placed)
-        for name, p in self.module.named_parameters():
-            if id(p) not in held:
-                with torch.no_grad():
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                p.grad = None
-        self._params = {label: params[label] for label in self._labels}
+        self._place_parameters(params, first)
         self._buffers = self._stage_buffers(params)
-        seen: set[int] = set()  # one label per parameter object: a tie inside a stage is one autograd input
-        self._unique = [lab for lab in self._labels if not (id(params[lab]) in seen or seen.add(id(params[lab])))]
         self._p2p = pp.p2p()
         self.sent: list[dict[str, Any]] = []  # what the last step sent: phase, label, bytes (tests count it against p2p())
         self.moved: list[dict[str, Any]] = []  # the last step's sends and recvs in order (tests count it against steps(stage))
+
+    def _place_parameters(self, params: dict[str, torch.nn.Parameter], first: dict[str, str]) -> None:
+        """Each parameter of the module becomes a DTensor on torch's (pp, dp, tp) mesh, placed
+        ``OnStage(0, s)`` on the stage axis for ``s`` the first stage that reads it (the whole model
+        has one copy of each parameter; a stage that reads none of it holds an empty part) and as
+        that stage's program places it on dp and tp. So ``model.parameters()``, ``state_dict()``,
+        ``clip_grad_norm_`` and DCP see the whole model, each parameter once, on every rank alike.
+        A weight tied across stages (an embedding read again by the last stage's head) is held by
+        its first stage; every later stage that reads it keeps a replica, refreshed from the holder
+        at the start of each step (``_refresh_replicas``), its gradient reduced to the holder."""
+        pp, lay = self.program, self.layout
+        mesh3 = self._torch_mesh() if lay.size > 1 else None
+        owner_of: dict[str, int] = {}
+        for name in dict.fromkeys(first.values()):
+            owner_of[name] = min(self._holders.get(name, {0}))
+        placed: dict[int, Any] = {}
+        self._params: dict[str, torch.nn.Parameter] = {}  # every parameter object once, under its first name
+        self._replicas: dict[str, torch.Tensor] = {}  # first name -> this rank's replica of a weight another stage holds
+        for label, p in params.items():
+            name = first[label]
+            if id(p) in placed:
+                continue
+            owner = owner_of[name]
+            program = pp.programs[owner]
+            stage_label = next((lab for lab in pp.stages[owner].parameters if first.get(lab) == name), None)
+            placement = program.parameters[stage_label] if stage_label is not None else None
+            sharding = self._per_axis(placement)
+            whole = p.detach()
+            mine = self._part(whole, placement, program) if placement is not None else whole
+            if name in self._tie_groups and self.stage != owner and any(first.get(lab) == name for lab in self._labels):
+                self._replicas[name] = mine.clone()  # this stage reads a weight an earlier stage holds
+            if self.stage != owner:
+                mine = mine.narrow(0, 0, 0).clone() if mine.ndim else mine.clone()
+            if mesh3 is not None:
+                if not whole.ndim:
+                    raise InputError(f"{name}: a 0-dimensional parameter cannot be held by one pipeline stage; make it a "
+                                     "1-element tensor (shape [1])")
+                new = torch.nn.Parameter(_dt.as_dtensor(mine.contiguous(), (_dt.OnStage(0, owner), *sharding), mesh3, whole.shape),
+                                         requires_grad=p.requires_grad)
+                _replace_parameter(self.module, p, new)
+            else:
+                with torch.no_grad():
+                    p.data = mine
+                new = p
+            placed[id(p)] = new
+            self._params[name] = new
+        self._all = list(self._params.values())  # every parameter once, in one order on every rank
+
+    def _per_axis(self, placement: Any) -> tuple:
+        """A stage program's placement on its (dp, tp) or (tp,) sub-mesh, one per axis of (dp, tp)."""
+        from nvtp.sharding.placements import REPLICATE
+
+        if placement is None:
+            return (REPLICATE, REPLICATE)
+        if isinstance(placement, tuple):
+            return placement if len(placement) == 2 else (REPLICATE, *placement)
+        return (REPLICATE, placement)
+
+    def _part(self, whole: torch.Tensor, placement: Any, program: Any) -> torch.Tensor:
+        """This rank's part of ``whole`` as ``program`` (any stage's) places it, at this rank's (dp, tp) position."""
+        return spmd.shard_tensor(whole, placement, program.mesh, self.layout.position(self.rank))
+
+    def local(self, label: str) -> torch.Tensor:
+        """What this stage's fusions read for parameter ``label``: its part, or its replica of a weight another stage holds."""
+        name = self._tied.get(label, label)
+        if name in self._replicas:
+            return self._replicas[name]
+        return _dt.local(self._params[name])
 
     def _stage_buffers(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
         """What this stage reads of the module that is not a parameter (a rotary table: a buffer or
@@ -211,16 +263,18 @@ class PipelineModule(torch.nn.Module):
         if train and self.program.programs[self.stage].backward is None:
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
-        params = [self._params[label] for label in self._unique]
         if not first:
-            return _PipeRun.apply(self, args, train, *params)
+            return _PipeRun.apply(self, args, train, *self._all)
         with collectives.PROGRESS.busy("running its first step"):  # the first run lowers what it runs: given time too
-            return _PipeRun.apply(self, args, train, *params)
+            return _PipeRun.apply(self, args, train, *self._all)
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
         pp, lay, m = self.program, self.layout, self.microbatches
         rp = self._runner
+        self.moved = []  # every send, recv, broadcast and reduce on the pp axis, in the order this rank ran them
+        if self._tie_groups:
+            self._refresh_replicas()
         mine = pp.programs[self.stage]
         f = mine.forward.source
         b = mine.backward.source if mine.backward is not None else None
@@ -239,7 +293,6 @@ class PipelineModule(torch.nn.Module):
         base = int(torch.randint(0, 2**62, (1,)).item())
         self.sent = []
         self.seeds = []  # the seed of each forward this call ran (tests: distinct per stage and microbatch)
-        self.moved = []  # every send and recv on the pp axis, in the order this rank ran them
         loss_outputs = [v.name for v in rp.output_values() if not f.label(v.name).startswith("stage")]
 
         def peer(stage: int) -> int:
@@ -263,7 +316,7 @@ class PipelineModule(torch.nn.Module):
         for action in sched.actions(self.schedule, self.stage, lay.pp, m, backward=train):
             i = action.microbatch
             if action.kind == "F":
-                named: dict[str, Any] = dict(self._params) | self._buffers
+                named: dict[str, Any] = {label: self.local(label) for label in self._labels} | self._buffers
                 named |= {label: a for label, a in zip(arg_labels, micro[i]) if isinstance(a, torch.Tensor)}
                 for p in recv_f:
                     v = f.value(p["value"])
@@ -286,7 +339,7 @@ class PipelineModule(torch.nn.Module):
             for v in b.inputs:
                 info = b.info[v.name]
                 if info.role == "parameter":
-                    inputs.append(self._params[info.label].data if info.label in self._params else self._buffers[info.label])
+                    inputs.append(self.local(info.label) if info.label in self._labels else self._buffers[info.label])
                 elif info.role == "saved":
                     inputs.append(vals[info.source])
                 elif info.label in received:
@@ -300,109 +353,109 @@ class PipelineModule(torch.nn.Module):
                 send(by_name[p["value"]], p, BACKWARD_TAG)
             for v in b.outputs:
                 label = b.grad_of(v.name)
-                if label in self._params:
+                if label in self._labels:
                     g = by_name[v.name]
                     grads[label] = g if label not in grads else grads[label] + g
         for h in handles:
             collectives.wait_sent(h)
+        if train:
+            grads = self._join_tied(grads)
         # the loss: the mean over microbatches, from the last stage to every rank of this pp group
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         if lay.pp > 1:
             loss = loss.detach().clone().contiguous()
-            DistComm(self._groups["pp"]).broadcast(loss, peer(lay.pp - 1))
-        if train:
-            grads = self._join_tied(grads)
+            DistComm(self._groups["pipeline"]).broadcast(loss, peer(lay.pp - 1))
+            self.moved.append({"kind": "broadcast", "phase": "forward", "label": "loss", "peer": lay.pp - 1,
+                               "bytes": loss.numel() * loss.element_size()})
         return loss, grads
 
     def _join_tied(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One gradient per parameter object: names of one tied parameter summed in a stage, then
-        over the stages that hold it (Megatron's embedding group)."""
-        first = {label: self._tied.get(label, label) for label in self._labels}
+        """One gradient per parameter, by its first name: names of one tied parameter summed in a
+        stage, then a weight several stages read reduced to the stage that holds it (Megatron's
+        embedding group sums it there)."""
         by_first: dict[str, torch.Tensor] = {}
         for label, g in grads.items():
-            k = first[label]
+            k = self._tied.get(label, label)
             by_first[k] = g if k not in by_first else by_first[k] + g
         for name in sorted(self._tie_groups):
+            owner = min(self._holders[name])
             g = by_first.get(name)
             if g is None:
-                g = torch.zeros_like(next(self._params[lab] for lab in self._labels if first[lab] == name).data)
-            g = DistComm(self._tie_groups[name]).all_reduce(g, "sum")
+                g = torch.zeros_like(self.local(name))
+            g = g.contiguous().clone()
+            DistComm(self._tie_groups[name]).reduce(g, self.layout.rank(owner, self.dp_index, self.tp_index))
+            self.moved.append({"kind": "reduce", "phase": "backward", "label": f"grad of {name}", "peer": owner,
+                               "bytes": g.numel() * g.element_size()})
             by_first[name] = g
-        return {label: by_first.get(first[label]) for label in self._unique}
+        return by_first
+
+    def _refresh_replicas(self) -> None:
+        """At the start of a step: each replica of a weight an earlier stage holds takes the
+        holder's value (the optimizer stepped the holder's only)."""
+        for name in sorted(self._tie_groups):
+            owner = min(self._holders[name])
+            buf = self._replicas.get(name)
+            if buf is None:
+                buf = _dt.local(self._params[name]).contiguous()
+            DistComm(self._tie_groups[name]).broadcast(buf, self.layout.rank(owner, self.dp_index, self.tp_index))
+            self.moved.append({"kind": "broadcast", "phase": "forward", "label": name, "peer": owner,
+                               "bytes": buf.numel() * buf.element_size()})
+
+    def _gradients(self, grads: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradient of each parameter in ``self._all``'s order: this rank's part (DTensors placed
+        like their parameters; an empty part where another stage holds it), so every rank hands
+        every parameter a gradient and torch's utilities see the same list everywhere."""
+        out = []
+        for name, p in self._params.items():
+            g = grads.get(name)
+            part = _dt.local(p)
+            if g is None or part.numel() == 0 and g.numel() != 0:
+                g = torch.zeros_like(part)
+            out.append(_dt.grad_like(p, g) if isinstance(p, _dt.DTensor) else g)
+        return out
 
     # -- whole parameters -----------------------------------------------------------------
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, on every rank (collectives: every rank calls it): gathered over
-        its stage's sub-mesh, then broadcast from the first stage holding it over the pp axis."""
-        import torch.distributed as dist
+        """Every parameter whole, on every rank (collectives: every rank calls it, as ``full_tensor`` is)."""
+        return {n: full_tensor(p) for n, p in self.module.named_parameters()}
 
-        if self.program is None:
-            return {n: p.detach().clone() for n, p in self.module.named_parameters()}
-        pp, lay = self.program, self.layout
-        out = {}
-        for name, p in self.module.named_parameters():
-            owner = min(self._holders.get(name, {0}))
-            shape = self._shapes[name]
-            whole = torch.empty(shape, dtype=p.dtype)
-            if self.stage == owner:
-                label = next(lab for lab in pp.stages[owner].parameters if self._tied.get(lab, lab) == name)
-                program = pp.programs[owner]
-                placement = program.parameters[label]
-                if lay.dp * lay.tp > 1:
-                    parts = [torch.empty(local_shape(shape, placement if isinstance(placement, tuple) else (placement,), program.mesh), dtype=p.dtype) for _ in range(lay.dp * lay.tp)]
-                    dist.all_gather(parts, p.detach().contiguous(), group=self._groups["stage"])
-                    whole = spmd.assemble(parts, placement, shape, program.mesh)
-                else:
-                    whole = p.detach().clone()
-            if lay.pp > 1:
-                whole = whole.contiguous()
-                dist.broadcast(whole, lay.rank(owner, self.dp_index, self.tp_index), group=self._groups["pp"])
-            out[name] = whole
-        return out
+    # -- state: the wrapped module's own keys, as on every other mesh ----------------------------
 
-    # -- checkpoints (torch.distributed.checkpoint) ---------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict under its own keys: each parameter a DTensor held by its stage."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """DCP's contract for a wrapper whose state dict leaves out its child's prefix (as
+        ``nvtp.jit``'s module, DDP's and FSDP's): ``get_model_state_dict(model)`` works on it."""
+        inner = self.module
+        return {n: "module" for n in (*inner._modules, *inner._parameters, *inner._buffers)}
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """This rank's stage parameters under the model's own names, each a DTensor on the stage's
-        (dp, tp) sub-mesh of torch's (pp, dp, tp) DeviceMesh whose local part is the parameter's
-        storage (no copy): ``dcp.save`` writes each part once, ``dcp.load`` reads into it in place,
-        whatever shape the checkpoint was saved on. A weight tied across stages is under its first
-        name in both stages (equal; DCP writes it once). Every rank calls it (the first call makes
-        the mesh's process groups, in one order)."""
-        from nvtp import dtensor as _dt
-
+        """The state DCP saves and loads for this pipeline: the module's parameters under their own
+        names (DTensors: each rank's part is the parameter's storage, so ``dcp.load`` reads in place)."""
         if self.program is None:
             raise InputError("compile the pipeline before a checkpoint (model.compile(*inputs), or one training step): "
                              "until then no rank knows its stage's parameters")
-        mine = self.program.programs[self.stage]
-        sub = self._torch_mesh()[tuple(mine.mesh.names)] if self.layout.size > 1 else None
-        out = {}
-        for label in self._unique:
-            name = self._tied.get(label, label)
-            p = self._params[label]
-            out[name] = _dt.as_dtensor(p.data, mine.parameters[label], sub, self._shapes[name]) if sub is not None else p.data
-        return out
+        return dict(self.module.named_parameters())
 
     def restore(self, state: dict[str, torch.Tensor]) -> None:
-        """Take ``state`` (``checkpoint_state()``'s keys, as ``dcp.load`` filled them) into this
-        rank's parameters; a no-op for parts DCP read in place."""
-        from nvtp import dtensor as _dt
-
+        """Take ``state`` (``checkpoint_state()``'s keys, as ``dcp.load`` filled them) into the
+        parameters (a no-op where DCP read in place), and refresh the replicas of tied weights."""
         with torch.no_grad():
-            for label in self._unique:
-                p, t = self._params[label], _dt.local(state[self._tied.get(label, label)])
-                if t.data_ptr() != p.data.data_ptr():
-                    p.data.copy_(t)
+            for name, p in self.module.named_parameters():
+                t, mine = _dt.local(state[name]), _dt.local(p)
+                if t.data_ptr() != mine.data_ptr() and t.numel():
+                    mine.copy_(t)
 
     def _torch_mesh(self):
         """torch's DeviceMesh over the whole (pp, dp, tp) layout (rank = (pp*dp + d)*tp + t); made once."""
         if getattr(self, "_torch_global", None) is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            lay = self.layout
-            self._torch_global = DeviceMesh("cpu", torch.arange(lay.size).reshape(lay.pp, lay.dp, lay.tp),
-                                            mesh_dim_names=("pp", "dp", "tp"))
+            self._torch_global = self.layout.torch_mesh("cpu")
         return self._torch_global
 
 
@@ -420,12 +473,13 @@ class _PipeRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: PipelineModule, args: tuple, train: bool, *params):
         loss, grads = module._step(args, train)
-        ctx.grads = [grads.get(label) for label in module._unique]
+        ctx.grads = module._gradients(grads) if train else [None] * len(params)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None, None, *[None if x is None else x * g for x in ctx.grads])
+        return (None, None, None, *[None if x is None else x * _dt.local(g) if isinstance(x, _dt.DTensor) else x * g
+                                    for x in ctx.grads])
 
 
 __all__ = ["PipelineModule"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from nvtp.sharding.overlap import Machine, Ring, op_seconds
+from nvtp.sharding.cost import Machine, ring_seconds
+from nvtp.sharding.overlap import Ring
 from nvtp.sharding.sharded import ShardedFusion
 
 
@@ -142,28 +143,6 @@ def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
     return any(a != axis and (axis_split(p) or (None,))[0] == dim for a, p in enumerate(sharding))
 
 
-def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
-    """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
-    blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
-    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block, plus the machine's
-    ``block_overhead`` for each of the n smaller matmuls."""
-    from nvtp.sharding.placements import local_shape as shape_of
-
-    f = sharded.fusion
-
-    def local(v):
-        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
-
-    n = ring.steps + 1
-    bw, latency = machine.links.get(sharded.mesh.names[ring.axis], next(iter(machine.links.values())))
-    step = sharded.set_steps[ring.name]
-    collective = latency + step.bytes / bw
-    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
-    one_step = latency + ring.step_bytes / bw
-    block = compute / n
-    return collective + compute, (n - 1) * max(one_step, block) + block + n * machine.block_overhead
-
-
 def plan_rings(sharded: ShardedFusion, machine: Machine | None, mode: bool | str = "auto") -> list[Ring]:
     """The collective matmuls to run: ``mode`` True every candidate (``find_rings``), False none,
     "auto" those the cost model (``ring_seconds`` on ``machine``) says are faster as a ring."""
@@ -256,29 +235,3 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
                       ScheduleStep(zs, "split", (ring.dim, n, False)), ScheduleStep(zs, "parallelize", (ring.dim, "mesh_x"))]
         out.append((f"collective_matmul_{'allgather' if ring.kind == 'allgather-linear' else 'reducescatter'}", fusion, steps))
     return out
-
-
-def write_collective_matmuls(sharded: ShardedFusion, rings: list[Ring], directory, name: str = "program") -> list:
-    """``collective_matmul_fusions`` as nvFuser files in ``directory`` (``<name>_collective_matmul_allgather.py``, ...)."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from nvtp.ir.printer import format_file, format_schedule
-
-    paths = []
-    for step, fusion, steps in collective_matmul_fusions(sharded, rings):
-        fusion = replace(fusion, attrs={"devices": str(rings[0].steps + 1), "inputs": "per rank"})
-        path = Path(directory) / f"{name}_{step}.py"
-        shapes = {v.name: list(v.shape) for v in fusion.inputs}  # each device passes its part
-        for st in steps:
-            if st.kind == "split" and st.tensor in shapes and (st.tensor, "parallelize", (st.args[0], "mesh_x")) in \
-                    {(t.tensor, t.kind, t.args) for t in steps}:
-                shapes[st.tensor][st.args[0]] //= st.args[1]
-        header = [f"nvtp's collective matmul ({step.split('_')[-1]}) on one {sharded.mesh.names[rings[0].axis]} group of "
-                  f"{rings[0].steps + 1} devices, as nvFuser's multidevice schedule expresses it: the product's rows split over",
-                  "streams (ParallelType.stream) beside the device split, so each block's communication overlaps another block's",
-                  "matmul. Shapes are the whole group's; written by nvtp.sharding.collective_matmul.write_collective_matmuls."]
-        path.write_text(format_file(fusion, header=header, extra_imports=["import nvfuser_direct", "from nvfuser_direct import ParallelType"],
-                                    extra_body=format_schedule(steps), input_shapes=shapes, device="cuda"))
-        paths.append(path)
-    return paths

@@ -1,6 +1,6 @@
 """Communication scheduling: when each collective of a sharded fusion starts, and which go together.
 
-    plan = schedule_collectives(sharded)           # a Schedule: data, kept in the Program
+    plan = schedulecollectives_of(sharded)           # a Schedule: data, kept in the Program
     plan.issues                                    # [Issue(after="T41", sets=("T57", "T58"), axis=1, kind="allreduce", ...), ...]
 
 A ``set`` op sits where its value is first needed. Run as written, each collective blocks the
@@ -29,7 +29,6 @@ runs the fusion as written.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -115,7 +114,8 @@ class _Comm:
     gathers_input: bool
 
 
-def _collectives(sharded: ShardedFusion) -> list[_Comm]:
+def collectives_of(sharded: ShardedFusion) -> list[_Comm]:
+    """Each communicating ``set`` of ``sharded``: where its input is ready, where it is waited for, its kind and bytes."""
     f = sharded.fusion
     index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
     inputs = {v.name for v in f.inputs}
@@ -144,7 +144,7 @@ def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTE
     members share kind, mesh axis, dtype and reduction; a bucket holds at most ``bucket_bytes``
     of tensor (or one collective larger than that)."""
     in_rings = {r.name for r in rings}
-    comms = [c for c in _collectives(sharded) if c.name not in in_rings]
+    comms = [c for c in collectives_of(sharded) if c.name not in in_rings]
     f = sharded.fusion
     names = [op.outputs[0].name if op.outputs else "" for op in f.ops]
     issues: list[Issue] = []
@@ -195,131 +195,3 @@ def _issue(bucket: list[_Comm], at: int, names: list[str]) -> Issue:
     bucket = sorted(bucket, key=lambda c: c.wait)
     return Issue(names[at] if at >= 0 else None, at, tuple(c.name for c in bucket), tuple(c.wait for c in bucket),
                  bucket[0].axis, bucket[0].kind, sum(c.bytes for c in bucket))
-
-
-# ---------------------------------------------------------------------------------------------
-# what the schedule hides, under a stated machine model
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A machine for estimates: dense 16-bit matmul rate, memory bandwidth, and per mesh axis the
-    link a collective of that axis runs over (bytes per second each rank sends, and a latency
-    per collective). Estimates, stated with their numbers: nothing here is measured."""
-
-    name: str
-    flops: float  # matmul FLOP/s a GPU sustains (bf16)
-    memory: float  # bytes/s (HBM)
-    links: dict[str, tuple[float, float]]  # mesh axis name -> (bytes/s per rank, seconds of latency per collective)
-    describe: str = ""
-    block_overhead: float = 5e-6  # seconds one more, smaller matmul costs (a kernel launch and a stream switch; on CPU, Python)
-
-
-MACHINES: dict[str, Machine] = {m.name: m for m in (
-    Machine("h100-nvlink", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
-            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 450e9, 10e-6)},
-            describe="8x H100 SXM in one node: 989 TFLOP/s bf16 dense at 60%, 3.35 TB/s HBM at 80%, NVLink 450 GB/s a "
-                     "direction per GPU at 80% for every mesh axis, 10 us a collective"),
-    Machine("h100-ib", flops=0.6 * 989e12, memory=0.8 * 3.35e12,
-            links={"tp": (0.8 * 450e9, 10e-6), "dp": (0.8 * 50e9, 20e-6)},
-            describe="H100 nodes: tp inside a node over NVLink (450 GB/s at 80%), dp across nodes over 400 Gb/s "
-                     "InfiniBand a GPU (50 GB/s at 80%), 20 us a collective across nodes"),
-    Machine("cpu-gloo", flops=40e9, memory=10e9, links={"tp": (1.2e9, 500e-6), "dp": (1.2e9, 500e-6)},
-            describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
-                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6),
-)}
-
-
-def default_machine(target: str) -> Machine:
-    """The machine a program for ``target`` is planned for when none is named: GPUs over NVLink
-    for nvFuser, CPU processes over gloo for the reference backend."""
-    return MACHINES["h100-nvlink" if target == "nvfuser" else "cpu-gloo"]
-
-
-def op_seconds(op, machine: Machine, local_shape) -> float:
-    """A rough time for one op on one rank: matmul-like ops by FLOPs, the rest by the bytes they
-    write (a fusing backend writes fewer; this is an upper bound for the light ops)."""
-    import math
-
-    outs = [v for v in op.outputs if isinstance(v, TensorValue)]
-    if op.kind in ("linear", "matmul"):
-        a, b = (local_shape(v) for v in op.operands[:2])
-        k = a[-1]
-        n = b[0] if op.kind == "linear" else b[-1]
-        return 2 * math.prod(a) * n / machine.flops if k else 0.0
-    if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
-        q = local_shape(op.arg("query"))
-        kv = local_shape(op.arg("key"))
-        flops = 4 * math.prod(q) * kv[-2] * (2.5 if op.kind == "sdpfa_bwd" else 1.0)
-        return flops / machine.flops
-    return sum(math.prod(local_shape(v)) * v.dtype.itemsize for v in outs) / machine.memory
-
-
-@dataclass
-class Exposure:
-    """One fusion's communication under a machine: ``ideal`` the collectives' own time, ``exposed``
-    what the step waits for them (blocking: all of it), ``compute`` the ops' time."""
-
-    compute: float
-    ideal: float
-    exposed: float
-    blocking_exposed: float
-
-    @property
-    def hidden(self) -> float:
-        """The fraction of the collectives' time the schedule hides behind compute."""
-        return 0.0 if self.ideal == 0 else 1.0 - self.exposed / self.ideal
-
-
-def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine) -> Exposure:
-    """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at
-    a time, in the order they start; a ``set`` waits for its collective. Exposed time is the step
-    time minus the ops' time."""
-    from nvtp.sharding.placements import local_shape as shape_of
-
-    f = sharded.fusion
-
-    def local(v):
-        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
-
-    comms = {c.name: c for c in _collectives(sharded)}
-    names = sharded.mesh.names
-
-    def comm_seconds(axis: int, nbytes: int) -> float:
-        bw, latency = machine.links.get(names[axis], next(iter(machine.links.values())))
-        return latency + nbytes / bw
-
-    ideal = sum(comm_seconds(c.axis, c.bytes) for c in comms.values())
-    compute = sum(op_seconds(op, machine, local) for op in f.ops if op.kind not in ("set", "define_tensor", "define_scalar"))
-    issues = schedule.by_position() if schedule is not None else {}
-    done: dict[str, float] = {}
-    link_free: dict[int, float] = {}
-    now = 0.0
-
-    def launch(issue: Issue) -> None:
-        start = max(now, link_free.get(issue.axis, 0.0))
-        end = start + comm_seconds(issue.axis, issue.bytes)
-        link_free[issue.axis] = end
-        done.update((name, end) for name in issue.sets)
-
-    rings = {r.at: r for r in getattr(schedule, "rings", ())}
-    in_rings = {k for r in rings.values() for c in r.chains for k in c}
-    for issue in issues.get(-1, ()):
-        launch(issue)
-    for i, op in enumerate(f.ops):
-        name = op.outputs[0].name if op.outputs else ""
-        if i in in_rings:  # its time is the ring's
-            pass
-        elif i in rings:  # a collective matmul: the ring's steps beside the blocks of its matmuls
-            from nvtp.sharding.collective_matmul import ring_seconds
-
-            now += ring_seconds(sharded, rings[i], machine)[1]
-        elif op.kind == "set" and name in comms:
-            if name not in done:  # unscheduled: it starts here and blocks
-                launch(Issue(None, i, (name,), (i,), comms[name].axis, comms[name].kind, comms[name].bytes))
-            now = max(now, done[name])
-        elif op.kind not in ("define_tensor", "define_scalar"):
-            now += op_seconds(op, machine, local)
-        for issue in issues.get(i, ()):
-            launch(issue)
-    return Exposure(compute, ideal, max(0.0, now - compute), ideal)

@@ -152,7 +152,7 @@ class FusedParts:
 
 
 class Zigzag(_StridedShard):
-    """The balanced layout of a causal sequence over a context-parallel axis (``nvtp.sharding.context``):
+    """The balanced layout of a causal sequence over a context-parallel axis (``nvtp.sharding.axes.cp``):
     axis ``dim`` seen as ``[k, n/k]`` (k even: each sequence's two halves, per batch row of a
     flattened ``[B*T]``), each chunk cut in one piece per rank; rank r holds piece r of the
     even chunks and piece d-1-r of the odd ones, so of one sequence of 2d pieces it holds pieces
@@ -172,7 +172,7 @@ class Zigzag(_StridedShard):
 
 
 # True while the passes shard a context-parallel axis in the balanced layout: every strided
-# split they make of an even number of chunks is a ``Zigzag`` (nvtp.sharding.context).
+# split they make of an even number of chunks is a ``Zigzag`` (nvtp.sharding.axes.cp).
 ZIGZAG: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_zigzag", default=False)
 
 

@@ -31,6 +31,34 @@ def communication_records(sharded: ShardedFusion) -> list[dict[str, Any]]:
     return out
 
 
+def size_text(n: float) -> str:
+    """``n`` bytes as text: 1.50 MiB, 12.0 KiB, 512 B."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def weight_of(sharded: ShardedFusion, result: str, step) -> str:
+    """The label of the parameter a collective moves: the parameter itself (FSDP's gathers), or the
+    parameter whose gradient output the reduced value becomes through single-use ops (a cast, a
+    slice to the at-rest shard); "" for anything else."""
+    src = sharded.source
+    if step.value in src.info and src.role(step.value) == "parameter":
+        return src.label(step.value)
+    outputs = {out.name: s.name for s, out in zip(src.outputs, sharded.fusion.outputs)}
+    users = sharded.fusion.consumers()
+    name = result
+    for _ in range(8):
+        if name in outputs:
+            return src.grad_of(outputs[name])
+        ops = users.get(name, [])
+        if len(ops) != 1 or len(ops[0].outputs) != 1:
+            return ""
+        name = ops[0].outputs[0].name
+    return ""
+
+
 def _sharded_from(sharded: ShardedFusion) -> str | None:
     """The forward file a backward fusion was sharded from (None for a forward)."""
     attrs = sharded.source.attrs

@@ -432,7 +432,7 @@ def _matmul(op: Op) -> OpFactors:
 # ---------------------------------------------------------------------------------------------
 # attention: batch and heads pass through; sequences and the head dim stay whole
 
-# True while a context-parallel ("cp") axis is sharded (nvtp.sharding.context): there a
+# True while a context-parallel ("cp") axis is sharded (nvtp.sharding.axes.cp): there a
 # self-attention's query and key/value sequences are one factor that may split, every rank
 # keeping its queries while the K/V blocks travel the ring (nvtp.execute.ring).
 RING: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_ring_attention", default=False)

@@ -28,7 +28,7 @@ class ShardedFusion:
     plan: str
     propagation: Propagation
     seconds: dict[str, float] = field(default_factory=dict)
-    axes: tuple["ShardedFusion", ...] = ()  # on a mesh of several axes: each axis's own pass (nvtp.sharding.multi)
+    axes: tuple["ShardedFusion", ...] = ()  # on a mesh of several axes: each axis's own pass (nvtp.sharding.compose)
 
     @property
     def communications(self) -> list[ReshardStep]:

@@ -1,4 +1,7 @@
-"""Ranks on a (pp, dp, tp) mesh, laid out as Megatron-LM lays them out.
+"""The "pp" axis: pipeline parallelism. The model is cut into stages of blocks along it
+(``nvtp.pipeline``), before any sharding pass; each stage is sharded over the rest of the mesh
+(its (dp, tp) sub-mesh) by the other axes' strategies. Here: the strategy, and the ranks of a
+(pp, dp, tp) mesh laid out as Megatron-LM lays them out.
 
     lay = Layout(pp=4, dp=2, tp=2)     # 16 ranks: rank = (pp_i * dp + dp_i) * tp + tp_i
     lay.groups("tp")   # [[0, 1], [2, 3], ...]            Megatron's tensor groups
@@ -19,10 +22,39 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nvtp.sharding.axes import MeshError
+import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+from nvtp.sharding.axes.strategy import MeshError, Strategy, register
 from nvtp.sharding.placements import DeviceMesh
 
 ORDER = ("pp", "dp", "tp")
+NAME = ORDER[0]
+
+
+@register
+class PipelineParallel(Strategy):
+    name = NAME
+    summary = "pipeline parallel: stages of blocks, cut by nvtp.pipeline; each stage sharded over its (dp, tp) sub-mesh"
+    order = 0
+    options = frozenset({"microbatches", "schedule", "cut"})
+    refuses = {
+        "fsdp": "a pipeline's dp axis is DDP-style (each stage's weights whole over dp); shard without a 'pp' axis for FSDP",
+        "comm": "a pipeline runs on torch.distributed's processes, not a simulated mesh; call it in processes after "
+                "torch.distributed.init_process_group",
+        "dynamic": "a pipeline is compiled for one batch shape, cut into microbatches; pass the same shapes every step, or shard "
+                   "without a 'pp' axis to compile each new shape",
+        "check_replicas": "a pipeline does not compare replicated inputs across ranks; leave it out, or check without a 'pp' axis",
+        "regional": "a pipeline traces a chain of repeated blocks once and splices it, as its stages are cut at block boundaries; "
+                    "leave regional at its default",
+        "overlap": "a pipeline's stages start each collective as soon as its input exists (the default schedule); leave overlap "
+                   "at its default, or shard without a 'pp' axis to run each collective where it stands",
+        "collective_matmul": "a pipeline's stages plan collective matmuls where the cost model says they pay (the default, "
+                             "'auto'); leave it at its default, or shard without a 'pp' axis to force it on or off",
+        "machine": "a pipeline's report does not estimate overlap on a machine model; leave machine out",
+    }
+    cuts_stages = True
+    crosses_nodes = True
 
 
 @dataclass(frozen=True)
@@ -56,6 +88,28 @@ class Layout:
         if axis == "dp":  # Megatron lists data groups by pipeline stage, then tensor rank
             out.sort(key=lambda g: (self.coords(g[0])[0], self.coords(g[0])[2]))
         return out
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return self.groups("pp")
+
+    def data_groups(self) -> list[list[int]]:
+        return self.groups("dp")
+
+    def tensor_groups(self) -> list[list[int]]:
+        return self.groups("tp")
+
+    def torch_mesh(self, device: str = "cpu"):
+        """torch's DeviceMesh of the whole (pp, dp, tp) layout, over every rank in order."""
+        return TorchMesh(device, torch.arange(self.size).reshape(self.pp, self.dp, self.tp), mesh_dim_names=ORDER)
+
+    def as_json(self) -> dict:
+        return {"mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp, "world": self.size},
+                "groups": {"tp": self.groups("tp"), "dp": self.groups("dp"), "pp": self.groups("pp"),
+                           "embedding": self.embedding_groups()}}
+
+    def group_lines(self) -> list[tuple[str, str, list[list[int]]]]:
+        """(axis, what it holds, its groups) of each axis, for the plan's text."""
+        return [(axis, what, self.groups(axis)) for axis, what in (("tp", "tensor"), ("dp", "data"), ("pp", "pipeline"))]
 
     def group_of(self, axis: str, rank: int) -> list[int]:
         return next(g for g in self.groups(axis) if rank in g)
@@ -129,4 +183,4 @@ def has_pp(mesh: Any) -> bool:
     return "pp" in tuple(names)
 
 
-__all__ = ["Layout", "layout_of", "parse", "has_pp"]
+__all__ = ["Layout", "PipelineParallel", "layout_of", "parse", "has_pp"]

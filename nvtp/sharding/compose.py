@@ -1,0 +1,92 @@
+"""Sharding over a mesh of several axes: one placement per axis, one pass per axis, composed.
+
+Each mesh axis's strategy (``nvtp.sharding.axes``) runs its 1-D pass over its extent on the
+fusion the pass before it left (tp's plan, then dp's data plan, then cp's sequence split).
+``compose`` makes one ``ShardedFusion`` of them: a ``set`` one pass inserts is an identity to
+the other passes, so each value's placement on each axis is that axis's pass's, and each ``set``
+changes one axis: it runs on that axis's process group.
+
+Activations may be split twice along one dimension, by different factors of it: the batch (dp)
+and the sequence (tp, with SP) of a flattened ``[B*T, C]``. A rank holds the entries both axes
+give it, and a collective on one axis sees the other's cut (``placements.held``,
+``placements.induced``); two axes splitting the same factor are refused with the value's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Collection, Mapping, Sequence
+
+from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, held, local_shape
+from nvtp.sharding.propagate import ShardingError, reshard_bytes
+from nvtp.sharding.reshard import ReshardStep
+from nvtp.sharding.sharded import ShardedFusion
+
+
+def _rebytes(step: ReshardStep, axis: int, mesh: DeviceMesh, sharding: tuple[Placement, ...]) -> ReshardStep:
+    """``step`` (planned on one axis over global bytes) counted on the rank's part along the other axes."""
+    local = step.tensor_bytes
+    for a, p in enumerate(sharding):
+        if a != axis and axis_split(p) is not None:
+            local //= mesh.shape[a]
+    return replace(step, tensor_bytes=local, bytes=round(reshard_bytes(step.src, step.dst, local, mesh.shape[axis])), axis=axis)
+
+
+def _check_shared_axis(v: TensorValue, sharding: tuple[Placement, ...], mesh: DeviceMesh) -> None:
+    """Two mesh axes may split one tensor axis only by splitting different factors of it (the
+    batch and the sequence of a flattened ``[B*T, C]``): then every rank holds 1/(n1*n2) of it."""
+    want = local_shape(v.shape, sharding, mesh)
+    for rank in mesh.devices:
+        got = held(v.shape, sharding, mesh, mesh.coords(rank))
+        if any(g is not None and g.numel() != w for g, w in zip(got, want)):
+            raise ShardingError(f"{v.describe()}: mesh axes {list(mesh.names)} split one of its axes over the same entries "
+                                f"({', '.join(map(str, sharding))}); a tensor axis is split by two mesh axes only along different factors")
+
+
+def compose(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, source: Fusion, plan: str) -> ShardedFusion:
+    """One ShardedFusion of the per-axis passes run one after the other; a mesh of one axis keeps
+    its one pass, on the mesh itself (its devices, e.g. a pipeline stage's global ranks)."""
+    if len(passes) == 1 and mesh.ndim == 1:
+        return replace(passes[0][1], mesh=mesh, plan=plan)
+    return combine(passes, mesh, source, plan)
+
+
+def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, source: Fusion, plan: str) -> ShardedFusion:
+    """One ShardedFusion from per-axis passes run one after the other (``passes`` in run order:
+    each pass sharded the previous one's fusion)."""
+    final = passes[-1][1]
+    fusion = final.fusion
+    producers = fusion.producers()
+    shardings: dict[str, list[Placement]] = {}
+
+    def placement_on(k: int, name: str) -> Placement:
+        _, s = passes[k]
+        if name in s.shardings and name in s.fusion.values:  # (a pass's shardings may keep names its fusion dropped)
+            return s.shardings[name][0]
+        op = producers.get(name)  # a set a later pass inserted: an identity on this axis
+        if op is None or op.kind != "set":
+            raise ShardingError(f"{name}: no placement on mesh axis {mesh.names[passes[k][0]]} (made by {op})")
+        return placement_on(k, op.operands[0].name)
+
+    for v in fusion.values.values():
+        if not isinstance(v, TensorValue):
+            continue
+        per_axis: list[Placement] = [REPLICATE] * mesh.ndim
+        for k, (axis, _) in enumerate(passes):
+            per_axis[axis] = placement_on(k, v.name)
+        split_dims = [axis_split(p)[0] for p in per_axis if axis_split(p) is not None]
+        if len(split_dims) != len(set(split_dims)):
+            _check_shared_axis(v, tuple(per_axis), mesh)
+        shardings[v.name] = per_axis
+    frozen = {k: tuple(p) for k, p in shardings.items()}
+    set_steps: dict[str, ReshardStep] = {}
+    for axis, s in passes:
+        for name, step in s.set_steps.items():
+            if name in frozen:
+                set_steps[name] = _rebytes(step, axis, mesh, frozen[step.value] if step.value in frozen else frozen[name])
+    first = passes[0][1]
+    seconds = {f"{mesh.names[a]}:{k}": t for a, s in passes for k, t in s.seconds.items()}
+    axes = {a: s for a, s in passes}
+    return ShardedFusion(fusion, source, mesh, frozen, set_steps, first.annotations, plan, first.propagation, seconds,
+                         axes=tuple(axes[a] for a in range(mesh.ndim)))

@@ -1,0 +1,177 @@
+"""The cost model, in one place: a machine's rates and links, the time of an op, of a
+collective, of a collective matmul's ring, and what a schedule of collectives hides behind
+compute. Estimates, stated with their numbers (``Machine.describe``); nothing here is measured
+unless a machine's description says so.
+
+    machine = MACHINES["h100-ib"]
+    machine.link(mesh, axis)              # (bytes/s, latency) of the link an axis's collectives cross
+    exposure(sharded, schedule, machine)  # compute, communication, and what the step still waits for
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nvtp.ir.graph import TensorValue
+from nvtp.sharding.overlap import Issue, Ring, Schedule, collectives_of
+from nvtp.sharding.placements import DeviceMesh
+from nvtp.sharding.placements import local_shape as shape_of
+from nvtp.sharding.sharded import ShardedFusion
+
+
+# ---------------------------------------------------------------------------------------------
+# what the schedule hides, under a stated machine model
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine for estimates: dense 16-bit matmul rate, memory bandwidth, and the two links a
+    collective may run over (bytes per second each rank sends, and a latency per collective):
+    inside a node and between nodes. Ranks are laid out as the mesh's shape reads, the last axis
+    fastest (Megatron's order: tp innermost), ``devices_per_node`` to a node; an axis's
+    collectives cross nodes when its ranks, with those of the axes inside it, span more than a
+    node. Estimates, stated with their numbers: nothing here is measured unless ``describe`` says so."""
+
+    name: str
+    flops: float  # matmul FLOP/s a device sustains
+    memory: float  # bytes/s (HBM)
+    intra: tuple[float, float]  # inside a node: (bytes/s per rank, seconds of latency per collective)
+    inter: tuple[float, float]  # between nodes
+    devices_per_node: int = 8
+    describe: str = ""
+    block_overhead: float = 5e-6  # seconds one more, smaller matmul costs (a kernel launch and a stream switch; on CPU, Python)
+    memory_per_device: float = 80e9  # bytes a device holds (HBM)
+
+    def crosses_nodes(self, mesh: DeviceMesh, axis: int) -> bool:
+        """Whether the collectives of ``axis`` of ``mesh`` run between nodes."""
+        return math.prod(mesh.shape[axis:]) > self.devices_per_node
+
+    def link(self, mesh: DeviceMesh, axis: int) -> tuple[float, float]:
+        """(bytes/s per rank, latency) of the link ``axis``'s collectives run over."""
+        return self.inter if self.crosses_nodes(mesh, axis) else self.intra
+
+
+MACHINES: dict[str, Machine] = {m.name: m for m in (
+    Machine("h100-nvlink", flops=0.6 * 989e12, memory=0.8 * 3.35e12, intra=(0.8 * 450e9, 10e-6), inter=(0.8 * 450e9, 10e-6),
+            devices_per_node=8,
+            describe="8x H100 SXM in one node: 989 TFLOP/s bf16 dense at 60%, 3.35 TB/s HBM at 80%, NVLink 450 GB/s a "
+                     "direction per GPU at 80% for every mesh axis, 10 us a collective"),
+    Machine("h100-ib", flops=0.6 * 989e12, memory=0.8 * 3.35e12, intra=(0.8 * 450e9, 10e-6), inter=(0.8 * 50e9, 20e-6),
+            devices_per_node=8,
+            describe="H100 nodes of 8 GPUs: inside a node NVLink (450 GB/s at 80%), between nodes 400 Gb/s InfiniBand a GPU "
+                     "(50 GB/s at 80%), 20 us a collective across nodes; the mesh's last axis fastest, so tp stays in a node"),
+    Machine("cpu-gloo", flops=40e9, memory=10e9, intra=(1.2e9, 500e-6), inter=(1.2e9, 500e-6), devices_per_node=1024,
+            describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
+                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6,
+            memory_per_device=20e9),
+)}
+
+
+def default_machine(target: str) -> Machine:
+    """The machine a program for ``target`` is planned for when none is named: GPUs over NVLink
+    for nvFuser, CPU processes over gloo for the reference backend."""
+    return MACHINES["h100-nvlink" if target == "nvfuser" else "cpu-gloo"]
+
+
+def op_seconds(op, machine: Machine, local_shape) -> float:
+    """A rough time for one op on one rank: matmul-like ops by FLOPs, the rest by the bytes they
+    write (a fusing backend writes fewer; this is an upper bound for the light ops)."""
+    import math
+
+    outs = [v for v in op.outputs if isinstance(v, TensorValue)]
+    if op.kind in ("linear", "matmul"):
+        a, b = (local_shape(v) for v in op.operands[:2])
+        k = a[-1]
+        n = b[0] if op.kind == "linear" else b[-1]
+        return 2 * math.prod(a) * n / machine.flops if k else 0.0
+    if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
+        q = local_shape(op.arg("query"))
+        kv = local_shape(op.arg("key"))
+        flops = 4 * math.prod(q) * kv[-2] * (2.5 if op.kind == "sdpfa_bwd" else 1.0)
+        return flops / machine.flops
+    return sum(math.prod(local_shape(v)) * v.dtype.itemsize for v in outs) / machine.memory
+
+
+@dataclass
+class Exposure:
+    """One fusion's communication under a machine: ``ideal`` the collectives' own time, ``exposed``
+    what the step waits for them (blocking: all of it), ``compute`` the ops' time."""
+
+    compute: float
+    ideal: float
+    exposed: float
+    blocking_exposed: float
+
+    @property
+    def hidden(self) -> float:
+        """The fraction of the collectives' time the schedule hides behind compute."""
+        return 0.0 if self.ideal == 0 else 1.0 - self.exposed / self.ideal
+
+
+def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine) -> Exposure:
+    """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at
+    a time, in the order they start; a ``set`` waits for its collective. Exposed time is the step
+    time minus the ops' time."""
+    f = sharded.fusion
+
+    def local(v):
+        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
+
+    comms = {c.name: c for c in collectives_of(sharded)}
+    def comm_seconds(axis: int, nbytes: int) -> float:
+        bw, latency = machine.link(sharded.mesh, axis)
+        return latency + nbytes / bw
+
+    ideal = sum(comm_seconds(c.axis, c.bytes) for c in comms.values())
+    compute = sum(op_seconds(op, machine, local) for op in f.ops if op.kind not in ("set", "define_tensor", "define_scalar"))
+    issues = schedule.by_position() if schedule is not None else {}
+    done: dict[str, float] = {}
+    link_free: dict[int, float] = {}
+    now = 0.0
+
+    def launch(issue: Issue) -> None:
+        start = max(now, link_free.get(issue.axis, 0.0))
+        end = start + comm_seconds(issue.axis, issue.bytes)
+        link_free[issue.axis] = end
+        done.update((name, end) for name in issue.sets)
+
+    rings = {r.at: r for r in getattr(schedule, "rings", ())}
+    in_rings = {k for r in rings.values() for c in r.chains for k in c}
+    for issue in issues.get(-1, ()):
+        launch(issue)
+    for i, op in enumerate(f.ops):
+        name = op.outputs[0].name if op.outputs else ""
+        if i in in_rings:  # its time is the ring's
+            pass
+        elif i in rings:  # a collective matmul: the ring's steps beside the blocks of its matmuls
+            now += ring_seconds(sharded, rings[i], machine)[1]
+        elif op.kind == "set" and name in comms:
+            if name not in done:  # unscheduled: it starts here and blocks
+                launch(Issue(None, i, (name,), (i,), comms[name].axis, comms[name].kind, comms[name].bytes))
+            now = max(now, done[name])
+        elif op.kind not in ("define_tensor", "define_scalar"):
+            now += op_seconds(op, machine, local)
+        for issue in issues.get(i, ()):
+            launch(issue)
+    return Exposure(compute, ideal, max(0.0, now - compute), ideal)
+
+
+def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
+    """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
+    blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
+    n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block, plus the machine's
+    ``block_overhead`` for each of the n smaller matmuls."""
+    f = sharded.fusion
+
+    def local(v):
+        return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
+
+    n = ring.steps + 1
+    bw, latency = machine.link(sharded.mesh, ring.axis)
+    step = sharded.set_steps[ring.name]
+    collective = latency + step.bytes / bw
+    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
+    one_step = latency + ring.step_bytes / bw
+    block = compute / n
+    return collective + compute, (n - 1) * max(one_step, block) + block + n * machine.block_overhead
