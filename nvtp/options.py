@@ -153,6 +153,9 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     cut=(_cut, None),
 )
 
+# Options no axis takes or refuses (a test holds it): a call giving only these needs no mesh strategy.
+MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout"})
+
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
     "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
@@ -239,13 +242,10 @@ def check(entry: str, *, module: Any = None, **options: Any) -> None:
             raise OptionError(problem)
     if entry not in COMMANDS and options.get("mesh") is not None and options.get("devices") is not None:  # the CLI's own check words it
         raise OptionError(f"devices={options['devices']} and mesh={options['mesh']!r} both say which mesh: give one of them")
-    mine = {name: value for name, value in options.items() if given(name, value)}
-    wanted = {name for name in mine if name != "mesh"}
+    wanted = {name for name, value in options.items() if given(name, value)} - MESH_FREE
     if not wanted:
-        return
+        return  # no option of this call depends on the mesh's axes: their strategies (and torch) are not needed
     refuses, takes = axis_refuses(), axis_options()
-    if not wanted & (set().union(*takes.values()) | set().union(*(set(r) for r in refuses.values()))):
-        return  # no option of this call depends on the mesh's axes
     names, sizes = mesh_axes(options.get("mesh"))
     for name in sorted(wanted):
         for axis, own in takes.items():
