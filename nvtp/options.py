@@ -132,6 +132,13 @@ def _comm(name: str, value: Any) -> str | None:
     return f"{name}={value!r}: give a simulated mesh's communicator for this rank (nvtp.execute.collectives), or None"
 
 
+def _verify(name: str, value: Any) -> str | None:
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and 0 < value < 1):
+        return None
+    return (f"{name}={value!r}: give True (check the first call against eager PyTorch), False (skip the check), "
+            "or a relative tolerance between 0 and 1 (e.g. 1e-2)")
+
+
 # option -> (rule, default), written as the entry points' keywords
 RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     plan=(_plan, "megatron"),
@@ -151,10 +158,11 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     microbatches=(_positive_int(2), None),
     schedule=(_one_of(_schedules, lambda s: s.lower().replace("-", "")), None),
     cut=(_cut, None),
+    verify=(_verify, True),
 )
 
 # Options no axis takes or refuses (a test holds it): a call giving only these needs no mesh strategy.
-MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout"})
+MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"})
 
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
@@ -294,7 +302,7 @@ def check_cut(cut: Any, blocks: tuple[str, int] | None, stages: int | None) -> N
 
 
 def _blocks(module: Any) -> tuple[str, int] | None:
-    from nvtp.frontend.regional import NotRepeatable, find_repeated
+    from nvtp.frontend.blocks import NotRepeatable, find_repeated
 
     try:
         rep = find_repeated(module)

@@ -29,6 +29,7 @@ rank fails or stays silent for ``timeout`` seconds (``nvtp.execute.launch``, doc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -38,13 +39,14 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nvtp import driver, options, precheck
+from nvtp import driver, generation, guard, options, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend import user_code
+from nvtp.frontend.lengths import Lengths
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
@@ -108,7 +110,7 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto"):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -131,6 +133,7 @@ class ShardedModule(torch.nn.Module):
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
+        self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -143,6 +146,7 @@ class ShardedModule(torch.nn.Module):
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, RankProgram] = {}
+        self._lengths = Lengths()  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
         self._ready = True  # from here on, setting an attribute only the model has sets it on the model
 
@@ -182,6 +186,8 @@ class ShardedModule(torch.nn.Module):
         except AttributeError:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, nor has the model it wraps "
                                  f"({type(inner).__name__})") from None
+        if name == "generate" and generation.is_transformers_generator(inner):  # transformers' loop, on a view (nvtp/generation.py)
+            return functools.partial(generation.generate, self)
         if inspect.ismethod(value) and value.__self__ is inner:
             return types.MethodType(value.__func__, self)
         return value
@@ -266,14 +272,15 @@ class ShardedModule(torch.nn.Module):
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
         precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
-        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
-                              like=self.module, **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
+        traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
+            self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
+            like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
-        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), traced.call)
+        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), program.source.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -401,6 +408,7 @@ class ShardedModule(torch.nn.Module):
         if self._dp_axis() is not None and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
+        guard.check_module(self, compiled, args, kwargs, self.verify)  # once per program: raises MiscompileError
         self.last = compiled.program
         named = compiled.module_state(self.module)  # parameters (a part: its parameter), buffers, tensor attributes
         call = compiled.call
@@ -514,7 +522,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
-        cut: Any = None) -> ShardedModule:
+        cut: Any = None, verify: bool | float = True) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -538,7 +546,10 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
     projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
     the cost model says it pays on the backend's machine (``cost.default_machine``), True
-    wherever it applies, False never.
+    wherever it applies, False never. ``verify`` (default on): the first call of each compiled
+    program is checked against the model run eagerly on the same inputs (outputs, and a sample of
+    gradients) and refused with ``nvtp.guard.MiscompileError`` naming the first value that differs
+    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -550,15 +561,16 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
-                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut)
+                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
-                              backend=backend, frontend=frontend, timeout=timeout)
+                              backend=backend, frontend=frontend, timeout=timeout, verify=verify)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul)
+                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
+                         verify=verify)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

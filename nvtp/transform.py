@@ -53,13 +53,13 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 from thunder.extend import OperatorExecutor
 
-from nvtp import driver, options
+from nvtp import driver, guard, options
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.launch import start_watchdog
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
 from nvtp.execute.step import RankProgram, part_rows
-from nvtp.frontend import user_code
+from nvtp.frontend import interpret, user_code
 from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
 from nvtp.program import Program
@@ -99,12 +99,14 @@ class ShardingTransform(Transform):
     ``nvtp.jit``. ``regional``: trace a chain of repeated blocks once (``nvtp.jit``'s option).
     ``timeout``: on a mesh of processes, seconds a rank waits for a silent peer before the watchdog
     stops it, naming the peer (None: no watchdog), as ``nvtp.jit`` takes it.
+    ``verify``: check each program's first call against the model run eagerly (``nvtp.jit``'s option).
     Bad input (a mesh unlike the process group, an unknown plan, a backend that cannot run here)
     is refused when the transform is made or applied, before anything is traced."""
 
     def __init__(self, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, *, comm: Comm | None = None,
-                 backend: str = "auto", regional: bool = True, timeout: float | None = 60.0):
-        options.check("transform", plan=plan, mesh=mesh, comm=comm, backend=backend, regional=regional, timeout=timeout)
+                 backend: str = "auto", regional: bool = True, timeout: float | None = 60.0, verify: bool | float = True):
+        options.check("transform", plan=plan, mesh=mesh, comm=comm, backend=backend, regional=regional, timeout=timeout,
+                      verify=verify)
         world = comm.size if comm is not None else _world()
         self.mesh = make_mesh(mesh, world=world)
         if self.mesh.ndim != 1:
@@ -119,6 +121,7 @@ class ShardingTransform(Transform):
         self.plan = plan
         self.backend = backend
         self.regional = regional
+        self.verify = guard.option(verify)  # each program's first call checked against eager (nvtp/guard.py)
         self._comm = comm
         self._programs = _Programs()
         self._module: weakref.ref | None = None
@@ -174,6 +177,7 @@ class ShardingTransform(Transform):
         self._executor = OperatorExecutor(f"nvtp_sharded_{id(self)}")
         cd = thunder.compile_data(model)
         cd.executors_list = (self._executor, *cd.executors_list)
+        cd.executor_lookasides.update(interpret.lookasides())  # transformers models, nn.MultiheadAttention (nvtp/frontend/interpret.py)
 
     # -- at each trace ------------------------------------------------------------------------
 
@@ -189,7 +193,8 @@ class ShardingTransform(Transform):
         for label, placement in placed.items():
             if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
                 rows.update(part_rows(label, placement, self.mesh.size))
-        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows)
+        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows,
+                         call=program.source.call)
         labels, proxies = self._inputs(computation_trace, call, rp)
         ret, matched = _outputs(computation_trace, rp)
         # Everything is checked: only now do the ThunderModule's parameters become this rank's parts.
@@ -203,13 +208,14 @@ class ShardingTransform(Transform):
         """The driver's Program for this call (compiled once per signature, shared by ``share``d ranks):
         keywords bound to their positions first, as ``nvtp.jit`` binds them, so ``jm(idx, targets=t)``
         runs the program of ``jm(idx, t)``."""
-        args, kwargs = driver.bind_call(module, "thunder", call.args, call.kwargs)
-        signature = (module.training, _describe(args))
+        way = driver.route(module)  # transformers models: the FX route, as nvtp.jit takes them
+        args, kwargs = driver.bind_call(module, way, call.args, call.kwargs)
+        signature = (module.training, _describe(args), _describe(tuple(sorted(kwargs.items()))))
         with self._programs.lock:  # no collective inside: a rank waiting here holds up no other
             program = self._programs.by_signature.get(signature)
             if program is None:
                 program = driver.compile(module, *args, plan=self.plan, mesh=self.mesh, backend=self.backend,
-                                         frontend="thunder", regional=self.regional, placed=self._placements or None, **kwargs)
+                                         frontend=way, regional=self.regional, placed=self._placements or None, **kwargs)
                 self._programs.by_signature[signature] = program
         self.last = program
         return program
@@ -309,10 +315,11 @@ class ShardingTransform(Transform):
             elif kind == "kwarg":
                 by_label.setdefault(key, proxy)
         labels: list[str] = []
+        constants = rp.call.constants if rp.call is not None else {}  # the FX route's folded constants: the program's own
         for v in rp.forward_fusion.source.inputs:
             label = rp.holder(rp.forward_fusion.source.label(v.name))
             label = tied.get(label, label)
-            if label in labels:
+            if label in labels or label in constants:
                 continue
             if label not in by_label:
                 raise ShardingError(f"nvtp's program reads {label}, which Thunder's trace of the same call does not pass to its "
@@ -360,17 +367,21 @@ class ShardingTransform(Transform):
         def seed() -> int:
             return int(torch.randint(0, 2**62, (1,)).item())
 
+        constants = rp.call.constants if rp.call is not None else {}
+
         def run_program(*tensors):
-            outs, _ = rp.forward(dict(zip(labels, tensors)), seed())
+            guard.check_transform(self, rp, labels, tensors, model._model, train=False)  # once: raises MiscompileError
+            outs, _ = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(outs)
 
         def run_forward(*tensors):
-            _, values = rp.forward(dict(zip(labels, tensors)), seed())
+            guard.check_transform(self, rp, labels, tensors, model._model, train=True)  # once: raises MiscompileError
+            _, values = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(values[v.name] for v in f.outputs)
 
         def run_backward(*tensors):
             k = len(labels)
-            named = dict(zip(labels, tensors[:k]))
+            named = dict(zip(labels, tensors[:k])) | constants
             values = {v.name: t for v, t in zip(f.inputs, rp.inputs(named))}
             values |= {f.outputs[i].name: t for i, t in zip(saved, tensors[k:k + len(saved)])}
             incoming = list(tensors[k + len(saved):])
@@ -483,8 +494,8 @@ def _check_no_updates(epilogue_trace) -> None:
     """Refuse a module that sets attributes or buffers when called (Thunder's epilogue does that):
     the program nvtp runs computes outputs and gradients only. (In-place updates inside the
     computation, a buffer's running statistics, nvtp's capture refuses, naming the op and line.)"""
-    if epilogue_trace is not None and any(b.sym.id not in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.RETURN)
-                                          for b in epilogue_trace.bound_symbols):
+    writes = (PrimIDs.PACK_BUFFER, PrimIDs.PACK_ATTR, PrimIDs.PACK_SETITEM)  # building the output object (a ModelOutput) is no write
+    if epilogue_trace is not None and any(b.sym.id in writes for b in epilogue_trace.bound_symbols):
         raise InputError("the module sets attributes or buffers when called (Thunder's epilogue is not empty); "
                          "nvtp.ShardingTransform runs nvtp's program, which computes outputs and gradients only")
 

@@ -26,11 +26,12 @@ alike, as for ``nvtp.jit``), made distinct per stage and microbatch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from nvtp import driver, precheck
+from nvtp import driver, guard, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, collectives, spmd
@@ -40,7 +41,7 @@ from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
 from nvtp.parallel import _replace_parameter, full_tensor
 from nvtp.frontend.tied import aliases
-from nvtp.pipeline import schedule as sched
+from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
 from nvtp.sharding.axes import MeshError
 from nvtp.sharding.placements import local_shape
@@ -53,7 +54,7 @@ class PipelineModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
-                 timeout: float | None = 60.0):
+                 timeout: float | None = 60.0, verify: bool | float = True):
         super().__init__()
         import torch.distributed as dist
 
@@ -64,6 +65,7 @@ class PipelineModule(torch.nn.Module):
         self.schedule = sched.check(schedule)
         self.cut = cut
         self.frontend = frontend
+        self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -236,7 +238,7 @@ class PipelineModule(torch.nn.Module):
         wanted = [label for label in self.program.stages[self.stage].parameters if label not in params]
         if not wanted:
             return {}
-        held = dict(self.module.named_buffers()) | tensor_attributes(self.module)
+        held = dict(self.module.named_buffers()) | tensor_attributes(self.module) | calls.constants(self.program.traced)
         missing = [label for label in wanted if label not in held]
         if missing:
             raise InputError(f"stage {self.stage} reads {', '.join(missing)}, which {type(self.module).__name__} holds neither as a "
@@ -263,10 +265,10 @@ class PipelineModule(torch.nn.Module):
         if train and self.program.programs[self.stage].backward is None:
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
-        if not first:
-            return _PipeRun.apply(self, args, train, *self._all)
-        with collectives.PROGRESS.busy("running its first step"):  # the first run lowers what it runs: given time too
-            return _PipeRun.apply(self, args, train, *self._all)
+        with collectives.PROGRESS.busy("running its first step") if first else contextlib.nullcontext():  # lowers what it runs
+            guard.check_pipeline(self, args, train)  # once: a step run for the check, raises MiscompileError
+            loss = _PipeRun.apply(self, args, train, *self._all)
+        return calls.result(self.program.traced, loss)  # the loss, or the model's object holding it
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
@@ -279,7 +281,6 @@ class PipelineModule(torch.nn.Module):
         f = mine.forward.source
         b = mine.backward.source if mine.backward is not None else None
         micro = [tuple(a.chunk(m)[i] if isinstance(a, torch.Tensor) and a.ndim else a for a in args) for i in range(m)]
-        arg_labels = [n for n in pp.traced.arguments]
         recv_f = [p for p in self._p2p if p["phase"] == "forward" and p["dst"] == self.stage]
         send_f = [p for p in self._p2p if p["phase"] == "forward" and p["src"] == self.stage]
         recv_b = [p for p in self._p2p if p["phase"] == "backward" and p["dst"] == self.stage]
@@ -317,7 +318,7 @@ class PipelineModule(torch.nn.Module):
             i = action.microbatch
             if action.kind == "F":
                 named: dict[str, Any] = {label: self.local(label) for label in self._labels} | self._buffers
-                named |= {label: a for label, a in zip(arg_labels, micro[i]) if isinstance(a, torch.Tensor)}
+                named |= calls.arguments(pp.traced, self.module, micro[i])  # by label (nvtp/pipeline/calls.py)
                 for p in recv_f:
                     v = f.value(p["value"])
                     named[p["label"]] = recv(p, v.dtype.torch, FORWARD_TAG)
