@@ -2,7 +2,7 @@
 
     user_code.check_module(model)      # at nvtp.jit / nvtp.plan: Python randomness in forward, hooks
     user_code.check_hooks(model)       # at every call: a hook registered since
-    user_code.unclaimed_message(model, unclaimed)   # the trace left operations nvtp cannot compile
+    user_code.state_update_message(model, unclaimed)  # the trace left an in-place update of the model's state
 
 nvtp traces a model's forward once and runs the traced program at every call. Three kinds of
 Python would then silently stop meaning what they say, so each is refused, naming the module,
@@ -222,36 +222,22 @@ def check_hooks(module: torch.nn.Module, registered_after: bool = True) -> None:
 # what the trace left
 
 
-def unclaimed_message(module: torch.nn.Module, unclaimed: Sequence[Any]) -> str:
-    """The refusal for operations nvtp could not compile (``name``, ``source`` "file:line"),
-    in the user's terms: an in-place update of the model's state (BatchNorm's running statistics,
-    a buffer counter, a parameter changed in forward), or an operation nvtp does not compile."""
-    located = [u for u in unclaimed if getattr(u, "source", "")]
-    writes = [u for u in located if u.name in IN_PLACE] or ([] if located else [u for u in unclaimed if u.name in IN_PLACE])
-    if writes:
-        return _in_place_message(module, writes[0])
-    other = next((u for u in located if u.name not in IN_PLACE), None) or next((u for u in unclaimed if u.name not in IN_PLACE), None)
-    if other is None:
-        return f"{type(module).__name__}.forward updates its own state in place, which a compiled program cannot repeat"
-    where = _where(module, other.source)
-    return (f"{where} uses torch operation {other.name}, which nvtp does not compile into its program; write that line with other "
-            "torch operations, or move it out of the model's forward (compute it in the training loop and pass the result in)")
-
-
-def _in_place_message(module: torch.nn.Module, u: Any) -> str:
-    path, _, line = u.source.rpartition(":")
+def state_update_message(module: torch.nn.Module, unclaimed: Sequence[Any]) -> str | None:
+    """The refusal for a BatchNorm in training mode, whose running statistics are written in place
+    inside torch (``unclaimed``: the operations nvtp could not compile, ``name``, ``source``
+    "file:line"), said in the user's terms with the three fixes; None otherwise (the capture's
+    own message names each write and its line: ``capture.missing_ops_message``)."""
+    writes = [u for u in unclaimed if u.name.split(" ")[0] in IN_PLACE]  # "copy_ (writes into ...)"
+    in_torch = [u for u in writes if getattr(u, "source", "").rpartition(":")[0].startswith(_TORCH_DIR) or not u.source]
     norms = [(n, m) for n, m in module.named_modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
-    if norms and path.startswith(_TORCH_DIR):
-        name, m = norms[0]
-        return (f"{type(module).__name__}.{name} ({type(m).__name__}) is in training mode, where it updates its running statistics "
-                "(running_mean, running_var) in place at every call; nvtp's compiled program computes outputs and does not write "
-                f"the model's buffers back, so they would stay as they are. Call model.{name}.eval() (fixed statistics), build it "
-                f"with track_running_stats=False (batch statistics, nothing to update), or use nn.LayerNorm or nn.GroupNorm")
-    return (f"{_where(module, u.source)} changes a parameter or buffer in place; nvtp's compiled program computes outputs and does "
-            "not write the model's state back, so the change would be lost (eager PyTorch makes it at every call). Compute a new "
-            "tensor instead of updating one in place (y = w * 0.99, not w.mul_(0.99)), and keep state updates (counters, running "
-            "statistics) out of forward: make them in the training loop, outside the model's call")
+    if not (norms and in_torch):
+        return None
+    name, m = norms[0]
+    return (f"{type(module).__name__}.{name} ({type(m).__name__}) is in training mode, where it updates its running statistics "
+            "(running_mean, running_var) in place at every call; nvtp's compiled program computes outputs and does not write "
+            f"the model's buffers back, so they would stay as they are. Call model.{name}.eval() (fixed statistics), build it "
+            f"with track_running_stats=False (batch statistics, nothing to update), or use nn.LayerNorm or nn.GroupNorm")
 
 
 def _where(module: torch.nn.Module, source: str) -> str:
@@ -277,4 +263,4 @@ def _where(module: torch.nn.Module, source: str) -> str:
     return f"{type(module).__name__}'s forward at {at}"
 
 
-__all__ = ["UserCodeError", "check_module", "check_hooks", "hooks", "unclaimed_message"]
+__all__ = ["UserCodeError", "check_module", "check_hooks", "hooks", "state_update_message"]
