@@ -74,7 +74,7 @@ def test_every_op_has_every_fact_the_passes_read():
             bad.append(f"{name}: linear {s.linear!r}, layout {s.layout!r}")
         if s.loop_reduce and (s.family != "reduction" or not all(0 <= r < 3 for r in s.loop_reduce)):
             bad.append(f"{name}: loop_reduce {s.loop_reduce}")
-        if not isinstance(s.random, bool) or not isinstance(s.loop_contract, bool) or (s.loop_contract and s.loop_reduce):
+        if not isinstance(s.random, bool) or s.loop_contract not in (None, 0, -1) or (s.loop_contract is not None and s.loop_reduce):
             bad.append(f"{name}: random {s.random!r}, loop_contract {s.loop_contract!r}")
     assert not bad, "\n".join(bad)
     # A layout op reads one tensor and keeps ("moves") or drops ("selects") its elements.

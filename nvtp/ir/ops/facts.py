@@ -75,7 +75,8 @@ _facts("uniform normal sdpfa_fwd", random=True)
 _facts(" ".join(sorted(REDUCTION)), loop_reduce=(0,))
 _facts("var_mean", loop_reduce=(1,))  # the mean; the variance's loop domain drops the reduced axes
 _facts("welford", loop_reduce=(0, 1, 2))
-_facts("linear matmul gather_mm_wgrad", loop_contract=True)  # not gather_mm: its nvFuser result is the rows put back (index_select)
+_facts("linear matmul", loop_contract=-1)
+_facts("gather_mm_wgrad", loop_contract=0)  # not gather_mm: its nvFuser result is the rows put back (index_select)
 
 RANDOM = frozenset(name for name, s in OPS.items() if s.random)
 
