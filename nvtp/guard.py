@@ -56,7 +56,7 @@ from nvtp.execute import spmd
 from nvtp.execute.collectives import on_axis
 from nvtp.ir.ops import RANDOM
 from nvtp.errors import InputError
-from nvtp.sharding.placements import REPLICATE, axis_split, is_partial
+from nvtp.sharding.placements import REPLICATE, Shard, axis_split, is_partial
 
 SAMPLE = 8  # parameters whose gradients are compared
 TOLERANCE = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-3, 1e-6), torch.bfloat16: (5e-2, 1e-3), torch.float16: (1e-2, 1e-4)}
@@ -425,8 +425,12 @@ def _whole_batch(call: tuple, dp_comm: Any) -> tuple:
 
 
 def _dp_rows(t: torch.Tensor, sharding: tuple, mesh: Any, rank: int, dp: int) -> torch.Tensor:
-    """This rank's part of ``t`` along dp alone (whole on the other axes, as the caller holds it)."""
-    only = tuple(p if a == dp else REPLICATE for a, p in enumerate(sharding))
+    """This rank's part of ``t`` along dp alone (whole on the other axes, as the caller holds it):
+    its own batch, the dp rank's contiguous block of the whole batch gathered in rank order, also
+    where the program splits it inside another axis's parts (``_StridedShard`` on dp under ep: a
+    relabelling of the rows, which row-wise ops and means do not see)."""
+    only = tuple(Shard(axis_split(p)[0]) if a == dp and axis_split(p) is not None else p if a == dp else REPLICATE
+                 for a, p in enumerate(sharding))
     return spmd.shard_tensor(t, only, mesh, rank)
 
 

@@ -157,6 +157,8 @@ def backward_annotations(backward: Fusion, forward: ShardedFusion) -> tuple[dict
             inputs[v.name] = produced[info.source]
         elif info.role == "grad" and len(user_outputs) == 1:
             inputs[v.name] = produced[user_outputs[0]]
+        elif info.role == "grad" and info.source in produced:  # several outputs: each gradient placed as its output
+            inputs[v.name] = produced[info.source]
     hints = {v.name: by_label[backward.grad_of(v.name)] for v in backward.outputs if backward.grad_of(v.name) in by_label}
     return inputs, hints
 
