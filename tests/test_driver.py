@@ -41,6 +41,7 @@ TRACERS_AND_PASSES = {
 }
 OWNERS = {"nvtp/driver.py", "nvtp/frontend/capture.py", "nvtp/frontend/regional.py", "nvtp/frontend/fx.py", "nvtp/frontend/fx_regional.py",
           "nvtp/sharding/passes.py", "nvtp/sharding/axes/tp.py", "nvtp/sharding/axes/dp.py", "nvtp/sharding/axes/cp.py",
+          "nvtp/sharding/axes/ep.py",  # the axis strategies: their passes run in the driver's loop
           # measures the one-block splice against the three-block one by patching the tracer the driver calls
           "tools/jit_depth.py"}
 
