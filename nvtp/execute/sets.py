@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from nvtp.execute.collectives import Communication, on_axis, reshard, start_reshards
-from nvtp.execute.impls import Context, impl
+from nvtp.execute.impls import Context, ExecutionError, impl
 from nvtp.execute.impls_nn import bias_applies
 from nvtp.ir.graph import Op
 from nvtp.sharding.placements import Placement, axis_split, held, induced
@@ -17,8 +17,9 @@ from nvtp.sharding.reshard import reshard_kind
 @impl("set")
 def _set(ctx: Context, op: Op, a):
     """A reshard: the step the program planned for this ``set`` (``ctx.steps``: its kind and mesh
-    axis), run as given. A fusion run without its steps (a bare sharded fusion) takes each axis
-    whose placement changes, by ``reshard_kind``, the one place a step's kind is decided."""
+    axis), run as given; a set a program's steps do not hold is an ``ExecutionError``. A fusion run
+    without any steps (``reference.run`` of a bare sharded fusion, in tests) takes each axis whose
+    placement changes, by ``reshard_kind``, the one place a step's kind is decided."""
     out = a["arg"]
     if set_is_local(ctx, op):
         return out
@@ -33,6 +34,9 @@ def _reshards(ctx: Context, op: Op) -> list[tuple[int, str, Placement, Placement
     v = op.outputs[0]
     src, dst = ctx.sharding(op.operands[0]), ctx.sharding(v)
     step = ctx.steps.get(v.name) if ctx.steps is not None else None
+    if ctx.steps is not None and step is None:  # a program's run: the backend decides no communication itself
+        raise ExecutionError(f"set {v.name} ({src} -> {dst}) moves data but the program planned no step for it: a bug in nvtp "
+                             "(every communication of a program is a step of Program.steps()); please report it with the model")
     axes = [step.axis] if step is not None else [axis for axis, (s, d) in enumerate(zip(src, dst)) if s != d]
     out = []
     for axis in axes:
