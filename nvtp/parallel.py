@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nvtp import driver
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend.tied import aliases
@@ -107,7 +107,7 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto"):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", compile: str = kernels.DEFAULT):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -130,6 +130,7 @@ class ShardedModule(torch.nn.Module):
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
+        self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -270,7 +271,7 @@ class ShardedModule(torch.nn.Module):
                                overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
         self._shard_parameters(program)
-        run = backends.BACKENDS[self.backend].lower(program, self.comm)
+        run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
         return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), traced.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
@@ -338,8 +339,8 @@ class ShardedModule(torch.nn.Module):
         same model with the same plan and mesh on another rank (a simulated mesh, one module per
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
-            self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
-                                              self.rank, self._part_rows, compiled.signature, compiled.call)
+            run = backends.BACKENDS[self.backend].lower(compiled.program, self.comm, compile=self.compile_mode)
+            self._compiled[key] = RankProgram(compiled.program, run, self.rank, self._part_rows, compiled.signature, compiled.call)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
@@ -510,7 +511,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str = "1f1b",
-        cut: Any = None) -> ShardedModule:
+        cut: Any = None, compile: str = kernels.DEFAULT) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -534,7 +535,10 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
     projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
     the cost model says it pays on the backend's machine (``cost.default_machine``), True
-    wherever it applies, False never.
+    wherever it applies, False never. ``compile``: how the reference backend runs each rank's
+    fusions (``nvtp.execute.kernels``): "kernels" (default) lowers the groups that have a fused
+    torch kernel (cross-entropy, embedding gradient, layer and RMS norm, softmax, GELU, SiLU) to
+    it and runs the rest op by op; "none" runs every op by its own implementation.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -550,12 +554,13 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule, cut=cut, backend=backend,
-                              frontend=frontend)
+                              frontend=frontend, compile=compile)
     if microbatches is not None:
         raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
                          "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul)
+                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
+                         compile=compile)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from nvtp.execute import patterns
+from nvtp.execute import kernels
 from nvtp.execute import ring as ring_attention  # the cp axis's attention
 from nvtp.execute.collectives import Comm, Communication, SoloComm, on_axis, reshard, start_reshards, take
 from nvtp.execute.lower import lower, value_args
@@ -905,7 +905,8 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
                  rank: int = 0, size: int = 1, *, compute_dtype: torch.dtype | None = None, strict: bool = False,
                  fuse: bool = True, all_values: bool = False, schedule: Any = None) -> Lowered:
     """Lower ``fusion`` for mesh position ``rank`` of ``size``: constants folded, and with ``fuse``
-    the LayerNorm, tanh-GELU and softmax patterns replaced by torch's kernels (``patterns.py``).
+    every group with a fused torch kernel replaced by it (``kernels.py``: cross-entropy, the
+    embedding's gradient, LayerNorm, RMSNorm, softmax, GELU, SiLU).
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): collectives start where it says, each waited
     for where its ``set`` stands."""
     ctx = Context(fusion, shardings, mesh, _Position(rank, size), 0, compute_dtype)
@@ -913,8 +914,11 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
     folded = sum(1 for op in fusion.ops if op.kind != "define_scalar" and op.outputs and all(v.name in constants for v in op.outputs))
     fused: dict[str, int] = {}
 
+    producers = fusion.producers()
+
     def rewrite(graph):
-        fused.update(patterns.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype))
+        fused.update(kernels.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype, lambda op: set_is_local(ctx, op), size,
+                                  lambda v: producers.get(v.name)))
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
     rings = getattr(schedule, "rings", ()) if starts is not None else ()
@@ -952,6 +956,17 @@ def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] |
     return lowered
 
 
+def fused_patterns(fusion: Fusion) -> dict[str, int]:
+    """How many groups of each pattern ``fusion``'s lowered modules run as one kernel (summed over
+    the mesh positions and options it was lowered for so far; ``"set"``: the sets taken out)."""
+    counts: dict[str, int] = {}
+    for e in _CACHE.get(id(fusion), ()):
+        if e.fusion() is fusion:
+            for name, n in e.lowered.fused.items():
+                counts[name] = counts.get(name, 0) + n
+    return counts
+
+
 # Fused kernels stand in for the patterns' ops only while those ops run their own implementations:
 # a changed table (a test's monkeypatch, an implementation registered at run time) runs unfused.
 _PRISTINE_IMPLS: dict[str, Impl] = {}
@@ -984,8 +999,8 @@ def run(
     receives every value of the run by name (inputs, constants and op results, as this rank holds
     them; scalars as 0-d tensors), e.g. for the rule tests, which re-run each op on its own.
 
-    By default LayerNorm, tanh-GELU and softmax run as torch's fused kernels (rounding as eager
-    PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
+    By default the groups with a fused torch kernel (``kernels.py``) run as that kernel (rounding
+    as eager PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
     by its own implementation, and so do inputs of other shapes or dtypes than declared.
     ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.

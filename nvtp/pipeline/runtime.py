@@ -33,7 +33,7 @@ import torch
 from nvtp import driver
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.step import RankProgram
 from nvtp.parallel import _replace_parameter, full_tensor
@@ -50,7 +50,7 @@ class PipelineModule(torch.nn.Module):
     """``module`` pipelined over a (pp, dp, tp) mesh; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
-                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto"):
+                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto", compile: str = "kernels"):
         super().__init__()
         import torch.distributed as dist
 
@@ -59,6 +59,7 @@ class PipelineModule(torch.nn.Module):
         self.layout = layout_of(mesh)
         self.microbatches = microbatches
         self.schedule = sched.check(schedule)
+        self.compile_mode = kernels.check_mode(compile)
         self.cut = cut
         self.frontend = frontend
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -131,7 +132,7 @@ class PipelineModule(torch.nn.Module):
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
         self._pos = self.layout.position(self.rank)
-        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm), self._pos)
+        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm, compile=self.compile_mode), self._pos)
         # which stages read each parameter (by its first name): a weight several stages read gets a group
         params = dict(self.module.named_parameters(remove_duplicate=False))
         first = {n: self._tied.get(n, n) for n in params}
