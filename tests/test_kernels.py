@@ -77,6 +77,7 @@ def test_gpt_runs_its_loss_embedding_gradient_and_norms_as_kernels_with_the_inte
     idx = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
     targets[0, :3] = -100  # F.cross_entropy's ignore_index: left out of the mean
+    idx[1, :4] = idx[0, 4:8] = idx[0, :4]  # tokens seen three times: their embedding rows sum three gradients
     eager, kernels, none, fused = _three_ways(model, lambda loss: loss, idx, targets)
     _expect(fused, GPT_KERNELS)
     _close(kernels, eager, "kernels vs eager")
