@@ -101,6 +101,21 @@ def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_
     _close(kernels, none, "kernels vs the interpreter")
 
 
+def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_values():
+    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
+    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1},
+                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5}})
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+
+
 @pytest.mark.parametrize("bad", ["inductor", "Kernels", None, True])
 def test_a_bad_compile_option_is_refused_before_tracing(bad):
     model = gpt.GPT(gpt.config("tiny"))

@@ -17,6 +17,9 @@ rms_norm               pow, sum, div, add eps, rsqrt, mul, mul weight       ``at
 rms_norm_backward      the twelve ops of its input gradient                 its arithmetic in five torch calls
 silu                   neg, exp, add 1, reciprocal, mul                     ``aten.silu``
 silu_backward          neg, exp, add, div, sub, mul, add, mul, mul          ``aten.silu_backward``
+gelu                   tanh-GELU with ``pow(x, 3.0)`` (transformers'        ``aten.gelu(approximate="tanh")``
+                       ``gelu_new``; patterns.py has ``x * x * x``)
+gelu_backward          its backward, with ``pow(x, 2.0)``                   ``aten.gelu_backward``
 =====================  ===================================================  ==================================
 
 together with the LayerNorm, tanh-GELU and softmax patterns of ``patterns.py`` (which also
@@ -397,3 +400,40 @@ def _silu_backward_check(m: Match):
         return None
     backward = torch.ops.aten.silu_backward.default
     return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x)}
+
+
+# tanh-GELU as transformers' NewGELUActivation writes it: x ** 3 (patterns.py's: x * x * x) ------
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_KAPPA = 0.044715
+
+
+def _gelu_pow_pattern() -> Builder:
+    b = Builder()
+    x = b.leaf("x")
+    t = b.tanh(b.mul(_SQRT_2_OVER_PI, b.add(x, b.mul(_KAPPA, b.pow(x, 3.0)))))
+    return b.done(b.mul(b.mul(0.5, x), b.add(1.0, t), name="y"))
+
+
+def _gelu_pow_backward_pattern() -> Builder:
+    b = Builder()
+    x, g = b.leaf("x"), b.leaf("g")
+    t = b.tanh(b.mul(_SQRT_2_OVER_PI, b.add(x, b.mul(_KAPPA, b.pow(x, 3.0)))))
+    d_inner = b.mul(_SQRT_2_OVER_PI, b.mul(b.mul(b.mul(0.5, x), g), b.sub(1.0, b.mul(t, t))))
+    cube = b.mul(b.mul(b.mul(_KAPPA, d_inner), 3.0), b.pow(x, 2.0))
+    return b.done(b.add(b.add(d_inner, cube), b.mul(0.5, b.mul(b.add(1.0, t), g)), name="dx"))
+
+
+@pattern("gelu", _gelu_pow_pattern(), KERNELS)
+def _gelu_pow_check(m: Match):
+    if not _pointwise(m, "x", "y"):
+        return None
+    return ["x"], {"y": "y"}, lambda x: {"y": torch.nn.functional.gelu(x, approximate="tanh")}
+
+
+@pattern("gelu_backward", _gelu_pow_backward_pattern(), KERNELS)
+def _gelu_pow_backward_check(m: Match):
+    if not _pointwise(m, "x", "g", "dx"):
+        return None
+    backward = torch.ops.aten.gelu_backward.default
+    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x, approximate="tanh")}
