@@ -79,7 +79,8 @@ class Traced:
         captured = self.captured
         return Source(self.forward, self.backward, self.route, self.how, tuple(self.arguments), self.weights, dict(self.tied),
                       dict(self.parts), self.boundary, tuple(self.declined), self.seconds,
-                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None))
+                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None),
+                      self.call.binding() if self.call is not None else None)
 
     @property
     def parts(self) -> dict[str, Any]:

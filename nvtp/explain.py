@@ -57,8 +57,13 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     ``machine`` (an ``nvtp.sharding.cost.Machine`` or its name): plan the collective matmuls
     for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it."""
-    from nvtp import driver
+    from nvtp import driver, options, precheck
     from nvtp.execute import backends
+    from nvtp.frontend import user_code
+
+    options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
+                  machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
+    user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
         from nvtp import pipeline
 
@@ -70,6 +75,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
         backend = backends.default_name(next((p.device.type for p in model.parameters()), "cpu"))
     backends.resolve(backend, run=False)
     args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
+    precheck.check_call(model, mesh, args, kwargs)  # what the arguments already tell, before tracing
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
                              machine=machine, collective_matmul=collective_matmul, **kwargs)
     batch = ""

@@ -59,13 +59,22 @@ DEFAULT = "kernels"
 KERNELS: list[Pattern] = []
 
 
+def mode_problem(name: str, value: Any) -> str | None:
+    """None if ``value`` is a value of ``compile=``, else what is wrong and the choices (the rule
+    ``nvtp.options`` checks ``compile=`` by)."""
+    if isinstance(value, str) and value in MODES:
+        return None
+    choices = "; ".join(f"{k!r}: {v}" for k, v in MODES.items())
+    return f"{name}={value!r} is not a way nvtp runs a rank's program; choose one of {choices}"
+
+
 def check_mode(mode: Any) -> str:
     """``mode`` if it is a value of ``compile=``; raises ``InputError`` saying the choices otherwise."""
     from nvtp.errors import InputError
 
-    if not isinstance(mode, str) or mode not in MODES:
-        choices = "; ".join(f"{k!r}: {v}" for k, v in MODES.items())
-        raise InputError(f"compile={mode!r} is not a way nvtp runs a rank's program; choose one of {choices}")
+    problem = mode_problem("compile", mode)
+    if problem is not None:
+        raise InputError(problem)
     return mode
 
 
