@@ -139,6 +139,12 @@ def _verify(name: str, value: Any) -> str | None:
             "or a relative tolerance between 0 and 1 (e.g. 1e-2)")
 
 
+def _compile(name: str, value: Any) -> str | None:
+    from nvtp.execute.kernels import mode_problem  # imports torch: only for a compile= that is given
+
+    return mode_problem(name, value)
+
+
 # option -> (rule, default), written as the entry points' keywords
 RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     plan=(_plan, "megatron"),
@@ -159,10 +165,11 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     schedule=(_one_of(_schedules, lambda s: s.lower().replace("-", "")), None),
     cut=(_cut, None),
     verify=(_verify, True),
+    compile=(_compile, "kernels"),  # nvtp.execute.kernels.DEFAULT
 )
 
 # Options no axis takes or refuses (a test holds it): a call giving only these needs no mesh strategy.
-MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"})
+MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify", "compile"})
 
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {

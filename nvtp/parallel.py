@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from nvtp import driver, generation, guard, options, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend import user_code
@@ -110,7 +110,8 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True,
+                 compile: str = kernels.DEFAULT):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -134,6 +135,7 @@ class ShardedModule(torch.nn.Module):
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
         self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
+        self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -279,7 +281,7 @@ class ShardedModule(torch.nn.Module):
                                overlap=self.overlap, collective_matmul=self.collective_matmul)
         self.notes = list(program.notes)
         self._shard_parameters(program)
-        run = backends.BACKENDS[self.backend].lower(program, self.comm)
+        run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
         return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), program.source.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
@@ -347,8 +349,8 @@ class ShardedModule(torch.nn.Module):
         same model with the same plan and mesh on another rank (a simulated mesh, one module per
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
-            self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
-                                              self.rank, self._part_rows, compiled.signature, compiled.call)
+            run = backends.BACKENDS[self.backend].lower(compiled.program, self.comm, compile=self.compile_mode)
+            self._compiled[key] = RankProgram(compiled.program, run, self.rank, self._part_rows, compiled.signature, compiled.call)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
@@ -522,7 +524,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
-        cut: Any = None, verify: bool | float = True) -> ShardedModule:
+        cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -549,7 +551,11 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     wherever it applies, False never. ``verify`` (default on): the first call of each compiled
     program is checked against the model run eagerly on the same inputs (outputs, and a sample of
     gradients) and refused with ``nvtp.guard.MiscompileError`` naming the first value that differs
-    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance.
+    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance. ``compile``: how the
+    reference backend runs each rank's fusions (``nvtp.execute.kernels``): "kernels" (default)
+    lowers the groups that have a fused torch kernel (cross-entropy, embedding gradient, layer and
+    RMS norm, softmax, GELU, SiLU) to it and runs the rest op by op; "none" runs every op by its
+    own implementation.
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -561,16 +567,17 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
-                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify)
+                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify,
+                  compile=compile)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
-                              backend=backend, frontend=frontend, timeout=timeout, verify=verify)
+                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         verify=verify)
+                         verify=verify, compile=compile)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ class Context:
     rng_count: int = 0
     log: list[Communication] = field(default_factory=list)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # local shapes by value name, as asked
+    held: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)  # indices(v) by value name, as asked
     steps: Mapping[str, Any] | None = None  # a set's result -> its ReshardStep (nvtp.sharding.reshard), as planned
     rings: Mapping[str, int] = field(default_factory=dict)  # an attention run by ring (its first result) -> its mesh axis, as planned
 
@@ -54,12 +55,19 @@ class Context:
         return self.shardings.get(v.name)
 
     def indices(self, v: Value) -> list[torch.Tensor | None]:
-        """Per axis, the global indices this rank holds of ``v`` (None: all of them)."""
-        out: list[torch.Tensor | None] = [None] * len(v.shape)
-        sharding = self.sharding(v)
-        if sharding is None or self.mesh is None:
-            return out
-        return held(v.shape, sharding, self.mesh, [self.coord(a) for a in range(self.mesh.ndim)])
+        """Per axis, the global indices this rank holds of ``v`` (None: all of them); worked out
+        once per value and mesh position (``held``), the list not to be changed."""
+        got = self.held.get(v.name)
+        if got is None:
+            sharding = self.sharding(v)
+            if sharding is None or self.mesh is None:
+                got = [None] * len(v.shape)
+            else:
+                got = held(v.shape, sharding, self.mesh, [self.coord(a) for a in range(self.mesh.ndim)])
+                got = [None if i is not None and i.numel() == n and bool((i == torch.arange(n)).all()) else i  # all, in order
+                       for i, n in zip(got, v.shape)]
+            self.held[v.name] = got
+        return got
 
     def coord(self, axis: int) -> int:
         """This rank's coordinate on mesh axis ``axis``."""

@@ -18,17 +18,17 @@ The op table and ``Context`` are ``impls.py``'s; the implementations ``impls_ten
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from nvtp.execute import impls_nn, impls_tensor, sets  # noqa: F401 - registers every op in IMPLS
-from nvtp.execute import patterns
+from nvtp.execute import kernels
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
 from nvtp.execute.lower import lower, value_args
-from nvtp.execute.sets import ring_for, start_for
+from nvtp.execute.sets import ring_for, set_is_local, start_for
 from nvtp.ir.dtypes import as_input
 from nvtp.ir.graph import Fusion, Op, TensorValue, Value, is_value
 from nvtp.ir.ops import RANDOM
@@ -169,6 +169,7 @@ class Lowered:
     shapes: dict[str, tuple[int, ...]]  # local shapes, filled as the runs ask (Context.local_shape)
     fused: dict[str, int]  # pattern name -> times fused
     folded: int  # ops computed while lowering
+    held: dict[str, list[Any]] = field(default_factory=dict)  # the global indices held, filled as the runs ask (Context.indices)
 
     def accepts(self, inputs: Sequence[Any]) -> bool:
         """True when ``inputs`` have the local shapes and dtypes the module was lowered for."""
@@ -181,16 +182,19 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
                  rank: int = 0, size: int = 1, *, compute_dtype: torch.dtype | None = None, strict: bool = False,
                  fuse: bool = True, all_values: bool = False, schedule: Any = None) -> Lowered:
     """Lower ``fusion`` for mesh position ``rank`` of ``size``: constants folded, and with ``fuse``
-    the LayerNorm, tanh-GELU and softmax patterns replaced by torch's kernels (``patterns.py``).
+    every group with a fused torch kernel replaced by it (``kernels.py``: cross-entropy, the
+    embedding's gradient, LayerNorm, RMSNorm, softmax, GELU, SiLU).
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): collectives start where it says, each waited
     for where its ``set`` stands."""
     ctx = Context(fusion, shardings, mesh, _Position(rank, size), 0, compute_dtype)
     constants = _constants(ctx, fold=not all_values)
     folded = sum(1 for op in fusion.ops if op.kind != "define_scalar" and op.outputs and all(v.name in constants for v in op.outputs))
     fused: dict[str, int] = {}
+    producers = fusion.producers()
 
     def rewrite(graph):
-        fused.update(patterns.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype))
+        fused.update(kernels.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype, lambda op: set_is_local(ctx, op), size,
+                                  lambda v: producers.get(v.name)))
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
     rings = getattr(schedule, "rings", ()) if starts is not None else ()
@@ -228,6 +232,17 @@ def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] |
     return lowered
 
 
+def fused_patterns(fusion: Fusion) -> dict[str, int]:
+    """How many groups of each pattern ``fusion``'s lowered modules run as one kernel (summed over
+    the mesh positions and options it was lowered for so far; ``"set"``: the sets taken out)."""
+    counts: dict[str, int] = {}
+    for e in _CACHE.get(id(fusion), ()):
+        if e.fusion() is fusion:
+            for name, n in e.lowered.fused.items():
+                counts[name] = counts.get(name, 0) + n
+    return counts
+
+
 # Fused kernels stand in for the patterns' ops only while those ops run their own implementations:
 # a changed table (a test's monkeypatch, an implementation registered at run time) runs unfused.
 _PRISTINE_IMPLS: dict[str, Impl] = {}
@@ -260,8 +275,8 @@ def run(
     receives every value of the run by name (inputs, constants and op results, as this rank holds
     them; scalars as 0-d tensors), e.g. for the rule tests, which re-run each op on its own.
 
-    By default LayerNorm, tanh-GELU and softmax run as torch's fused kernels (rounding as eager
-    PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
+    By default the groups with a fused torch kernel (``kernels.py``) run as that kernel (rounding
+    as eager PyTorch does); ``compiled=False``, ``strict``, ``values`` and ``compute_dtype`` run every op
     by its own implementation, and so do inputs of other shapes or dtypes than declared.
     ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.
@@ -276,7 +291,8 @@ def run(
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
-    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, steps=steps, rings=dict(rings or {}))
+    ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, held=lowered.held, steps=steps,
+                  rings=dict(rings or {}))
     if log is not None:
         ctx.log = log
     try:

@@ -34,7 +34,7 @@ import torch
 from nvtp import driver, guard, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, collectives, spmd
+from nvtp.execute import backends, collectives, kernels, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
@@ -54,7 +54,7 @@ class PipelineModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
-                 timeout: float | None = 60.0, verify: bool | float = True):
+                 timeout: float | None = 60.0, verify: bool | float = True, compile: str = "kernels"):
         super().__init__()
         import torch.distributed as dist
 
@@ -63,6 +63,7 @@ class PipelineModule(torch.nn.Module):
         self.layout = layout_of(mesh)
         self.microbatches = microbatches
         self.schedule = sched.check(schedule)
+        self.compile_mode = kernels.check_mode(compile)
         self.cut = cut
         self.frontend = frontend
         self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
@@ -140,7 +141,7 @@ class PipelineModule(torch.nn.Module):
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
         self._pos = self.layout.position(self.rank)
-        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm), self._pos)
+        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm, compile=self.compile_mode), self._pos)
         # which stages read each parameter (by its first name): a weight several stages read gets a group
         params = dict(self.module.named_parameters(remove_duplicate=False))
         first = {n: self._tied.get(n, n) for n in params}
