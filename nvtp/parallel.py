@@ -107,7 +107,7 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto"):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", recompute: str = "none"):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -130,6 +130,9 @@ class ShardedModule(torch.nn.Module):
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
+        from nvtp.frontend.recompute import check_mode as check_recompute
+
+        self.recompute = check_recompute(recompute)
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -267,7 +270,7 @@ class ShardedModule(torch.nn.Module):
         traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
                               like=self.module, **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
-                               overlap=self.overlap, collective_matmul=self.collective_matmul)
+                               overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
@@ -510,7 +513,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str = "1f1b",
-        cut: Any = None) -> ShardedModule:
+        cut: Any = None, recompute: str = "none", machine: Any = None, memory: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -542,7 +545,18 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
-    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``)."""
+    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
+    ``recompute`` ("none", "selective", "block"): the backward recomputes activations instead of
+    keeping them (``nvtp.frontend.recompute``). ``plan="auto"``: nvtp chooses the layout and these
+    options on the first call for the devices of ``mesh`` (the world), a ``machine`` model and a
+    ``memory`` budget per device; every rank passes the whole batch (``nvtp.auto.runtime``)."""
+    if isinstance(plan, str) and plan == "auto":  # the planner builds one of the modules below on the first call
+        from nvtp.auto.runtime import AutoModule
+
+        given = {k: v for k, v in locals().items() if k not in ("module", "plan", "mesh", "machine", "memory", "backend", "frontend", "timeout")}
+        return AutoModule(module, mesh, machine=machine, memory=memory, backend=backend, frontend=frontend, timeout=timeout, given=given)
+    if machine is not None or memory is not None:
+        raise InputError("machine= and memory= are what plan='auto' plans for; with the plan given, leave them out")
     if axes.pipelined(mesh):
         if fsdp or comm is not None:
             raise InputError("a pipeline mesh runs on torch.distributed's processes with DDP-style data parallelism: "
@@ -550,12 +564,13 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule, cut=cut, backend=backend,
-                              frontend=frontend)
+                              frontend=frontend, recompute=recompute)
     if microbatches is not None:
         raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
                          "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul)
+                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
+                         recompute=recompute)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

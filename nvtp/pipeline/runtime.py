@@ -50,7 +50,7 @@ class PipelineModule(torch.nn.Module):
     """``module`` pipelined over a (pp, dp, tp) mesh; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
-                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto"):
+                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto", recompute: str = "none"):
         super().__init__()
         import torch.distributed as dist
 
@@ -61,6 +61,9 @@ class PipelineModule(torch.nn.Module):
         self.schedule = sched.check(schedule)
         self.cut = cut
         self.frontend = frontend
+        from nvtp.frontend.recompute import check_mode
+
+        self.recompute = check_mode(recompute)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -126,7 +129,7 @@ class PipelineModule(torch.nn.Module):
                 raise InputError(f"an argument is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
         self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
                                                     microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                    backend=self.backend, frontend=self.frontend)
+                                                    backend=self.backend, frontend=self.frontend, recompute=self.recompute)
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
