@@ -427,11 +427,12 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     schedule) is refused before anything is traced. ``recompute``: each stage's backward
     recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them)."""
     from nvtp.frontend.recompute import check_mode, layers_of, recompute as recomputed, sequence_of
-
-    check_mode(recompute)
+    from nvtp.pipeline.calls import loss_only
     from nvtp.pipeline.program import PipelineProgram, check_pipeline
     from nvtp.pipeline.stages import cut_stages
     from nvtp.sharding.plans import check_plan
+
+    check_mode(recompute)
 
     layout, repeated, mb_args = check_pipeline(source, args, mesh, microbatches, schedule)
     check_plan(plan, plan_names(source), type(source).__name__)
@@ -441,7 +442,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     # whole, and a weight tied across stages as one input per name)
     options = axes.trace_options(layout.submesh(0), plan) | {"split_parts": False}
     traced = trace(source, mb_args, kwargs, frontend=way, tie=False, **options)
-    _check_loss_only(traced, type(source).__name__)
+    traced = loss_only(traced, type(source).__name__)  # the loss alone; an output object's .loss too (nvtp/pipeline/calls.py)
     staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
     tied = aliases(source)
     programs, placed = [], {}
@@ -455,21 +456,6 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args
                            if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name,
                            tied, frozenset(n for n, _ in source.named_parameters(remove_duplicate=False)))
-
-
-def _check_loss_only(traced: Traced, model: str) -> None:
-    """A pipeline trains a forward that returns its loss alone: the last stage's one output is
-    what its backward starts from (1/M per microbatch). Anything else (nanoGPT's ``(logits,
-    loss)``) would give the other outputs a gradient eager never gives them: refused."""
-    from nvtp.errors import InputError
-
-    f = traced.forward
-    outs = [v for v in f.outputs if f.role(v.name) == "output"]
-    if len(outs) != 1 or len(outs[0].shape) != 0:
-        got = ", ".join(f"{f.label(v.name)} {list(v.shape)}" for v in outs)
-        raise InputError(f"a pipeline (a mesh with a 'pp' axis) trains a model whose forward returns its loss alone, one scalar; "
-                         f"{model}.forward returns {len(outs)} tensor(s): {got}; return only the loss (e.g. wrap the model: "
-                         "class LossOnly(nn.Module): def forward(self, idx, targets): return self.model(idx, targets)[1])")
 
 
 def plan_names(module: torch.nn.Module) -> list[str]:

@@ -103,6 +103,12 @@ def _from_torch(mesh: Any) -> DeviceMesh:
         raise MeshError(f"a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without names: nvtp reads each axis's strategy from its "
                         f"name; pass mesh_dim_names, e.g. init_device_mesh(device, {tuple(mesh.shape)}, "
                         f"mesh_dim_names={axes.spelled(mesh.ndim)}); the names nvtp knows: {axes.known()}")
+    unknown = [n for n in names if n not in axes.AXES]
+    if unknown:
+        raise MeshError(f"torch mesh axis name(s) {unknown} mean nothing to nvtp (a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} "
+                        f"named {names}): nvtp reads each axis's strategy from its name; pass mesh_dim_names, e.g. "
+                        f"init_device_mesh(device, {tuple(mesh.shape)}, mesh_dim_names={axes.spelled(mesh.ndim)}); "
+                        f"the names nvtp knows: {axes.known()}")
     import torch.distributed as dist
 
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())

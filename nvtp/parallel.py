@@ -29,6 +29,7 @@ rank fails or stays silent for ``timeout`` seconds (``nvtp.execute.launch``, doc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -38,12 +39,13 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nvtp import driver
+from nvtp import driver, generation
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
+from nvtp.frontend.lengths import Lengths
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.program import Program
@@ -145,6 +147,7 @@ class ShardedModule(torch.nn.Module):
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, RankProgram] = {}
+        self._lengths = Lengths()  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
         self._ready = True  # from here on, setting an attribute only the model has sets it on the model
 
@@ -184,6 +187,8 @@ class ShardedModule(torch.nn.Module):
         except AttributeError:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, nor has the model it wraps "
                                  f"({type(inner).__name__})") from None
+        if name == "generate" and generation.is_transformers_generator(inner):  # transformers' loop, on a view (nvtp/generation.py)
+            return functools.partial(generation.generate, self)
         if inspect.ismethod(value) and value.__self__ is inner:
             return types.MethodType(value.__func__, self)
         return value
@@ -267,8 +272,9 @@ class ShardedModule(torch.nn.Module):
         backend's target), this rank's parameters made its shards, and the backend's runner.
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
-        traced = driver.trace(self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
-                              like=self.module, **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
+        traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
+            self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
+            like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute)
         self.notes = list(program.notes)

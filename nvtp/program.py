@@ -48,6 +48,10 @@ class Source:
     layers: Mapping[str, int] = field(default_factory=dict)  # spliced: each forward value a block's copy computes -> its block
     output_tree: Any = None  # the model's output object, each tensor a Leaf naming its output (nvtp.frontend.outputs)
 
+    def record(self) -> "Source":
+        """Itself: a Source may be sharded again (``driver.shard(program.source, ...)``), as a trace is."""
+        return self
+
 
 @dataclass(frozen=True)
 class Program:

@@ -58,6 +58,7 @@ from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
 from nvtp.execute.step import RankProgram, part_rows
+from nvtp.frontend import interpret
 from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
 from nvtp.program import Program
@@ -166,6 +167,7 @@ class ShardingTransform(Transform):
         self._executor = OperatorExecutor(f"nvtp_sharded_{id(self)}")
         cd = thunder.compile_data(model)
         cd.executors_list = (self._executor, *cd.executors_list)
+        cd.executor_lookasides.update(interpret.lookasides())  # transformers models, nn.MultiheadAttention (nvtp/frontend/interpret.py)
 
     # -- at each trace ------------------------------------------------------------------------
 
@@ -195,13 +197,14 @@ class ShardingTransform(Transform):
         """The driver's Program for this call (compiled once per signature, shared by ``share``d ranks):
         keywords bound to their positions first, as ``nvtp.jit`` binds them, so ``jm(idx, targets=t)``
         runs the program of ``jm(idx, t)``."""
-        args, kwargs = driver.bind_call(module, "thunder", call.args, call.kwargs)
-        signature = (module.training, _describe(args))
+        way = driver.route(module)  # transformers models: the FX route, as nvtp.jit takes them
+        args, kwargs = driver.bind_call(module, way, call.args, call.kwargs)
+        signature = (module.training, _describe(args), _describe(tuple(sorted(kwargs.items()))))
         with self._programs.lock:  # no collective inside: a rank waiting here holds up no other
             program = self._programs.by_signature.get(signature)
             if program is None:
                 program = driver.compile(module, *args, plan=self.plan, mesh=self.mesh, backend=self.backend,
-                                         frontend="thunder", regional=self.regional, placed=self._placements or None, **kwargs)
+                                         frontend=way, regional=self.regional, placed=self._placements or None, **kwargs)
                 self._programs.by_signature[signature] = program
         self.last = program
         return program
@@ -301,10 +304,11 @@ class ShardingTransform(Transform):
             elif kind == "kwarg":
                 by_label.setdefault(key, proxy)
         labels: list[str] = []
+        constants = rp.call.constants if rp.call is not None else {}  # the FX route's folded constants: the program's own
         for v in rp.forward_fusion.source.inputs:
             label = rp.holder(rp.forward_fusion.source.label(v.name))
             label = tied.get(label, label)
-            if label in labels:
+            if label in labels or label in constants:
                 continue
             if label not in by_label:
                 raise ShardingError(f"nvtp's program reads {label}, which Thunder's trace of the same call does not pass to its "
@@ -352,17 +356,19 @@ class ShardingTransform(Transform):
         def seed() -> int:
             return int(torch.randint(0, 2**62, (1,)).item())
 
+        constants = rp.call.constants if rp.call is not None else {}
+
         def run_program(*tensors):
-            outs, _ = rp.forward(dict(zip(labels, tensors)), seed())
+            outs, _ = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(outs)
 
         def run_forward(*tensors):
-            _, values = rp.forward(dict(zip(labels, tensors)), seed())
+            _, values = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(values[v.name] for v in f.outputs)
 
         def run_backward(*tensors):
             k = len(labels)
-            named = dict(zip(labels, tensors[:k]))
+            named = dict(zip(labels, tensors[:k])) | constants
             values = {v.name: t for v, t in zip(f.inputs, rp.inputs(named))}
             values |= {f.outputs[i].name: t for i, t in zip(saved, tensors[k:k + len(saved)])}
             incoming = list(tensors[k + len(saved):])
@@ -475,8 +481,8 @@ def _check_no_updates(epilogue_trace) -> None:
     """Refuse a module that sets attributes or buffers when called (Thunder's epilogue does that):
     the program nvtp runs computes outputs and gradients only. (In-place updates inside the
     computation, a buffer's running statistics, nvtp's capture refuses, naming the op and line.)"""
-    if epilogue_trace is not None and any(b.sym.id not in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.RETURN)
-                                          for b in epilogue_trace.bound_symbols):
+    writes = (PrimIDs.PACK_BUFFER, PrimIDs.PACK_ATTR, PrimIDs.PACK_SETITEM)  # building the output object (a ModelOutput) is no write
+    if epilogue_trace is not None and any(b.sym.id in writes for b in epilogue_trace.bound_symbols):
         raise InputError("the module sets attributes or buffers when called (Thunder's epilogue is not empty); "
                          "nvtp.ShardingTransform runs nvtp's program, which computes outputs and gradients only")
 

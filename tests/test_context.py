@@ -232,9 +232,9 @@ def test_transformers_models_on_cp_meshes_train_like_one_process(family, shape, 
 
 
 def test_a_mask_read_as_causal_is_exactly_the_causal_one():
-    """``fx.is_causal_mask``: the pattern ``is_causal=True`` applies (booleans, or 0 and -inf,
+    """``fx_constants.is_causal_mask``: the pattern ``is_causal=True`` applies (booleans, or 0 and -inf,
     broadcast over batch and heads) and nothing else."""
-    from nvtp.frontend.fx import is_causal_mask
+    from nvtp.frontend.fx_constants import is_causal_mask
 
     tril = torch.ones(6, 6, dtype=torch.bool).tril()
     assert is_causal_mask(tril, 6, 6) and is_causal_mask(tril.expand(2, 1, 6, 6), 6, 6)

@@ -32,6 +32,13 @@ class CaptureError(RuntimeError):
     """Tracing did not give nvtp the fusions it needs; says which operations were left out."""
 
 
+class MissingOpError(CaptureError):
+    """The model uses operations nvtp cannot compile into its fusions (named with the model's lines).
+
+    A part of the model (one block, a model cut short) that raises this is not traced again
+    whole: the whole model holds the same operation (``nvtp.frontend.regional``, ``fx_regional``)."""
+
+
 @dataclass
 class Captured:
     forward: Fusion
@@ -299,11 +306,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     bwd_traces = thunder.last_backward_traces(jitted) if backward else []
     bwd = fusion_callables(bwd_traces[-1]) if bwd_traces else []
     if strict and (runtime.unclaimed or len(fwd) != 1 or len(bwd) > 1):
-        names = ", ".join(str(u) for u in runtime.unclaimed) or "none"
-        raise CaptureError(
-            f"nvtp fused the forward into {len(fwd)} fusion(s) and the backward into {len(bwd)}; it needs one each. "
-            f"Operations left to other executors: {names}. Add translators for them in nvtp/frontend/translate.py."
-        )
+        raise MissingOpError(missing_ops_message(type(module).__name__, runtime.unclaimed, len(fwd), len(bwd)))
     if not fwd:
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
     if bwd_traces and not bwd and any(g is not None for g in _flat(bwd_traces[-1].bound_symbols[-1].args[0])):
@@ -388,6 +391,42 @@ def differentiable_inputs(fwd_trace, bwd: FusionCallable | None, params: dict[st
 
 
 # -- when Thunder cannot trace ---------------------------------------------------------------------
+
+_IN_PLACE = ("copy_", "update_aliases")
+
+
+def missing_ops_message(model: str, unclaimed: Sequence[Unclaimed], forward: int, backward: int) -> str:
+    """What ``MissingOpError`` says: each operation nvtp left out once, with how often and the
+    model's lines (``file:line `code```), and what the user can do about it."""
+    import linecache
+
+    seen: dict[str, list[str]] = {}
+    for u in unclaimed:
+        seen.setdefault(u.name, [])
+        if u.source and u.source not in seen[u.name]:
+            seen[u.name].append(u.source)
+    counts = {name: sum(u.name == name for u in unclaimed) for name in seen}
+
+    def where(source: str) -> str:
+        m = re.fullmatch(r"(.+):(\d+)", source)
+        code = linecache.getline(m.group(1), int(m.group(2))).strip() if m and not source.startswith("<") else ""
+        return f"{source} `{code}`" if code else source
+
+    parts = []
+    for name, sources in seen.items():
+        times = f" ({counts[name]} uses)" if counts[name] > 1 else ""
+        at = "; ".join(where(s) for s in sources[:2]) + (f"; and {len(sources) - 2} more lines" if len(sources) > 2 else "")
+        parts.append(f"{name}{times}{' at ' + at if at else ''}")
+    what = ", ".join(parts) if parts else f"none named, but the forward became {forward} fusion(s) and the backward {backward}"
+    advice = ("rewrite those lines with operations nvtp compiles (elementwise math, matmul and linear, reductions, softmax, "
+              "layout changes, slicing, indexing with a tensor: docs/models.md lists what nvtp takes), or compute such a value "
+              "once outside forward (e.g. a constant mask registered as a buffer in __init__)")
+    if any(n.startswith(_IN_PLACE) for n in seen):
+        advice = ("write the in-place update out of place (`x = x + y` instead of `x += y`; `torch.where(mask, value, x)` instead of "
+                  "`x[mask] = value`), or update only tensors forward itself made and reads by one name; " + advice)
+    return (f"{model}.forward uses operations nvtp cannot compile, so nvtp cannot shard the model (it runs only its own fusions, "
+            f"never an op outside them): {what}. What to do: {advice}; if the operation is in a library's code, report it to nvtp")
+
 
 _THUNDER_CHECKS = ("baseutils.py", "utils.py")  # thunder.core's check(): Thunder's checks of operand shapes and dtypes
 
@@ -490,6 +529,12 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
                             f"a tensor attribute of one of its modules), so nvtp's meta copy of the model still holds it on a "
                             f"real device: {_first_line(error)}; keep it on a module (register_buffer, or an attribute of the "
                             "module that uses it) rather than in a global or a closure over something the model does not hold")
+    no_grad = re.search(r"Failed to find a gradient transform for bound symbol bsym=\S+ = (?:prims\.)?([\w.]+)\(", text)
+    if no_grad:  # Thunder's autodiff has no rule for an op of the model: the module, not its arguments
+        return MissingOpError(f"{name}.forward uses {no_grad.group(1)}, which Thunder cannot differentiate (it has no gradient rule "
+                              f"for it{where and ', ' + where.strip()}), so nvtp cannot train the model. What to do: rewrite that "
+                              "part with operations Thunder differentiates (e.g. x - torch.floor(x / y) * y for remainder), or "
+                              "run it without gradients (torch.no_grad()); if the operation is in a library's code, report it to nvtp")
     if frames and os.path.basename(frames[-1].filename) in _THUNDER_CHECKS and isinstance(error, (RuntimeError, ValueError, TypeError)):
         return InputError(f"{name}.forward does not accept {given}: Thunder's check{where} refused them: {_first_line(error)}; "
                           "pass arguments of the shapes and dtypes the module expects")
@@ -499,10 +544,6 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
         at = _forward_location(module)
         hint = (f"the forward{' (' + at + ')' if at else ''} returns a NamedTuple ({named_tuple}), which Thunder cannot rebuild: "
                 "return a tuple, a dict or a dataclass instead")
-    mha = [n or "(the module itself)" for n, m in module.named_modules() if isinstance(m, torch.nn.MultiheadAttention)]
-    if mha and ("multi_head_attention" in str(error) or any(f.filename.endswith(os.path.join("modules", "activation.py")) for f in frames)):
-        hint = (f"nn.MultiheadAttention ({', '.join(mha)}) is such a part: write the attention with your own q, k, v and output "
-                "nn.Linear projections and F.scaled_dot_product_attention (as nvtp.models.gpt does), which nvtp traces and shards")
     return CaptureError(f"Thunder cannot trace {name}.forward{where}: {type(error).__name__}: {_first_line(error)}. Eager PyTorch "
                         f"runs the module with these arguments ({given}), so it is the module nvtp cannot take, not the arguments: "
                         f"{hint}")

@@ -36,7 +36,7 @@ from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
 
-from nvtp.frontend import attention
+from nvtp.frontend import attention, interpret, setitem
 from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
@@ -172,6 +172,7 @@ class NvtpExecutor(FusionExecutor):
         attention.register(self)
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
         self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
+        self._lookasides.update(interpret.lookasides())  # nn.MultiheadAttention, torch.minimum, transformers' collector (interpret.py)
 
     def can_execute_or_fuse(self, bsym: BoundSymbol) -> bool:
         # Thunder asks this before using an executor's grad transform; for ops claimed with a
@@ -192,6 +193,14 @@ class NvtpExecutor(FusionExecutor):
         from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
         from thunder.core import utils
 
+        fresh, why = setitem.fresh_targets(trace)  # copy_ claimed only into tensors no one else sees
+        with setitem.writable(fresh):
+            return self._fusion_pass(trace, why)
+
+    def _fusion_pass(self, trace: TraceCtx, why: dict[str, str]) -> TraceCtx:
+        from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
+        from thunder.core import utils
+
         start = time.perf_counter_ns()
         runtime = current_runtime()
         fused: TraceCtx = from_trace(trace)
@@ -207,7 +216,9 @@ class NvtpExecutor(FusionExecutor):
             if len(group) == 1 and not self.can_fuse(group[0]):
                 bsym = group[0]
                 if not _is_bookkeeping(bsym) and not bsym.sym.is_fusion:
-                    runtime.unclaimed.append(Unclaimed(bsym.sym.name, _source(bsym)))
+                    target = getattr(bsym.args[1], "name", None) if bsym.sym.name == "copy_" else None
+                    name = f"{bsym.sym.name} ({why[target]})" if target in why else bsym.sym.name
+                    runtime.unclaimed.append(Unclaimed(name, _source(bsym)))
                 bsyms.append(bsym)
                 continue
             if all(_is_bookkeeping(b) for b in group):

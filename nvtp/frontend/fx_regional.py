@@ -24,7 +24,7 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
 4. From that graph two graph modules: the *skeleton*, the model with the two blocks replaced by
    ``carry * MARK`` (``regional``'s boundary marker) that also returns the invariants; and the
    *block*, block 0's nodes reading the carry and the invariants as arguments and its parameters
-   by their names in the block. Each has its constants folded (``fx._fold_constants``) and, when
+   by their names in the block. Each has its constants folded (``fx_constants.fold_constants``) and, when
    asked, its fused projections split (``fx._split_parts``; a block's parts are named per layer).
 5. Thunder traces each (``capture``), and ``regional.splice_template`` builds the L-layer fusions:
    the skeleton's, its marker replaced by L copies of the block's (parameters named
@@ -53,7 +53,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from nvtp.frontend import fx as fxroute
-from nvtp.frontend.capture import CaptureError, Captured, capture, parameter_names
+from nvtp.frontend.capture import CaptureError, Captured, MissingOpError, capture, parameter_names
+from nvtp.frontend.fx_constants import fold_constants
 from nvtp.frontend.fused import Part
 from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
 from nvtp.ir.verify import verify
@@ -334,8 +335,8 @@ def pieces(exported: fxroute.Exported, rep: Repeated, split_parts: bool) -> _Pie
     g = block_graph(c, rep.prefix)
     read = {_in_block(n.target, rep.prefix): exported.attrs[n.target] for n in c.blocks[0] if n.op == "get_attr"}
     block = fx.GraphModule(read, g)
-    constants = fxroute._fold_constants(skeleton, {})
-    block_constants = fxroute._fold_constants(block, {}, first=len(constants))
+    constants = fold_constants(skeleton, {})
+    block_constants = fold_constants(block, {}, first=len(constants))
     parts: dict[str, Part] = {}
     if split_parts:
         skeleton, parts = fxroute._split_parts(skeleton)
@@ -351,6 +352,8 @@ def _capture(gm: fx.GraphModule, what: str, *args: Any, outputs: bool = True) ->
     """Thunder's trace of one piece; a failure is ``NotRepeatable`` (the whole trace then says what fails, and where)."""
     try:
         return capture(gm, *args, outputs=outputs)
+    except MissingOpError as e:  # the whole model holds the same op: no other trace would do
+        raise type(e)(fxroute.model_lines(gm, str(e))) from None
     except CaptureError as e:
         raise NotRepeatable(f"{what} did not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 

@@ -904,7 +904,7 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
     """The model's fusions from two traces that do not grow with depth: the skeleton (the model with
     its chain of blocks replaced by ``_Boundary``) and block 0 alone; ``NotRepeatable`` if the
     model is not such a chain."""
-    from nvtp.frontend.capture import capture
+    from nvtp.frontend.capture import MissingOpError, capture
 
     chain = observe_chain(module, rep, args, kwargs)
     skeleton = truncated(module, rep.prefix, 0)
@@ -922,11 +922,15 @@ def capture_template(module: torch.nn.Module, rep: Repeated, *args: Any, **kwarg
             args, kwargs, lent = _needing_grad(module, args, kwargs)
             if lent:
                 skel = capture(skeleton, *args, **kwargs)
+    except MissingOpError:  # the whole model holds the same op: no other trace would do
+        raise
     except Exception as e:  # noqa: BLE001 - a forward that needs its blocks (indexes them, reads their attributes)
         raise NotRepeatable(f"the model without its blocks did not trace ({type(e).__name__})") from e
     carry = torch.empty_like(chain.carry, device="meta").requires_grad_(skel.backward is not None)
     try:
         block = capture(module.get_submodule(f"{rep.prefix}.0"), carry)
+    except MissingOpError:
+        raise
     except Exception as e:  # noqa: BLE001 - a block that does not trace alone: the other splice decides
         raise NotRepeatable(f"block 0 of {rep.prefix} did not trace alone ({type(e).__name__})") from e
     if skel.backward is None and block.backward is not None:
@@ -981,7 +985,7 @@ def capture_regional(module: torch.nn.Module, *args: Any, traced: int = TRACED, 
 
 
 def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced: int, template: bool):
-    from nvtp.frontend.capture import capture, check_gradients
+    from nvtp.frontend.capture import MissingOpError, capture, check_gradients
 
     try:
         rep = find_repeated(module)
@@ -1016,6 +1020,8 @@ def _capture_regional(module: torch.nn.Module, args: tuple, kwargs: dict, traced
             reasons.append(str(e) if not first_in_tail else f"with a 4th block: {e}")
             if not str(e).startswith("the backward"):
                 break
+        except MissingOpError:
+            raise
         except Exception as e:  # noqa: BLE001 - the cut model may not trace (e.g. a forward indexing block n-1): trace it whole
             reasons.append(f"the model cut to {blocks} blocks of {rep.prefix} did not trace ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})")

@@ -13,6 +13,8 @@ from typing import Any, Callable
 from thunder.core import dtypes as tdtypes
 from thunder.core.prims import PrimIDs
 
+from nvtp.frontend import setitem
+from nvtp.frontend.strided import interior_pad, strided_slice
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import TensorValue
@@ -118,6 +120,11 @@ def _shallow_copy(b, a):
     return a  # an alias; the executor adds a `set` if an output would be an input
 
 
+@translates("bool")  # torch's executor's Tensor.bool, which Thunder's functionalization binds directly
+def _to_bool(b, a):
+    return b.op("cast", a, dtype=DType.Bool) if isinstance(a, TensorValue) and a.dtype != DType.Bool else a
+
+
 @translates(PrimIDs.CLONE)
 def _clone(b, a, **kwargs):
     return b.op("set", a)
@@ -143,8 +150,9 @@ def _transpose(b, a, permutation):
 
 @translates(PrimIDs.SLICE)
 def _slice(b, a, start_indices, end_indices, strides=None):
-    strides = list(strides) if strides is not None else [1] * len(start_indices)
-    return b.op("slice", a, start_indices=list(start_indices), end_indices=list(end_indices), strides=strides)
+    if strides is not None and any(st != 1 for st in strides):  # x[..., ::2]: stride-1 ops (nvtp/frontend/strided.py)
+        return strided_slice(b, a, start_indices, end_indices, strides)
+    return b.op("slice", a, start_indices=list(start_indices), end_indices=list(end_indices), strides=[1] * len(start_indices))
 
 
 @translates(PrimIDs.SQUEEZE)
@@ -159,10 +167,10 @@ def _cat(b, tensors, dim):
 
 @translates(PrimIDs.PAD)
 def _pad(b, a, padding_value, padding_config):
+    if any(d for _, _, d in padding_config):  # a strided slice's gradient (nvtp/frontend/strided.py)
+        return interior_pad(b, a, padding_value, padding_config)
     widths: list[int] = []
-    for lo, hi, dilation in reversed(padding_config):
-        if dilation:
-            raise NotImplementedError("pad with interior (dilation) padding")
+    for lo, hi, _ in reversed(padding_config):
         widths += [lo, hi]
     return b.op("pad", a, widths, padding_value)
 
@@ -367,3 +375,27 @@ def _nll_loss(b, a, target, weight=None, ignore_index=None, reduction="mean"):
 CHECKS["torch.nn.functional.nll_loss"] = lambda a, target, weight=None, ignore_index=None, reduction="mean": (
     getattr(a, "ndim", 0) == 2 and getattr(target, "ndim", 0) == 1 and weight is None and reduction in ("mean", "sum")
 )
+
+
+# -- in-place updates of tensors the model makes (nvtp/frontend/setitem.py) ---------------------
+
+
+@translates(PrimIDs.COPY_WITH_SETITEM)
+def _copy_with_setitem(b, a, key, value):
+    return setitem.copy_with_setitem(b, a, key, value)
+
+
+@translates(PrimIDs.COPY_, *setitem.COPY_IDS)
+def _copy_(b, copy_from, copy_to, *, grad_enabled=True):
+    return copy_from  # the target's new value; claimed only where no one else sees its memory (setitem.copy_claimed)
+
+
+@translates(PrimIDs.UPDATE_ALIASES)
+def _update_aliases(b, aliases):
+    return tuple(aliases)  # new names of the same values: a copy_ that would change one is not claimed (setitem.fresh_targets)
+
+
+CHECKS[PrimIDs.COPY_WITH_SETITEM] = setitem.supported
+for _id in (PrimIDs.COPY_, *setitem.COPY_IDS):
+    CHECKS[_id] = setitem.copy_claimed
+

@@ -25,6 +25,12 @@ CONFIGS = {  # family -> (config class, model class, config): hidden 64, 4 heads
     "mistral": ("MistralConfig", "MistralForCausalLM", _SMALL),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _SMALL),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_SMALL, "pad_token_id": 0}),  # fused qkv_proj of unequal parts (q 64 | k 32 | v 32)
+    # interleaved rotary embeddings (x[..., ::2], x[..., 1::2]): strided slices (nvtp/frontend/strided.py)
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64, rotary_dim=8,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                                            n_ctx=64, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {**_SMALL, "pad_token_id": 0}),
 }
 
 

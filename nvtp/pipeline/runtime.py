@@ -38,7 +38,7 @@ from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.step import RankProgram
 from nvtp.parallel import _replace_parameter, full_tensor
 from nvtp.frontend.tied import aliases
-from nvtp.pipeline import schedule as sched
+from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
 from nvtp.sharding.axes import MeshError
 from nvtp.sharding.placements import local_shape
@@ -232,7 +232,7 @@ class PipelineModule(torch.nn.Module):
         wanted = [label for label in self.program.stages[self.stage].parameters if label not in params]
         if not wanted:
             return {}
-        held = dict(self.module.named_buffers()) | tensor_attributes(self.module)
+        held = dict(self.module.named_buffers()) | tensor_attributes(self.module) | calls.constants(self.program.traced)
         missing = [label for label in wanted if label not in held]
         if missing:
             raise InputError(f"stage {self.stage} reads {', '.join(missing)}, which {type(self.module).__name__} holds neither as a "
@@ -256,7 +256,7 @@ class PipelineModule(torch.nn.Module):
         if train and self.program.programs[self.stage].backward is None:
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
-        return _PipeRun.apply(self, args, train, *self._all)
+        return calls.result(self.program.traced, _PipeRun.apply(self, args, train, *self._all))  # the loss, or the model's object holding it
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
@@ -271,7 +271,6 @@ class PipelineModule(torch.nn.Module):
         f = mine.forward.source
         b = mine.backward.source if mine.backward is not None else None
         micro = [tuple(a.chunk(m)[i] if isinstance(a, torch.Tensor) and a.ndim else a for a in args) for i in range(m)]
-        arg_labels = [n for n in pp.traced.arguments]
         recv_f = [p for p in self._p2p if p["phase"] == "forward" and p["dst"] == self.stage]
         send_f = [p for p in self._p2p if p["phase"] == "forward" and p["src"] == self.stage]
         recv_b = [p for p in self._p2p if p["phase"] == "backward" and p["dst"] == self.stage]
@@ -309,7 +308,7 @@ class PipelineModule(torch.nn.Module):
             i = action.microbatch
             if action.kind == "F":
                 named: dict[str, Any] = {label: self.local(label) for label in self._labels} | self._buffers
-                named |= {label: a for label, a in zip(arg_labels, micro[i]) if isinstance(a, torch.Tensor)}
+                named |= calls.arguments(pp.traced, self.module, micro[i])  # by label (nvtp/pipeline/calls.py)
                 for p in recv_f:
                     v = f.value(p["value"])
                     named[p["label"]] = recv(p, v.dtype.torch, FORWARD_TAG)

@@ -252,6 +252,9 @@ def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], l
     bstage: dict[str, int | None] = {}
     bwd_ops: dict[int, set[int]] = {}
     if b is not None:
+        # A buffer or folded constant (an input with no gradient: a causal mask, a rotary table) is
+        # read-only state every stage that reads it holds: it ties a backward op to no stage.
+        trained = {b.grad_of(v.name) for v in b.outputs}
         for op in b.ops:
             if defines_input(op):
                 v = op.outputs[0]
@@ -259,12 +262,12 @@ def _assign(f: Fusion, b: Fusion | None, prefix: str, stage_of: Sequence[int], l
                 t = None
                 if info is not None and info.role == "parameter":
                     st = pstage.get(info.label)
-                    t = min(st) if st else None
+                    t = min(st) if st and info.label in trained else None
                 elif info is not None and info.role == "saved":
                     src = info.source
                     if src in tag and tag[src] is not None:
                         t = holder.get(src, tag[src])
-                    elif src in tag and f.role(src) == "parameter":
+                    elif src in tag and f.role(src) == "parameter" and f.label(src) in trained:
                         st = pstage.get(f.label(src))
                         t = min(st) if st else None
                 bstage[v.name] = t

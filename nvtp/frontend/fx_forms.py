@@ -1,0 +1,110 @@
+"""dynamo's graph in the forms Thunder traces and nvtp's plans read (the FX route, ``nvtp.frontend.fx``):
+torch calls Thunder runs only opaquely written as the calls they compute (``DECOMPOSITIONS``), and
+``x @ W.T`` of a 2-D parameter as ``F.linear(x, W)`` (``linears``)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from nvtp.frontend import mha
+from nvtp.frontend.executor import one_index_as_slice
+from nvtp.frontend.fx_inplace import example
+
+
+# -- torch calls Thunder runs only opaquely, written as the ops they are ---------------------------
+# Thunder 0.2.6 has no decomposition for these (they run as "default torch ops", outside any
+# fusion); each is replaced in the graph by the torch calls it computes, which Thunder traces to
+# prims. Add an entry here when capture names an op with no prims (e.g. GPT-2's Conv1D: addmm).
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    product = torch.matmul(mat1, mat2)
+    product = product if alpha == 1 else product * alpha
+    return product + (input if beta == 1 else input * beta)
+
+
+def _baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
+    return _addmm(input, batch1, batch2, beta=beta, alpha=alpha)
+
+
+def minimum(input, other):
+    """``torch.minimum`` as ``-maximum(-a, -b)``: the same values (negation is exact), and the
+    gradient of Thunder's ``maximum`` (it has none for ``minimum``): each operand where it is the
+    smaller, half each where they tie, as torch's."""
+    return -torch.maximum(-input, -other)
+
+
+def _min(input, *args, **kwargs):
+    """``torch.min(x, other)`` with a tensor ``other`` is ``minimum`` (Apertus's xIELU: ``min(x, eps)``);
+    Thunder runs the two-tensor form only opaquely. Any other form is torch.min itself."""
+    other = args[0] if args else kwargs.get("other")
+    return minimum(input, other) if isinstance(other, torch.Tensor) else torch.min(input, *args, **kwargs)
+
+
+def _max(input, *args, **kwargs):
+    """``torch.max(x, other)`` with a tensor ``other`` is ``torch.maximum``."""
+    other = args[0] if args else kwargs.get("other")
+    return torch.maximum(input, other) if isinstance(other, torch.Tensor) else torch.max(input, *args, **kwargs)
+
+
+DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
+                                  **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
+_METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum}
+
+
+_MATMULS = (operator.matmul, torch.matmul)
+
+
+def _transposed_weight(node: Any, attrs: dict[str, Any]) -> fx.Node | None:
+    """The ``get_attr`` node of a 2-D parameter if ``node`` is its transpose (``w.T``, ``w.t()``,
+    ``w.transpose(0, 1)``, ``w.permute(1, 0)``, ``torch.t(w)``), else None."""
+    if not isinstance(node, fx.Node) or not node.args:
+        return None
+    w = node.args[0]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(attrs.get(w.target), torch.Tensor)
+            and attrs[w.target].ndim == 2):
+        return None
+    rest = tuple(node.args[1:])
+    if node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",)):
+        return w
+    if (node.op == "call_method" and node.target == "t") or (node.op == "call_function" and node.target is torch.t):
+        return w if not rest else None
+    if (node.op == "call_method" and node.target == "transpose") or (node.op == "call_function" and node.target is torch.transpose):
+        return w if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
+    if node.op == "call_method" and node.target == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        return w if tuple(d % 2 for d in dims) == (1, 0) else None
+    return None
+
+
+def linears(g: fx.Graph, attrs: dict[str, Any]) -> int:
+    """``x @ W.T`` with ``W`` a 2-D parameter is ``F.linear(x, W)`` (a weight ``[out, in]``): the
+    form the plans read as a projection (Falcon's ``FalconLinear``, any hand-written linear). The
+    transpose stays for its other users, if any."""
+    count = 0
+    for node in list(g.nodes):
+        is_matmul = (node.op == "call_function" and node.target in _MATMULS) or (node.op == "call_method" and node.target == "matmul")
+        if not is_matmul or len(node.args) != 2 or node.kwargs:
+            continue
+        x, wt = node.args
+        w = _transposed_weight(wt, attrs)
+        ex = example(x)
+        if w is None or not isinstance(ex, torch.Tensor) or ex.ndim < 1:
+            continue
+        node.op, node.target, node.args = "call_function", torch.nn.functional.linear, (x, w)
+        count += 1
+    return count
+
+
+def decompose(g: fx.Graph) -> None:
+    for node in g.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+            node.args = (node.args[0], one_index_as_slice(node.args[1]))  # x[..., [k], :] a slice, as on the Thunder route
+        if node.op == "call_function" and node.target in DECOMPOSITIONS:
+            node.target = DECOMPOSITIONS[node.target]
+        elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
+            node.op, node.target = "call_function", _METHOD_DECOMPOSITIONS[node.target]

@@ -1,0 +1,59 @@
+"""What Thunder's interpreter needs to read models it otherwise fails on, as lookasides.
+
+``nvtp.ShardingTransform`` replaces the computation Thunder traces with nvtp's program, but
+Thunder must first interpret the model's forward to build its prologue (which parameters and
+arguments a call reads) and its return. On transformers 5.23 that fails before any transform runs:
+the forward's output-capturing decorator stores its collector in a module-level
+``CompileableContextVar`` whose ``set`` writes ``self.global_var`` when it believes it is being
+compiled, and Thunder refuses to trace a write into a global object ("trying to set .global_var
+of ProvenanceRecord"). The collector only matters when the call asks for hidden states or
+attentions (``output_hidden_states=True``): then these lookasides refuse, saying so; otherwise it
+is empty and the lookasides are what the context variable does with nothing to collect.
+
+torch's ``nn.MultiheadAttention`` is written with ops Thunder traces (``nvtp.frontend.mha``), and
+``torch.minimum`` as ``-maximum(-a, -b)`` (Thunder has no gradient for ``minimum``). nvtp's executor
+(``nvtp.jit``'s Thunder route) and ``nvtp.ShardingTransform`` both give Thunder these lookasides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def lookasides() -> dict[Callable, Callable]:
+    """torch or transformers function -> what Thunder's interpreter runs in its place."""
+    from nvtp.frontend import mha
+
+    found: dict[Callable, Callable] = dict(mha.functions(mha.thunder_ops())) | {torch.minimum: _minimum}
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return found
+    var = output_capturing.CompileableContextVar
+    found.update({var.set: _collector_set, var.get: _collector_get, var.reset: _collector_reset})
+    return found
+
+
+def _minimum(a: Any, b: Any) -> Any:
+    """``torch.minimum`` as ``-maximum(-a, -b)``: Thunder 0.2.6 has no gradient for ``minimum`` (it has
+    one for ``maximum``); the values are the same, the gradient torch's (half each on a tie)."""
+    import thunder.torch as ltorch
+
+    return ltorch.neg(ltorch.maximum(ltorch.neg(a), ltorch.neg(b)))
+
+
+def _collector_set(self: Any, value: Any) -> None:
+    if value:
+        raise NotImplementedError(f"nvtp does not collect {', '.join(value)} under thunder.jit; call the model without "
+                                  "output_hidden_states / output_attentions, or use nvtp.jit(model, ...)")
+    return None
+
+
+def _collector_get(self: Any) -> None:
+    return None  # nothing is collected: the capturing hooks do nothing
+
+
+def _collector_reset(self: Any, token: Any) -> None:
+    return None

@@ -1,0 +1,45 @@
+"""Every decoder-only family of transformers' ``AutoModelForCausalLM`` mapping through nvtp (slow tier).
+
+One fresh process per family (``tools/hf_families.py --family X``: a tiny config, ``nvtp.jit(model,
+plan="megatron")`` on a simulated mesh of 2 against eager, as ``tests/test_hf.py`` checks; one
+process each, as TorchDynamo's recompile limit would make later models fall back silently in one).
+A family passes, or builds from no tiny config on the CPU, or fails as ``KNOWN`` says it does (the
+table of docs/hf.md, from ``tools/hf_families.py --all``): a family that starts failing, or fails
+another way, fails here; one that starts passing asks for its entry to go. The default tier keeps
+a representative few (``tests/test_hf.py``, ``tests/test_strided.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from hf_families import families, not_decoder_only  # noqa: E402
+
+# family -> a piece of the error it fails with today (2026-11-26; docs/hf.md has the whole table)
+KNOWN: dict[str, str] = {}
+
+DECODERS = [(t, c) for t, c in families() if not not_decoder_only(t, c)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [t for t, _ in DECODERS])
+def test_family_trains_at_tp2_like_eager_or_fails_as_known(family):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "hf_families.py"), "--family", family], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-2000:]
+    record = json.loads(lines[-1])
+    if family in KNOWN:
+        assert record["result"] != "PASS", f"{family} passes now: drop it from KNOWN and docs/hf.md's table"
+        assert KNOWN[family] in record["error"], record
+    else:
+        assert record["result"] in ("PASS", "no tiny build"), record

@@ -1,0 +1,140 @@
+"""New sequence lengths without a new trace (nvtp/frontend/lengths.py), and generation.
+
+A forward at a new sequence length used to trace the model again (19-63 s per length for a
+2-layer model on this machine), so ``generate`` of a few tokens took minutes. Now two traces of a
+call structure (and a third that checks the first derived program) give every later length by
+derivation. Each test compares with the eager model on one process, computed independently.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nvtp
+from nvtp.dump import relative_error
+from nvtp.errors import InputError
+from nvtp.execute import spmd
+from nvtp.execute.collectives import ThreadComm, ThreadGroup
+from nvtp.frontend.lengths import NotDerivable, _constant, _Fit
+from nvtp.sharding.placements import DeviceMesh
+
+
+class TinyLM(nn.Module):
+    """A GPT written for this test: learned positions sliced to the length, causal SDPA, logits of every position."""
+
+    def __init__(self, vocab=64, d=32, heads=4, block=32, halves=False):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.heads, self.halves = heads, halves
+
+    def forward(self, idx):                                  # idx: [B, T]
+        B, T = idx.shape
+        x = self.emb(idx) + self.pos(torch.arange(T))
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.proj(y)
+        x = x + self.down(F.gelu(self.up(x)))
+        if self.halves:  # a size that is no whole multiple of T: T // 2 pairs of positions
+            x = x[:, : 2 * (T // 2)].reshape(B, T // 2, -1).sum(-1, keepdim=True) + x[:, : T // 2]
+        return self.head(x)
+
+
+def _ranks(model: nn.Module, d: int = 2):
+    group = ThreadGroup(d, timeout=300)
+    return group, [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=DeviceMesh.of_size(d), comm=ThreadComm(group, r))
+                   for r in range(d)]
+
+
+def _infer(module, *args):
+    with torch.no_grad():  # per thread: no_grad is thread-local
+        return module(*args)
+
+
+@torch.no_grad()
+def test_new_lengths_are_derived_from_two_traces_and_match_eager_on_2_ranks():
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    group, ranks = _ranks(model)
+    hows = []
+    for T in (8, 9, 10, 11, 14, 31):
+        idx = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
+        outs = spmd.on_threads(lambda r: _infer(ranks[r], idx), group)
+        want = model(idx)
+        for out in outs:
+            assert relative_error(out, want)[0] <= 1e-5, T
+        hows.append(ranks[0].last.traced.how)
+    family = next(iter(ranks[0]._lengths.families.values()))
+    assert family.checked and not family.why and family.derived == 3, (family.checked, family.why, family.derived)
+    assert [h.startswith("derived at length") for h in hows] == [False, False, False, True, True, True], hows
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_size_that_does_not_follow_the_length_is_traced_at_every_length():
+    torch.manual_seed(0)
+    model = TinyLM(halves=True).eval()
+    jitted = nvtp.jit(copy.deepcopy(model), plan="megatron")
+    for T in (8, 10, 12):
+        idx = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(T))
+        assert relative_error(jitted(idx), model(idx))[0] <= 1e-5, T
+    family = next(iter(jitted._lengths.families.values()))
+    assert family.derived == 0 and "no whole multiple of the length" in family.why, family.why
+
+
+def test_folded_constants_are_regenerated_only_when_they_follow_a_known_pattern():
+    fit = _Fit(8, 9, 12)
+    positions = [torch.arange(n, dtype=torch.float32).reshape(1, n, 1) for n in (8, 9)]
+    assert torch.equal(_constant("pos", *positions, fit), torch.arange(12, dtype=torch.float32).reshape(1, 12, 1))
+    masks = [torch.ones(n, n, dtype=torch.bool).tril().expand(1, 1, n, n) for n in (8, 9)]
+    assert torch.equal(_constant("mask", *masks, fit), torch.ones(12, 12, dtype=torch.bool).tril().expand(1, 1, 12, 12))
+    noise = [torch.rand(1, n, generator=torch.Generator().manual_seed(n)) for n in (8, 9)]
+    with pytest.raises(NotDerivable, match="constant noise .* no pattern nvtp regenerates"):
+        _constant("noise", *noise, fit)
+
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+
+
+@pytest.mark.slow
+def test_transformers_generate_on_2_ranks_gives_eagers_tokens():
+    """``model.generate`` (greedy, 6 new tokens) on every rank of a simulated mesh of 2: the
+    tokens eager generation gives; the later lengths derived, not traced."""
+    from nvtp.models.hf import build
+
+    model = build("llama").eval()
+    ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(5))
+    want = copy.deepcopy(model).generate(ids, max_new_tokens=6, do_sample=False)
+    group, ranks = _ranks(model)
+    outs = spmd.on_threads(lambda r: ranks[r].generate(ids, max_new_tokens=6, do_sample=False), group)
+    for out in outs:
+        assert torch.equal(out, want), (out, want)
+    family = next(iter(ranks[0]._lengths.families.values()))
+    assert family.checked and family.derived == 3, (family.why, family.derived)
+
+
+def test_transformers_generate_on_a_sharded_model_runs_the_models_own_loop():
+    """transformers' generate looks its loop up on the model's class (``type(self)._sample``),
+    which the ShardedModule wrapper lacks; nvtp runs it on a view of the model whose forward is
+    the sharded one. Checked without tracing: the view's class, attributes and forward."""
+    from nvtp.generation import view
+    from nvtp.models.hf import build
+
+    model = build("llama")
+    sharded = nvtp.jit(model, plan="megatron")
+    v = view(sharded)
+    assert isinstance(v, type(model)) and hasattr(type(v), "_sample") and v.config is model.config
+    assert v.model is model.model and v.lm_head.weight is model.lm_head.weight
+    calls = []
+    sharded.forward = lambda *a, **k: calls.append((a, k)) or "sharded"
+    assert v(torch.zeros(1, 3, dtype=torch.long), use_cache=False) == "sharded" and len(calls) == 1
+    with pytest.raises(InputError, match=r"returns no KV cache.*leave use_cache out"):
+        nvtp.jit(build("llama"), plan="megatron").generate(torch.zeros(1, 3, dtype=torch.long), use_cache=True)

@@ -1,0 +1,81 @@
+"""An operation nvtp cannot compile is refused once, fast, in the user's terms.
+
+Before, a deep model whose blocks held such an op was traced up to four times (the block alone,
+the model cut to three blocks, then the whole model) before the error came: nine minutes for
+LitGPT's Gemma 3 config. The error then told the user to "add translators in
+nvtp/frontend/translate.py", advice for nvtp's developers. Now the first trace that meets the op
+raises ``MissingOpError`` naming the op, the model's line and what the user can do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.frontend import capture as capture_module
+from nvtp.frontend.capture import MissingOpError
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x).cumsum(-1)  # no nvFuser op for cumsum
+
+
+class Deep(torch.nn.Module):
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("frontend", ["thunder", "fx"])
+def test_a_missing_op_in_a_deep_model_is_refused_after_one_trace_naming_the_line(frontend, monkeypatch):
+    traces = []
+    real = capture_module.capture
+
+    def counted(module, *args, **kwargs):
+        traces.append(type(module).__name__)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(capture_module, "capture", counted)
+    if frontend == "fx":  # fx_regional imported capture by name
+        from nvtp.frontend import fx, fx_regional
+
+        monkeypatch.setattr(fx_regional, "capture", counted)
+        monkeypatch.setattr(fx, "capture", counted)
+    model = nvtp.jit(Deep(), plan="megatron", frontend=frontend)
+    with pytest.raises(MissingOpError) as e:
+        model(torch.randn(2, 8))
+    text = str(e.value)
+    assert any(f"{who} uses operations nvtp cannot compile" in text for who in ("Block.forward", "the model's forward")), text
+    assert "cumsum" in text and "test_missing_ops.py:" in text and "self.lin(x).cumsum(-1)" in text, text
+    assert "What to do: rewrite those lines" in text and "translate.py" not in text, text
+    # the model without its blocks (twice on Thunder's route: again with its input needing a gradient),
+    # then block 0, where the op is met: no trace of the model cut to 3 blocks, no whole trace of 8
+    assert len(traces) <= 3 and traces[-1] in ("Block", "GraphModule"), traces
+
+
+class _Remainder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8) + 3)
+
+    def forward(self, x):
+        return torch.remainder(x * self.w, self.w).sum()  # Thunder 0.2.6 has no gradient rule for remainder
+
+
+def test_an_op_thunder_cannot_differentiate_is_the_models_not_the_arguments():
+    """Thunder's autodiff fails inside its own check; that used to read as "does not accept x:
+    float32[2, 8]" (an InputError blaming the arguments)."""
+    model = nvtp.jit(_Remainder(), plan="replicate")
+    with pytest.raises(MissingOpError, match=r"_Remainder.forward uses remainder, which Thunder cannot differentiate.*What to do"):
+        model.compile(torch.randn(2, 8))
