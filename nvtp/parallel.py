@@ -129,12 +129,10 @@ class ShardedModule(torch.nn.Module):
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
         axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
+        from nvtp.frontend.recompute import check_mode as check_recompute
         from nvtp.sharding.collective_matmul import check_mode
 
-        self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
-        from nvtp.frontend.recompute import check_mode as check_recompute
-
-        self.recompute = check_recompute(recompute)
+        self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), check_recompute(recompute)  # refused now
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -552,16 +550,13 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
-    ``recompute`` ("none", "selective", "block"): the backward recomputes activations instead of
-    keeping them (``nvtp.frontend.recompute``). ``plan="auto"``: nvtp chooses the layout and these
-    options on the first call for the devices of ``mesh`` (the world), a ``machine`` model and a
-    ``memory`` budget per device; every rank passes the whole batch (``nvtp.auto.runtime``)."""
+    ``recompute`` ("none", "selective", "block"): the backward recomputes activations (``nvtp.frontend.recompute``). ``plan="auto"``:
+    nvtp chooses the layout for ``mesh``'s devices, ``machine`` and ``memory`` a device; pass the whole batch (``nvtp.auto.runtime``)."""
     if isinstance(plan, str) and plan == "auto":  # the planner builds one of the modules below on the first call
         from nvtp.auto.runtime import AutoModule
 
-        given = {k: v for k, v in locals().items() if k not in ("module", "plan", "mesh", "machine", "memory", "backend", "frontend", "timeout")}
-        return AutoModule(module, mesh, machine=machine, memory=memory, backend=backend, frontend=frontend, timeout=timeout, given=given)
-    if machine is not None or memory is not None:
+        return AutoModule.of_jit(locals())
+    if machine is not None or memory is not None:  # what plan="auto" plans for
         raise InputError("machine= and memory= are what plan='auto' plans for; with the plan given, leave them out")
     if axes.pipelined(mesh):
         if fsdp or comm is not None:
@@ -574,9 +569,8 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     if microbatches is not None:
         raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
                          "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
-    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         recompute=recompute)
+    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend, fsdp=fsdp,
+                         regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul, recompute=recompute)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

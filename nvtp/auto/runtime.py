@@ -108,6 +108,13 @@ class AutoModule(torch.nn.Module):
         self.inner: torch.nn.Module | None = None
         self._dp = (0, 1)  # (this rank's index along the data axis, its extent)
 
+    @staticmethod
+    def of_jit(call: Mapping[str, Any]) -> "AutoModule":
+        """``nvtp.jit(module, plan="auto", ...)``'s module, from the call's arguments (``call``: their names and values)."""
+        own = ("module", "mesh", "machine", "memory", "backend", "frontend", "timeout")
+        return AutoModule(*(call[k] for k in own[:2]), **{k: call[k] for k in own[2:]},
+                          given={k: v for k, v in call.items() if k not in own and k != "plan"})
+
     # -- planning ------------------------------------------------------------------------------
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:

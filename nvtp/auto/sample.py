@@ -28,6 +28,7 @@ import torch
 from nvtp import driver
 from nvtp.errors import InputError
 from nvtp.frontend.recompute import sequence_of
+from nvtp.pipeline import calls
 from nvtp.pipeline.stages import BlockOps, block_ops
 from nvtp.sharding import axes
 from nvtp.sharding.placements import DeviceMesh, axis_split
@@ -133,10 +134,13 @@ def _batched(traced: Any, batch: int) -> frozenset[str]:
 
 
 def loss_only(traced: Any) -> bool:
-    """Whether the traced forward returns one scalar (its loss)."""
-    f = traced.forward
-    outs = [v for v in f.outputs if f.role(v.name) == "output"]
-    return len(outs) == 1 and len(outs[0].shape) == 0
+    """Whether a pipeline can train the traced forward: it returns its loss alone, or an output
+    object with a loss (``nvtp.pipeline.calls.loss_only``)."""
+    try:
+        calls.loss_only(traced, "")
+    except InputError:
+        return False
+    return True
 
 
 __all__ = ["Facts", "Sample", "SAMPLE_BLOCKS", "model_facts", "take", "repeated", "whole_batch", "loss_only", "sequence_of", "math"]
