@@ -453,7 +453,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
         program = shard(stage_traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
-    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
                            if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name,
                            tied, frozenset(n for n, _ in source.named_parameters(remove_duplicate=False)))
 

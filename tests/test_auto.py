@@ -124,11 +124,11 @@ def _train(ranks, threads, whole, steps=3):
     return [spmd.on_threads(step, threads) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("which", ["chosen", pytest.param("dp2-tp2-megatron-sp-fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("which", ["chosen", pytest.param("dp2-tp2-megatron-fsdp", marks=pytest.mark.slow)])
 def test_the_choice_trains_like_one_process_on_simulated_ranks(choice, which):
     """Every rank passes the same whole batch; nvtp takes each data-parallel rank's rows; after 3
     SGD steps the losses and every weight (reassembled) are eager PyTorch's on one process."""
-    c = choice.candidate if which == "chosen" else Candidate.of({"dp": 2, "tp": 2}, {"plan": "megatron-sp", "fsdp": True,
+    c = choice.candidate if which == "chosen" else Candidate.of({"dp": 2, "tp": 2}, {"plan": "megatron", "fsdp": True,
                                                                                        "collective_matmul": False})
     assert not c.pipelined  # a pipeline runs on processes (the slow test below)
     model, whole = _model(), gpt.example_tokens(CFG)
