@@ -117,7 +117,11 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
     a time, in the order they start; a ``set`` waits for its collective. Exposed time is the step
     time minus the ops' time (``simulate``, summed)."""
     t = simulate(sharded, schedule, machine)
-    return Exposure(t.compute, t.ideal, max(0.0, t.total - t.compute), t.ideal)
+    ideal = 0.0
+    for c in collectives_of(sharded):  # every collective, a ring's too (it runs as steps, never launched whole)
+        bw, latency = machine.link(sharded.mesh, c.axis)
+        ideal += latency + c.bytes / bw
+    return Exposure(t.compute, ideal, max(0.0, t.total - t.compute), ideal)
 
 
 @dataclass(frozen=True)
