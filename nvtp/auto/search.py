@@ -159,7 +159,7 @@ class Choice:
             for r in self.invalid[:top]:
                 lines.append(f"      {r.candidate.text():<52} {r.why}")
         if self.refused:
-            lines += ["", "layouts the axes refuse:"]
+            lines += ["", "layouts (or their options) the axes refuse:"]
             for k, why in self.refused.items():
                 lines.append(f"      {k}: {why}")
         lines.append(f"\nsearched {len(self.ranked) + len(self.over_budget) + len(self.invalid)} candidates in "
@@ -218,9 +218,10 @@ def candidates(facts: Facts, modes: tuple[str, ...]) -> tuple[list[Candidate], d
             for o in combo:
                 options.update(o)
             why = next((w for s in order if (w := s.conflicts(ext, options, facts)) is not None), None)
-            if why is not None:
-                refused.setdefault(" ".join(f"{k}{v}" for k, v in ext.items() if v > 1) + " " +
-                                   " ".join(f"{k}={v}" for k, v in sorted(options.items()) if v not in (False, None)), why)
+            if why is not None:  # one line per layout, each reason once
+                key = " ".join(f"{k}{v}" for k, v in ext.items() if v > 1)
+                if why not in refused.get(key, ""):
+                    refused[key] = f"{refused[key]}; {why}" if key in refused else why
                 continue
             for mode in modes:
                 out.append(Candidate.of(ext, options, mode))
