@@ -18,6 +18,7 @@ loss over the whole batch, routed back to each rank's rows.
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -25,6 +26,8 @@ import torch
 from nvtp.errors import InputError
 from nvtp.sharding import axes
 
+
+PLAN_TIMEOUT_S = 3600.0  # how long the other ranks wait for rank 0's plan
 
 
 def _world() -> tuple[int, int]:
@@ -127,16 +130,29 @@ class AutoModule(torch.nn.Module):
         from nvtp.auto.candidate import Candidate
         from nvtp.auto.search import search
 
-        payload = [None]
+        from nvtp.auto.search import AutoError
+
+        payload: list[Any] = [None]
+        failed: Exception | None = None
         if self.rank == 0:
-            self.choice = search(self.module, args, kwargs, devices=self.devices, machine=self.machine, memory=self.memory,
-                                 backend=self.backend, frontend=self.frontend)
-            c = self.choice.candidate
-            payload = [(c.extents, c.options, c.recompute)]
+            try:
+                self.choice = search(self.module, args, kwargs, devices=self.devices, machine=self.machine, memory=self.memory,
+                                     backend=self.backend, frontend=self.frontend)
+                c = self.choice.candidate
+                payload = [(c.extents, c.options, c.recompute)]
+            except Exception as e:  # every rank raises, none waits for a choice that never comes
+                failed, payload = e, [f"{type(e).__name__}: {e}"]
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.broadcast_object_list(payload, src=0)
+            # the others wait while rank 0 plans (a minute or more for a large model): a group of its own with a long timeout
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_TIMEOUT_S))
+            dist.broadcast_object_list(payload, src=0, group=group)
+            dist.destroy_process_group(group)
+        if failed is not None:
+            raise failed
+        if isinstance(payload[0], str):
+            raise AutoError(f"rank 0 could not plan: {payload[0]}")
         extents, options, recompute = payload[0]
         self.candidate = c = Candidate(tuple(extents), tuple(options), recompute)
         self.inner = self._build(c)
