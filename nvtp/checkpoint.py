@@ -16,6 +16,13 @@ model's own names, DTensors on the stage's (dp, tp) sub-mesh (``PipelineModule.c
 so a checkpoint saved on one (pp, dp, tp) shape loads on another, or into a plain module; the
 optimizer's state is not saved there.
 
+Nothing untrusted runs, and nothing wrong loads (``nvtp/checkpoint_files.py``): DCP's ``.metadata``
+is read by an unpickler that builds only DCP's metadata types, the step and other non-tensor
+entries with ``torch.load(weights_only=True)``; every file is checked against the SHA-256 written
+into ``meta.json`` at save; and a checkpoint whose keys or shapes are not the model's (another
+model, more layers), or saved without optimizer state when the load asks for it, is refused in
+one line before anything is read into the model (docs/faults.md).
+
 Nothing is lost to a killed run: DCP writes every rank's data before its ``.metadata``, and rank 0
 writes ``meta.json`` (atomically) only after ``dcp.save`` has returned, so a directory with
 ``meta.json`` is a whole checkpoint. ``save_checkpoint(root / f"step-{n:06d}")`` every few steps
@@ -26,9 +33,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
+
+from nvtp import checkpoint_files as files
 
 FORMAT = 2  # 1 was nvtp's own per-rank .pt files; 2 is torch.distributed.checkpoint
 MARKER = "meta.json"
@@ -69,14 +79,30 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     if model.rank == 0:  # overwriting: not whole until written again (no rank writes before dcp.save's first collective)
         (out / MARKER).unlink(missing_ok=True)
     dcp.save(state, checkpoint_id=out)  # returns once every rank's data and the .metadata are written
+    checksums = _checksums(out)
     if model.rank == 0:
-        meta = {"format": FORMAT, "devices": model.layout.size if hasattr(model, "layout") else model.mesh.size, "step": step}
+        meta = {"format": FORMAT, "devices": model.layout.size if hasattr(model, "layout") else model.mesh.size, "step": step,
+                "files": checksums}
         _write_atomically(out / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     if _dist_ready():
         import torch.distributed as dist
 
         dist.barrier()  # every rank returns once the checkpoint is whole
     return out
+
+
+def _checksums(out: Path) -> dict:
+    """The manifest of the files DCP wrote (``checkpoint_files.manifest``): each rank hashes its
+    share of them, and every rank gets the whole (rank 0 writes it)."""
+    names = [files.METADATA, *files.data_files(files.read_metadata(out))]
+    if not _dist_ready():
+        return files.manifest(out, names)
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shares: list = [None] * world
+    dist.all_gather_object(shares, files.manifest(out, names[rank::world]))
+    return {name: entry for share in shares for name, entry in sorted(share.items())}
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -114,6 +140,38 @@ def prune(root: str | os.PathLike, keep: int = 2) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _checked(src: Path, meta: dict, state: dict):
+    """DCP's metadata of ``src``, after checking (every rank, agreeing) its checksum and that
+    ``state`` is what it holds (``checkpoint_files.differences``); refuses with a
+    ``CheckpointError`` on every rank otherwise. Warns of a checkpoint without checksums."""
+    problem, metadata = None, None
+    manifest = meta.get("files")
+    try:
+        if manifest is None:
+            warnings.warn(f"{src} has no checksums in {MARKER} (saved by an older nvtp): corrupted files cannot be detected; "
+                          "save it again to add them", stacklevel=3)
+        else:
+            files.verify(src, files.METADATA, manifest)
+        metadata = files.read_metadata(src)
+    except files.CheckpointError as e:
+        problem = str(e)
+    keys = {f"model.{k}" for k in state["model"]}
+    if _dist_ready():
+        import torch.distributed as dist
+
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (problem, sorted(keys)))  # a pipeline rank holds its stage's keys only
+        problem = next((p for p, _ in everyone if p is not None), None)
+        keys = {k for _, ks in everyone for k in ks}
+    if problem is None:
+        why = files.differences(state, metadata, keys)
+        if why is not None:
+            problem = f"{src} does not hold this model's state: {why}"
+    if problem is not None:
+        raise files.CheckpointError(problem)
+    return metadata
+
+
 def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Load into ``model`` (and ``optimizer``) with DCP, on any mesh size; every rank calls it.
     Returns the saved step. ``path`` is a checkpoint, or a directory of ``step-*`` checkpoints (the
@@ -134,7 +192,13 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     if not pipeline and model.mesh.size > 1 and model.uses_dtensor and not model._placements:
         raise ValueError("compile the model (model.compile(*inputs)) before loading: its parameters are not placed yet")
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=src)
+    metadata = _checked(src, meta, state)
+    try:
+        dcp.load(state, storage_reader=files.SafeReader(src, meta.get("files"), metadata), planner=files.SafePlanner())
+    except BaseException as e:  # DCP raises a CheckpointException (a BaseException) holding every rank's failure
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise files.unwrap(e) from None
     if pipeline:  # read in place into each DTensor's local part, the parameter's own storage
         model.restore(state["model"])
     else:

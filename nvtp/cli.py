@@ -16,6 +16,7 @@ import time
 
 from nvtp.sharding import axes
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Usage
+from nvtp.options import check_cli
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
 
@@ -344,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "or named axes, e.g. cp=4 or cp=2,tp=2 (context parallel: the sequence split, attention by ring)")
         c.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
         c.add_argument("--microbatches", type=_positive_int, default=None, help="with --mesh PPxDPxTP: microbatches per step")
-        c.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule")
+        c.add_argument("--schedule", default=None, choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule (default 1f1b)")
         if name == "shard":
             c.add_argument("--out", required=True, help="file to write")
         else:
@@ -379,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or axes by name, e.g. cp=4 or cp=2,tp=2: the sequence split over cp, attention by ring")
     m.add_argument("--fsdp", action="store_true", help="with --mesh: split the weights over dp too (FSDP / ZeRO-3)")
     m.add_argument("--microbatches", type=_positive_int, default=None, help="with --mesh PPxDPxTP: microbatches per step (default 2)")
-    m.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule")
+    m.add_argument("--schedule", default=None, choices=["1f1b", "gpipe"], help="with --mesh PPxDPxTP: the pipeline schedule (default 1f1b)")
     m.add_argument("--plan", default="megatron", help="megatron (default), megatron-sp, replicate, or 'glob=placement;...'")
     m.add_argument("--steps", type=_positive_int, default=20)
     m.add_argument("--config", default="tiny", choices=["tiny"], help="nvtp's GPT's config (with --model nanogpt)")
@@ -406,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        check_cli(args)  # every flag checked as the option it sets, before any work (nvtp/options.py)
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's exit (which would print a traceback)
         return code

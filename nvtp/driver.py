@@ -79,7 +79,8 @@ class Traced:
         captured = self.captured
         return Source(self.forward, self.backward, self.route, self.how, tuple(self.arguments), self.weights, dict(self.tied),
                       dict(self.parts), self.boundary, tuple(self.declined), self.seconds,
-                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None))
+                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None),
+                      self.call.binding() if self.call is not None else None)
 
     @property
     def parts(self) -> dict[str, Any]:
@@ -453,7 +454,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
         program = shard(stage_traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
-    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced, tuple(tuple(a.shape) for a in args
+    return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args
                            if isinstance(a, torch.Tensor)), plan if isinstance(plan, str) else "explicit", as_target(backend).name,
                            tied, frozenset(n for n, _ in source.named_parameters(remove_duplicate=False)))
 

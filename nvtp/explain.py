@@ -61,8 +61,10 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     ``nvtp.auto.search`` (an ``nvtp.auto.Choice``: the plan, and the candidates ranked) for
     ``mesh`` = N devices (or ``devices``), ``machine`` and a ``memory`` budget per device; the
     example arguments are then the whole batch."""
-    from nvtp import driver
+    from nvtp import driver, options, precheck
     from nvtp.execute import backends
+    from nvtp.frontend import user_code
+
     if isinstance(plan, str) and plan == "auto":
         from nvtp.auto.search import plan_auto
 
@@ -70,7 +72,12 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
         return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
                          backend=backend, given=given)
     if memory is not None:
-        raise ValueError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
+        from nvtp.errors import InputError
+
+        raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
+    options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
+                  machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
+    user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
         from nvtp import pipeline
 
@@ -82,6 +89,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
         backend = backends.default_name(next((p.device.type for p in model.parameters()), "cpu"))
     backends.resolve(backend, run=False)
     args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
+    precheck.check_call(model, mesh, args, kwargs)  # what the arguments already tell, before tracing
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
                              machine=machine, collective_matmul=collective_matmul, **kwargs)
     batch = ""

@@ -39,12 +39,14 @@ from typing import Any, Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from nvtp import driver, generation
+from nvtp import driver, generation, guard, options, precheck
 from nvtp import dtensor as _dt
+from nvtp.auto.runtime import AutoModule
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.step import RankProgram, part_rows
-from nvtp.execute.collectives import Comm, DistComm, MeshComm, SoloComm
+from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
+from nvtp.frontend import recompute as recomputation, user_code
 from nvtp.frontend.lengths import Lengths
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
@@ -109,7 +111,7 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto", recompute: str = "none"):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True, recompute: str = "none"):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -129,10 +131,10 @@ class ShardedModule(torch.nn.Module):
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
         axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
-        from nvtp.frontend.recompute import check_mode as check_recompute
         from nvtp.sharding.collective_matmul import check_mode
 
-        self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), check_recompute(recompute)  # refused now
+        self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), recomputation.check_mode(recompute)  # refused now
+        self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -270,6 +272,7 @@ class ShardedModule(torch.nn.Module):
         backend's target), this rank's parameters made its shards, and the backend's runner.
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
+        precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
         traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
             like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
@@ -278,7 +281,7 @@ class ShardedModule(torch.nn.Module):
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm)
-        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), traced.call)
+        return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), program.source.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
@@ -356,7 +359,8 @@ class ShardedModule(torch.nn.Module):
         compiled = self._compiled.get(key)
         if compiled is None:
             self._check_new_signature(args, kwargs)
-            compiled = self._compile(args, kwargs)
+            with PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it time (COMPILE_S)
+                compiled = self._compile(args, kwargs)
             self._compiled[key] = compiled
         return compiled
 
@@ -400,10 +404,12 @@ class ShardedModule(torch.nn.Module):
         return next((c for c in self._compiled.values() if kind(c.signature) == kind(signature)), None)
 
     def forward(self, *args, **kwargs):
+        user_code.check_hooks(self.module)  # a hook registered since nvtp.jit would never fire: refused
         args, kwargs = self._call(args, kwargs)
         if self._dp_axis() is not None and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
         compiled = self._compiled_for(args, kwargs)
+        guard.check_module(self, compiled, args, kwargs, self.verify)  # once per program: raises MiscompileError
         self.last = compiled.program
         named = compiled.module_state(self.module)  # parameters (a part: its parameter), buffers, tensor attributes
         call = compiled.call
@@ -516,8 +522,8 @@ def _whole(placement) -> bool:
 def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str = "1f1b",
-        cut: Any = None, recompute: str = "none", machine: Any = None, memory: Any = None) -> ShardedModule:
+        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
+        cut: Any = None, verify: bool | float = True, recompute: str = "none", machine: Any = None, memory: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -541,36 +547,30 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
     projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
     the cost model says it pays on the backend's machine (``cost.default_machine``), True
-    wherever it applies, False never.
-    On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
-    shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
-    averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
-    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.compose``.
-    On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
-    "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
-    each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" or "gpipe"); ``cut``: the
-    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
-    ``recompute`` ("none", "selective", "block"): the backward recomputes activations (``nvtp.frontend.recompute``). ``plan="auto"``:
-    nvtp chooses the layout for ``mesh``'s devices, ``machine`` and ``memory`` a device; pass the whole batch (``nvtp.auto.runtime``)."""
-    if isinstance(plan, str) and plan == "auto":  # the planner builds one of the modules below on the first call
-        from nvtp.auto.runtime import AutoModule
-
+    wherever it applies, False never. ``verify`` (default on): the first call of each compiled program is checked against the
+    model run eagerly on the same inputs (outputs, and a sample of gradients) and refused with ``nvtp.guard.MiscompileError``
+    naming the first value that differs (``nvtp/guard.py``); False skips it, a number sets the relative tolerance. On a 2-D
+    mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan shards over "tp" and the batch over
+    "dp": each rank passes its own batch, gradients are averaged over dp as DDP does; ``fsdp=True`` also splits the weights
+    over dp (ZeRO-3: gathered before use, gradients reduce-scattered), see ``nvtp.sharding.compose``. On a mesh with a "pp"
+    axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))`` (dp, tp may be absent), the model is
+    cut into pp stages at block boundaries and each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default)
+    or "gpipe"); ``cut``: the first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
+    Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped. ``recompute``: "none",
+    "selective", "block" (``nvtp.frontend.recompute``). ``plan="auto"``, for a ``machine`` and ``memory``: ``nvtp.auto.runtime``."""
+    if isinstance(plan, str) and plan == "auto" or machine is not None or memory is not None:  # the planner's (machine=, memory=)
         return AutoModule.of_jit(locals())
-    if machine is not None or memory is not None:  # what plan="auto" plans for
-        raise InputError("machine= and memory= are what plan='auto' plans for; with the plan given, leave them out")
+    options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
+                  frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
+                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify)
+    user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
-        if fsdp or comm is not None:
-            raise InputError("a pipeline mesh runs on torch.distributed's processes with DDP-style data parallelism: "
-                             "fsdp=True and comm= are not available with a 'pp' axis")
         from nvtp.pipeline.runtime import PipelineModule
 
-        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule, cut=cut, backend=backend,
-                              frontend=frontend, recompute=recompute)
-    if microbatches is not None:
-        raise InputError(f"microbatches={microbatches} splits a step over pipeline stages: give a mesh with a 'pp' axis, "
-                         "init_device_mesh(device, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))")
+        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
+                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, recompute=recompute)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend, fsdp=fsdp,
-                         regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul, recompute=recompute)
+                         regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul, verify=verify, recompute=recompute)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ class Source:
     seconds: float = 0.0
     layers: Mapping[str, int] = field(default_factory=dict)  # spliced: each forward value a block's copy computes -> its block
     output_tree: Any = None  # the model's output object, each tensor a Leaf naming its output (nvtp.frontend.outputs)
+    call: Any = None  # the FX route's nvtp.frontend.fx.Binding: binds a call's arguments, rebuilds the output object (None: Thunder's route)
 
     def record(self) -> "Source":
         """Itself: a Source may be sharded again (``driver.shard(program.source, ...)``), as a trace is."""

@@ -53,12 +53,13 @@ from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 from thunder.extend import OperatorExecutor
 
-from nvtp import driver
+from nvtp import driver, guard, options
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
+from nvtp.execute.launch import start_watchdog
 from nvtp.execute.collectives import Comm, DistComm, SoloComm
 from nvtp.execute.step import RankProgram, part_rows
-from nvtp.frontend import interpret
+from nvtp.frontend import interpret, user_code
 from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
 from nvtp.program import Program
@@ -96,11 +97,16 @@ class ShardingTransform(Transform):
     every rank of the default process group). ``comm``: a simulated mesh's communicator for this
     rank (tests; ranks as threads). ``backend``: "auto", "reference" or "nvfuser", as in
     ``nvtp.jit``. ``regional``: trace a chain of repeated blocks once (``nvtp.jit``'s option).
+    ``timeout``: on a mesh of processes, seconds a rank waits for a silent peer before the watchdog
+    stops it, naming the peer (None: no watchdog), as ``nvtp.jit`` takes it.
+    ``verify``: check each program's first call against the model run eagerly (``nvtp.jit``'s option).
     Bad input (a mesh unlike the process group, an unknown plan, a backend that cannot run here)
     is refused when the transform is made or applied, before anything is traced."""
 
     def __init__(self, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, *, comm: Comm | None = None,
-                 backend: str = "auto", regional: bool = True):
+                 backend: str = "auto", regional: bool = True, timeout: float | None = 60.0, verify: bool | float = True):
+        options.check("transform", plan=plan, mesh=mesh, comm=comm, backend=backend, regional=regional, timeout=timeout,
+                      verify=verify)
         world = comm.size if comm is not None else _world()
         self.mesh = make_mesh(mesh, world=world)
         if self.mesh.ndim != 1:
@@ -110,9 +116,12 @@ class ShardingTransform(Transform):
         if isinstance(plan, str) and "=" not in plan:  # a plan's name; globs are checked against the module's names
             check_plan(plan, [])
         backends.resolve(backend, run=False)  # an unknown name now; whether it runs here once the module's device is known
+        if timeout is not None and comm is None and self.mesh.size > 1:  # names a dead or silent rank (nvtp.execute.watchdog)
+            start_watchdog(timeout)
         self.plan = plan
         self.backend = backend
         self.regional = regional
+        self.verify = guard.option(verify)  # each program's first call checked against eager (nvtp/guard.py)
         self._comm = comm
         self._programs = _Programs()
         self._module: weakref.ref | None = None
@@ -151,6 +160,7 @@ class ShardingTransform(Transform):
             raise InputError("this nvtp.ShardingTransform is applied already; make one per thunder.jit")
         module = model._model
         check_plan(self.plan, driver.plan_names(module), type(module).__name__)
+        user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
         device = next((p.device.type for p in module.parameters()), "cpu")
         self.backend = backends.resolve(self.backend, device).name
         self._module = weakref.ref(model)
@@ -183,7 +193,8 @@ class ShardingTransform(Transform):
         for label, placement in placed.items():
             if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
                 rows.update(part_rows(label, placement, self.mesh.size))
-        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows)
+        rp = RankProgram(program, backends.BACKENDS[self.backend].lower(program, self.comm), self.comm.rank, rows,
+                         call=program.source.call)
         labels, proxies = self._inputs(computation_trace, call, rp)
         ret, matched = _outputs(computation_trace, rp)
         # Everything is checked: only now do the ThunderModule's parameters become this rank's parts.
@@ -359,10 +370,12 @@ class ShardingTransform(Transform):
         constants = rp.call.constants if rp.call is not None else {}
 
         def run_program(*tensors):
+            guard.check_transform(self, rp, labels, tensors, model._model, train=False)  # once: raises MiscompileError
             outs, _ = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(outs)
 
         def run_forward(*tensors):
+            guard.check_transform(self, rp, labels, tensors, model._model, train=True)  # once: raises MiscompileError
             _, values = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(values[v.name] for v in f.outputs)
 

@@ -29,7 +29,7 @@ def main(out: str, names: tuple[str, ...] = ("cp",), fsdp: bool = False) -> int:
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     eager = copy.deepcopy(model)
-    sm = nvtp.jit(model, plan="megatron", mesh=mesh, fsdp=fsdp)
+    sm = nvtp.jit(model, plan="megatron", mesh=mesh, fsdp=fsdp, verify=False)  # the check's ring steps are not the steps counted
     idx, tgt = gpt.example_tokens(cfg)
     mine = (idx, tgt)
     if "dp" in names:  # each dp rank passes its half of the batch

@@ -29,7 +29,8 @@ def _nvtp(*argv: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess
 BAD = [
     (["--mesh", "2x2", "--devices", "4"], r"give either --devices N \(a 1-D mesh\) or --mesh DPxTP \(a 2-D mesh\), not both"),
     (["--mesh", "2by2"], r"--mesh '2by2': expected DPxTP, two positive integers joined by x"),
-    (["--fsdp"], r"--fsdp splits the weights over the dp axis of a 2-D mesh; give --mesh DPxTP with it"),
+    (["--fsdp"], r"--fsdp is an option of the 'dp' mesh axis \(data parallel: .*\), and this mesh has the axis tp: give a mesh "
+                 r"with a 'dp' axis, --mesh DPxTP, or leave --fsdp out"),
     (["--mesh", "4x1"], r"--mesh 4x1: dp=4 does not divide the demo's batch of 2 sequences .*; choose dp 1 or 2"),
     (["--mesh", "1x8"], r"plan megatron cannot split the demo's GPT over tp=8 \(--mesh 1x8\): 8 does not divide its 4 heads; "
                         r"choose tp 1, 2 or 4"),

@@ -9,7 +9,9 @@ same way and reports parameter bytes and activations per rank."""
 from __future__ import annotations
 
 import collections
+import copy
 import json
+import re
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from nvtp import driver  # noqa: E402
 from nvtp.execute import reference  # noqa: E402
 from nvtp.frontend import fx as fxroute  # noqa: E402
 from nvtp.frontend import fx_regional  # noqa: E402
+from nvtp.frontend.blocks import NotRepeatable, find_repeated  # noqa: E402
 from nvtp.frontend.capture import run_pair  # noqa: E402
 from nvtp.models import hf  # noqa: E402
 
@@ -40,7 +43,8 @@ def build(family: str = "llama", layers: int = LAYERS, dtype: torch.dtype = torc
         return t.BloomForCausalLM(cfg).to(dtype)
     config, model = {"llama": (t.LlamaConfig, t.LlamaForCausalLM), "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
                      "phi3": (t.Phi3Config, t.Phi3ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
-                     "gemma": (t.GemmaConfig, t.GemmaForCausalLM), "granite": (t.GraniteConfig, t.GraniteForCausalLM)}[family]
+                     "gemma": (t.GemmaConfig, t.GemmaForCausalLM), "granite": (t.GraniteConfig, t.GraniteForCausalLM),
+                     "stablelm": (t.StableLmConfig, t.StableLmForCausalLM)}[family]
     kwargs = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
                   intermediate_size=128, use_cache=False, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     kwargs |= {"head_dim": 16} if family == "gemma" else {}
@@ -155,27 +159,112 @@ def test_a_padding_mask_every_layer_reads_is_computed_once_and_spliced_bit_for_b
 
 
 def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):
-    """Qwen2 with sliding-window attention from layer 1 on: the layers differ (their attention's
-    window), so nothing is spliced and ``how`` names the reason; the program is the whole trace's."""
+    """Qwen2 with sliding-window attention from layer 1 on: the model calls its layers with two
+    masks (a sliding-window one from layer 1), which the run on fake tensors shows, so nothing is
+    spliced and ``how`` names the argument; the program is the whole trace's."""
     model = build("qwen2", layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     traced = trace(model)
-    assert traced.how == ("whole trace: the config's layer_types name 2 kinds of layer (full_attention, sliding_attention)"), traced.how
+    assert re.fullmatch(r"whole trace: the model calls block 1 of model.layers with attention_mask t\d+ before the blocks"
+                        r"\[2, 1, 16, 16\] where block 0 gets t\d+ before the blocks\[2, 1, 16, 16\]: it does not call every "
+                        r"block alike", traced.how), traced.how
     assert [len(m.model.layers) for m in recorded["exported"]] == [2] and recorded["traced"] == []  # whole: fx.trace's own capture
 
 
-def test_blocks_that_differ_past_the_first_two_are_refused_by_their_settings():
-    """A setting of block 2 unlike block 0's (and alike in blocks 0 and 1, which the export compares)
-    stops the splice before anything is traced, naming the block and the setting."""
+def test_blocks_that_differ_past_the_first_two_are_refused_by_what_they_compute():
+    """Block 2's attention scale unlike the others' (the export of blocks 0 and 1 cannot see it) stops
+    the splice before anything is traced, naming the block and the call that differs; a setting that
+    differs but changes no call (``layer_idx`` without a cache) does not."""
     with torch.device("meta"):
         model = build("llama", layers=4)
     model.model.layers[2].self_attn.scaling = 0.5
-    from nvtp.frontend.regional import NotRepeatable, find_repeated
-
-    with pytest.raises(NotRepeatable, match=r"block 2 of model.layers differs from block 0 in self_attn.scaling \(0.5, block 0 0.25\)"):
-        fx_regional._alike(model, find_repeated(model))
+    args, kwargs = (tokens().to("meta"),), {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in call_kwargs().items()}
+    rep = find_repeated(model)
+    with pytest.raises(NotRepeatable, match=r"the blocks of model.layers are 2 variants \(blocks 0, 1, 3; 2: block 2 differs at its "
+                                            r"call \d+: `scaled_dot_product_attention\(.*scale=0.5.*\)` where block 0 has "
+                                            r"`scaled_dot_product_attention\(.*scale=0.25.*\)`\)"):
+        fx_regional.prove(model, rep, args, kwargs)
     model.model.layers[2].self_attn.scaling = 0.25
-    model.model.layers[1].self_attn.layer_idx = 7  # differs already between blocks 0 and 1: the export shows it changes nothing
-    fx_regional._alike(model, find_repeated(model))
+    model.model.layers[1].self_attn.layer_idx = 7  # read only by a cache: the same program
+    fx_regional.prove(model, rep, args, kwargs)
+
+
+def _stablelm(layers: int = LAYERS) -> torch.nn.Module:
+    """StableLM with per-head q and k LayerNorms (``self_attn.q_layernorm.norms``: a ModuleList of 4,
+    longer than the 3 layers) and a parallel residual."""
+    return build("stablelm", layers=layers, qk_layernorm=True, use_parallel_residual=True)
+
+
+def test_the_layer_finder_takes_the_decoder_layers_not_a_list_inside_them():
+    """The longest repeated list of StableLM is a layer's per-head norms; before, the finder took it,
+    cut it to 2 and the export failed blaming the arguments' shapes. Lists inside the blocks of an
+    outer list are parts of those blocks; of lists side by side, the one holding the most parameters."""
+    with torch.device("meta"):
+        model = _stablelm()
+    assert len(model.model.layers[0].self_attn.q_layernorm.norms) > len(model.model.layers)
+    assert find_repeated(model).prefix == "model.layers"
+
+    class Heads(torch.nn.Module):  # 6 small heads beside 3 large blocks: the blocks
+        def __init__(self):
+            super().__init__()
+            self.heads = torch.nn.ModuleList(torch.nn.Linear(4, 1) for _ in range(6))
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    assert find_repeated(Heads()).prefix == "blocks"
+
+
+def test_a_cut_model_that_does_not_export_is_traced_whole_saying_why():
+    """A model whose forward indexes its layers by a fixed count cannot be cut to 2: the route says
+    so and traces the model whole (its error, if any, then shows in the user's terms)."""
+
+    class Fixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for i in range(3):
+                x = torch.tanh(self.layers[i](x))
+            return x.sum()
+
+    traced = driver.trace(Fixed(), (torch.randn(2, 8),), frontend="fx")
+    assert traced.how.startswith("whole trace: the model cut to 2 blocks of layers did not run on fake tensors, so its blocks "
+                                 "could not be compared (IndexError: index 2 is out of range)"), traced.how
+
+
+@pytest.mark.parametrize("plan", ["megatron", pytest.param("megatron-sp", marks=pytest.mark.slow)])
+def test_stablelm_with_qk_layernorm_and_a_parallel_residual_trains_on_tp2_like_one_process(plan):
+    """Its decoder layers spliced from one traced layer; 3 SGD steps on 2 ranks (threads) against
+    eager on one process: every loss within 1e-5 relative, every weight within 1e-5."""
+    from nvtp.execute import spmd
+    from nvtp.execute.collectives import ThreadComm, ThreadGroup
+    from nvtp.sharding.placements import DeviceMesh
+
+    base = _stablelm()
+    batches = [tokens(seed) for seed in range(3)]
+
+    def train(model, params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        losses = []
+        for idx in batches:
+            opt.zero_grad()
+            loss = model(idx, labels=idx, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref = copy.deepcopy(base)
+    want = train(ref, ref.parameters())
+    group = ThreadGroup(2, timeout=900)
+    ranks = [nvtp.jit(copy.deepcopy(base), plan=plan, mesh=DeviceMesh.of_size(2), comm=ThreadComm(group, r)) for r in range(2)]
+    ranks[0].compile(batches[0], labels=batches[0], use_cache=False)
+    ranks[1].share_compiled(ranks[0])
+    assert ranks[0].last.traced.how.startswith(f"spliced: {LAYERS} blocks of model.layers from one traced block"), ranks[0].last.traced.how
+    for losses in spmd.on_threads(lambda r: train(ranks[r], ranks[r].module.parameters()), group):
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want, strict=True)), (losses, want)
+    for name, p in ref.named_parameters():
+        parts = [dict(m.module.named_parameters())[name].detach() for m in ranks]
+        assert (spmd.assemble(parts, ranks[0].placement(name), p.shape) - p.detach()).abs().max() <= 1e-5, name
 
 
 def llama3_70b_4_layers():
@@ -212,20 +301,20 @@ def test_cli_plans_llama3_70b_shape_on_the_meta_device_spliced(capsys):
 @pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_probing_each(plan, monkeypatch):
     """The derived plans probe which projections pair (column-, then row-parallel) once for the
-    first layer and take the same pairs in its renamed copies (``plans._Paired``): the program is
+    first layer and take the same pairs in its renamed copies (``plans.pairing.Paired``): the program is
     the one probing every layer gives, placement for placement and step for step."""
     from nvtp.mesh import make_mesh
-    from nvtp.sharding import plans
+    from nvtp.sharding.plans import derived as plans, pairing
 
     model, args, kwargs = hf.on_meta("llama3-70b", layers=4, seq=64)
     traced = driver.trace(model, args, kwargs, split_parts=True)
     assert traced.how.startswith("spliced: 4 blocks"), traced.how
     probes = []
-    real = plans._row_partner
-    monkeypatch.setattr(plans, "_row_partner", lambda f, m, p, projs: probes.append(p) or real(f, m, p, projs))
+    real = plans.row_partner
+    monkeypatch.setattr(plans, "row_partner", lambda found, m, p: probes.append(p) or real(found, m, p))
     fast = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
     taken = len(probes)
-    monkeypatch.setattr(plans._Paired, "again", lambda self, p: None)
+    monkeypatch.setattr(pairing.Paired, "again", lambda self, p: None)
     slow = driver.shard(traced, plan, make_mesh(None, devices=8), "nvfuser")
     assert fast.parameters == slow.parameters
     assert fast.steps() == slow.steps()

@@ -204,7 +204,8 @@ def test_mesh_names_fsdp_without_dp_and_undividable_batches_are_refused():
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((1, 1), ("data", "model")))
     with pytest.raises(ShardingError, match=r"the mesh has 4 device\(s\) but torch.distributed is not initialized"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_shape((DP, TP), ("dp", "tp")))  # a mesh unlike the world: one process
-    with pytest.raises(ShardingError, match=r"fsdp=True shards weights over a data-parallel axis \('dp'\); the mesh \['tp'\] has none: add one"):
+    with pytest.raises(ValueError, match=r"fsdp=True is an option of the 'dp' mesh axis \(data parallel: .*\), and this mesh has the "
+                                         r"axis tp: give a mesh with a 'dp' axis, init_device_mesh\(device, \(dp, tp\)"):
         nvtp.jit(_model("llama"), mesh=DeviceMesh.of_size(1), fsdp=True)
     captured = capture(_model("llama"), torch.randn(3, CFG.seq_len, 64))  # a dump's batch of 3 on dp = 2
     with pytest.raises(ShardingError, match=r"batch dimension of size 3 cannot be split over the dp axis of size 2"):

@@ -47,6 +47,9 @@ def test_a_missing_op_in_a_deep_model_is_refused_after_one_trace_naming_the_line
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(capture_module, "capture", counted)
+    from nvtp.frontend import regional
+
+    monkeypatch.setattr(regional, "capture", counted)  # imported by name
     if frontend == "fx":  # fx_regional imported capture by name
         from nvtp.frontend import fx, fx_regional
 

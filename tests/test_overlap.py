@@ -191,8 +191,8 @@ def _train_ring(mesh, collective_matmul, args, steps=2):
     the point-to-point steps a rank sent per step, every step every rank sent)."""
     from nvtp.execute import ring
 
-    with ring.recording() as sent:
-        losses, params, program = _run(_gpt(), mesh, args, steps, collective_matmul=collective_matmul)
+    with ring.recording() as sent:  # verify=False: the first call's check (nvtp/guard.py) runs the program once more
+        losses, params, program = _run(_gpt(), mesh, args, steps, collective_matmul=collective_matmul, verify=False)
     return losses[0], params[0], program, len(sent) // (mesh.size * steps), sent
 
 

@@ -14,6 +14,7 @@ import nvtp
 from nvtp.execute import reference, spmd
 from nvtp.execute.collectives import ThreadComm, ThreadGroup
 from nvtp.frontend import regional
+from nvtp.frontend.template import Boundary
 from nvtp.frontend.capture import capture, output_value, run_pair
 from nvtp.models import gpt
 from nvtp.driver import meta_copy as _meta_copy
@@ -84,19 +85,17 @@ def test_fusions_spliced_from_one_traced_block_compute_the_whole_trace_bit_for_b
     """The template splice: the model without its blocks and block 0 alone are the only traces, at
     any depth; the L-layer fusions give the whole trace's loss and every gradient bit for bit, with
     each block's own dropout draws (bf16: the boundary marker is cast, multiplied, cast back)."""
-    from nvtp.frontend import capture as capture_module
-
     model, idx, tgt, whole, _ = tiny
     model = copy.deepcopy(model).to(dtype)
     meta = _meta_copy(model)
     if dtype != torch.float32:
         whole = capture(meta, idx.to("meta"), tgt.to("meta"))
     traced = []
-    real = capture_module.capture
-    monkeypatch.setattr(capture_module, "capture", lambda m, *a, **k: traced.append(m) or real(m, *a, **k))
+    real = regional.capture
+    monkeypatch.setattr(regional, "capture", lambda m, *a, **k: traced.append(m) or real(m, *a, **k))
     got = regional.capture_regional(meta, idx.to("meta"), tgt.to("meta"))
     assert got.regional.startswith(f"spliced: {LAYERS} blocks of h from one traced block"), got.regional
-    assert [type(m).__name__ for m in traced] == ["GPT", "Block"] and list(traced[0].h.children())[0].__class__ is regional._Boundary
+    assert [type(m).__name__ for m in traced] == ["GPT", "Block"] and list(traced[0].h.children())[0].__class__ is Boundary
     for f in (got.forward, got.backward):  # each op is a renamed copy: the skeleton's once, the block's once a layer
         copies = collections.Counter(id(op.template) for op in f.compute_ops() if op.template is not None)
         assert sum(copies.values()) == len(list(f.compute_ops())) and set(copies.values()) == {1, LAYERS}
@@ -185,8 +184,10 @@ def test_models_without_a_repeated_chain_are_traced_whole_with_the_reason():
     assert got.regional == "whole trace: the blocks of blocks differ (class or parameter shapes)"
     assert len(list(got.forward.compute_ops())) > 0
     got = regional.capture_regional(_meta_copy(_Skip()), x)
-    assert got.regional.startswith("whole trace: the model reads block 0's output outside the chain of blocks; "
-                                   "the forward's last part reads"), got.regional
+    assert got.regional.startswith("whole trace: the model does more between blocks 0 and 1 of blocks than call block 1 on "
+                                   "block 0's output; the model cut to 3 blocks differs at its call 2: `add(t0[2, 8], t1 of the "
+                                   "code before block -2[2, 8])` where the whole model has `add(t0[2, 8], t1 of the code before "
+                                   "block -4[2, 8])` after the blocks"), got.regional
     whole = capture(_meta_copy(_Skip()), x)
     assert _kinds(got.forward) == _kinds(whole.forward)
 

@@ -95,7 +95,9 @@ def _simulated(cfg, batches, d: int = 2):
     model = gpt.GPT(cfg)
     threads = spmd.ThreadMesh(DeviceMesh.of_size(d), timeout=600)
     logs = [[] for _ in range(d)]
-    transforms = [nvtp.ShardingTransform(plan="megatron", mesh=d, comm=Counting(threads.comm(r), "tp", logs[r])) for r in range(d)]
+    # verify=False: the first call's check (nvtp/guard.py) gathers weights beside the program; counted is the program's step
+    transforms = [nvtp.ShardingTransform(plan="megatron", mesh=d, comm=Counting(threads.comm(r), "tp", logs[r]), verify=False)
+                  for r in range(d)]
     for t in transforms[1:]:
         t.share(transforms[0])  # compile once per call shape
     jms = [thunder.jit(copy.deepcopy(model), transforms=[t]) for t in transforms]
@@ -189,7 +191,8 @@ def test_a_module_nvtp_cannot_run_is_refused_with_the_reason_and_left_as_it_was(
 
     model = _BatchNormed()  # updates its running statistics in place
     jm = thunder.jit(model, transforms=[nvtp.ShardingTransform(mesh=1)])
-    with pytest.raises(CaptureError, match="copy_.*batchnorm.py"):
+    with pytest.raises(CaptureError, match=r"_BatchNormed.norm \(BatchNorm1d\) is in training mode, where it updates its running "
+                                           r"statistics .* Call model.norm.eval\(\)"):
         jm(torch.randn(4, 8))
     assert all(p.device.type == "cpu" for p in model.parameters())
     jm = thunder.jit(_ListArgument(), transforms=[nvtp.ShardingTransform(mesh=1)])

@@ -113,7 +113,10 @@ class AutoModule(torch.nn.Module):
 
     @staticmethod
     def of_jit(call: Mapping[str, Any]) -> "AutoModule":
-        """``nvtp.jit(module, plan="auto", ...)``'s module, from the call's arguments (``call``: their names and values)."""
+        """``nvtp.jit(module, plan="auto", ...)``'s module, from the call's arguments (``call``: their names and values);
+        ``machine=`` or ``memory=`` with another plan is refused (they are what plan="auto" plans for)."""
+        if not (isinstance(call["plan"], str) and call["plan"] == "auto"):
+            raise InputError("machine= and memory= are what plan='auto' plans for; with the plan given, leave them out")
         own = ("module", "mesh", "machine", "memory", "backend", "frontend", "timeout")
         return AutoModule(*(call[k] for k in own[:2]), **{k: call[k] for k in own[2:]},
                           given={k: v for k, v in call.items() if k not in own and k != "plan"})

@@ -16,6 +16,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from nvtp.dump.resharding import implicit_reshards
 from nvtp.ir.parser import Dump, DumpError
 from nvtp.ir.printer import format_file, format_schedule
 from nvtp.sharding import plans as plans_mod
@@ -119,6 +120,14 @@ def from_dump(dump: Dump) -> ShardedFusion | None:
                         local //= mesh.shape[other]
                 set_steps[v.name] = ReshardStep(op.arg("arg").name, s, d, (), local, round(reshard_bytes(s, d, local, mesh.shape[axis])), axis)
                 break
+    ran = fusion
+    if mesh.ndim == 1:  # the gathers nvFuser inserts itself before an op that reads a split operand whole (a collective matmul)
+        try:
+            ran, placements_1d, implicit = implicit_reshards(fusion, {k: p[0] for k, p in shardings.items()}, mesh)
+        except ValueError as e:
+            raise DumpError(f"its device schedule: {e}", dump.path) from None
+        shardings = {k: (p,) for k, p in placements_1d.items()}
+        set_steps.update(implicit)
     prop = Propagation({k: s[0] for k, s in shardings.items()}, {}, [])
-    return ShardedFusion(fusion, fusion, mesh, shardings, set_steps,
+    return ShardedFusion(ran, fusion, mesh, shardings, set_steps,
                          plans_mod.Annotations({}), fusion.attrs.get("plan", "from file"), prop)

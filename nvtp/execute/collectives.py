@@ -8,13 +8,15 @@ GPU); ``ThreadComm`` runs the ranks of one process as threads for the fast simul
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from nvtp.sharding.placements import Placement, Zigzag, axis_split, is_partial, local_indices
 
@@ -136,13 +138,23 @@ class ThreadComm:
 
 
 class Progress:
-    """How many collectives this process has started, and since when it waits in the current
-    one (None between collectives): the watchdog (``nvtp.execute.launch``) names the ranks that
-    never reach a collective another rank waits in."""
+    """How many communications this process has started, since when it waits in the current one
+    (None between them), and on which ranks (``peers``: global ranks; None: every rank of the
+    default group, which all run the same collectives): the watchdog (``nvtp.execute.watchdog``)
+    names the rank that never reaches a communication another rank waits in. ``on_failure``, set
+    by a running watchdog, hears of a communication that raised (a peer gone), to name the peer.
+
+        with PROGRESS:                                   # a collective on the default group
+        with PROGRESS.on((0,), "a receive from rank 0"):  # a receive, a collective on a sub-group
+    """
 
     def __init__(self) -> None:
         self.count = 0
         self.since: float | None = None
+        self.peers: tuple[int, ...] | None = None
+        self.what = ""
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self.busy_with: tuple[float, str] | None = None  # (since, in wall-clock seconds; what): compiling
 
     def __enter__(self) -> "Progress":
         self.count += 1
@@ -151,7 +163,36 @@ class Progress:
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:  # a collective that raised never completed: keep when it started
-            self.since = None
+            self.since, self.peers, self.what = None, None, ""
+        elif self.on_failure is not None and isinstance(value, Exception):
+            self.on_failure(value)  # may stop this process, naming the peer that failed
+
+    @contextlib.contextmanager
+    def on(self, peers: Sequence[int] | None, what: str = ""):
+        """A communication that waits on ``peers`` (None: every rank), described by ``what``."""
+        with self:
+            self.peers, self.what = (tuple(peers) if peers is not None else None), what
+            yield self
+
+    @contextlib.contextmanager
+    def busy(self, what: str):
+        """Work a peer may wait on for longer than the timeout without this rank being hung
+        (tracing and sharding a model: the watchdog allows it ``COMPILE_S``)."""
+        saved = self.busy_with
+        self.busy_with = (time.time(), what)
+        try:
+            yield self
+        finally:
+            self.busy_with = saved
+
+    def published(self) -> str:
+        """What the watchdog publishes for the others: the count; while waiting ``|`` and the ranks
+        waited on (``*``: every rank); while busy ``|~`` when it started (wall clock) ``~`` and what."""
+        if self.since is None:
+            if self.busy_with is not None:
+                return f"{self.count}|~{self.busy_with[0]:.3f}~{self.busy_with[1]}"
+            return str(self.count)
+        return f"{self.count}|" + ("*" if self.peers is None else ",".join(map(str, self.peers)))
 
 
 PROGRESS = Progress()
@@ -169,29 +210,74 @@ class DistComm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        # the global ranks a collective here waits on (None: the whole default group, as every rank runs it)
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
+        whole = ranks is None or len(ranks) == dist.get_world_size()
+        self.peers = None if whole else tuple(r for r in ranks if r != dist.get_rank())
+
+    def _waiting(self, kind: str):
+        return PROGRESS.on(self.peers, "" if self.peers is None else f"{kind} over ranks {self.ranks}")
 
     def _op(self, op):
         return getattr(self.dist.ReduceOp, self._OPS[op])
 
     def all_reduce(self, t, op):
         t = t.contiguous().clone()
-        with PROGRESS:
+        with self._waiting("an all-reduce"):
             self.dist.all_reduce(t, op=self._op(op), group=self.group)
         return t
 
     def all_gather(self, t):
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        with PROGRESS:
+        with self._waiting("an all-gather"):
             self.dist.all_gather(parts, t, group=self.group)
         return parts
 
     def reduce_scatter(self, chunks, op):
         chunks = [c.contiguous() for c in chunks]
         out = torch.empty_like(chunks[self.rank])
-        with PROGRESS:
+        with self._waiting("a reduce-scatter"):
             self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group)
         return out
+
+    def reduce(self, t: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
+        """``t`` summed (``op``) over this group into global rank ``dst``'s ``t`` (in place)."""
+        with self._waiting(f"a reduce to rank {dst}"):
+            self.dist.reduce(t, dst, op=self._op(op), group=self.group)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """``t`` from global rank ``src`` of this group, on every rank of it (in place)."""
+        with self._waiting(f"a broadcast from rank {src}"):
+            self.dist.broadcast(t, src, group=self.group)
+        return t
+
+
+# ---------------------------------------------------------------------------------------------
+# point to point (a pipeline's activations and gradients): communications the watchdog watches
+
+
+def recv(buf: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    """Receive ``buf`` from global rank ``src`` (blocking); a rank that never sends is named by
+    the watchdog after its timeout, one that died at once."""
+    with PROGRESS.on((src,), f"a receive from rank {src}"):
+        dist.recv(buf, src, tag=tag)
+    return buf
+
+
+def isend(t: torch.Tensor, dst: int, tag: int = 0):
+    """Start sending ``t`` to global rank ``dst``; ``wait_sent`` the handle it returns."""
+    with PROGRESS.on((dst,), f"a send to rank {dst}"):
+        return dist.isend(t, dst, tag=tag), dst
+
+
+def wait_sent(handle) -> None:
+    """Wait for a send ``isend`` started, as a communication the watchdog watches."""
+    work, dst = handle
+    with PROGRESS.on((dst,), f"a send to rank {dst}"):
+        work.wait()
 
 
 def take(t: torch.Tensor, dim: int, index: torch.Tensor | None) -> torch.Tensor:
@@ -270,12 +356,12 @@ class Done:
 class _Work:
     """A torch.distributed collective under way (``async_op=True``): ``wait`` blocks until it is done."""
 
-    def __init__(self, work, value):
-        self.work, self.value = work, value
+    def __init__(self, work, value, comm: "DistComm", kind: str):
+        self.work, self.value, self.comm, self.kind = work, value, comm, kind
 
     def wait(self):
         if self.work is not None:
-            with PROGRESS:
+            with self.comm._waiting(self.kind):
                 self.work.wait()
             self.work = None
         return self.value
@@ -294,14 +380,15 @@ def start(comm: Comm, kind: str, arg, op: str = "sum"):
 def _dist_async(self, kind: str, arg, op: str = "sum"):
     if kind == "all_reduce":
         t = arg.contiguous().clone()
-        return _Work(self.dist.all_reduce(t, op=self._op(op), group=self.group, async_op=True), t)
+        return _Work(self.dist.all_reduce(t, op=self._op(op), group=self.group, async_op=True), t, self, "an all-reduce")
     if kind == "all_gather":
         t = arg.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        return _Work(self.dist.all_gather(parts, t, group=self.group, async_op=True), parts)
+        return _Work(self.dist.all_gather(parts, t, group=self.group, async_op=True), parts, self, "an all-gather")
     chunks = [c.contiguous() for c in arg]
     out = torch.empty_like(chunks[self.rank])
-    return _Work(self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group, async_op=True), out)
+    return _Work(self.dist.reduce_scatter(out, chunks, op=self._op(op), group=self.group, async_op=True), out, self,
+                 "a reduce-scatter")
 
 
 DistComm.all_reduce_async = lambda self, t, op: _dist_async(self, "all_reduce", t, op)  # type: ignore[attr-defined]

@@ -7,8 +7,8 @@ has a GPU). Neither lets a failure turn into a hang:
 * The launcher hosts the mesh's key-value store (a c10d ``TCPStore``, as torchrun's agent does),
   watches its children and, when one exits non-zero or is killed, records how in the store,
   gives the others ``grace`` seconds to stop by themselves, then terminates them.
-* Every rank runs a ``Watchdog`` thread (started by ``init_group``, or by ``nvtp.jit`` in a
-  process group the caller made): it beats a heartbeat into the store every
+* Every rank runs a ``Watchdog`` thread (``nvtp.execute.watchdog``; started by ``init_group``, or
+  by ``nvtp.jit`` / ``nvtp.ShardingTransform`` in a process group the caller made): it beats a heartbeat into the store every
   ``HEARTBEAT_S`` and stops the rank, naming the failed rank, when a peer recorded a failure,
   when a peer's process on this machine is gone, when a peer's heartbeat has been silent for
   ``timeout`` seconds, or when this rank has waited ``timeout`` seconds in one collective
@@ -26,25 +26,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import multiprocessing.connection
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, exit_code_for
+from nvtp.execute.watchdog import (HEARTBEAT_S, PeerFailure, Watchdog, _record, describe_exit,  # noqa: F401 - re-exported
+                                   looks_like_communication, recorded_failures, say)
 
-HEARTBEAT_S = 0.5  # how often each rank beats and looks at its peers
 GRACE_S = 5.0  # how long the launcher lets the other ranks stop by themselves after a failure
 JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the others to join (importing torch and tracing take a while)
-_PREFIX = "nvtp/"
 
 
 def under_torchrun() -> bool:
@@ -57,8 +57,6 @@ def init_group(rank: int, world: int, init_method: str | None, timeout_s: float 
     or None for torchrun's environment. ``timeout_s`` bounds every wait on a silent peer (the
     watchdog enforces it; joining waits up to ``max(timeout_s, JOIN_TIMEOUT_S)``, as the group's
     own timeout, for ranks that start slowly)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
         if backend == "nccl":
@@ -98,390 +96,18 @@ def _quiet_stdout():
 
 
 # ---------------------------------------------------------------------------------------------
-# processes: alive, gone, how they ended
-
-
-def describe_exit(code: int) -> str:
-    """``exited with code 4`` or ``was killed by SIGKILL``, from a multiprocessing exit code."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
-
-
-def _process_state(pid: int) -> tuple[bool, str | None]:
-    """(alive, how it ended if known) for a process of this machine."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False, None
-    except OSError:
-        return True, None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields and fields[0] in ("Z", "X"):  # a zombie: dead, its parent has not reaped it yet
-        status = int(fields[49]) if len(fields) > 49 else None
-        if status is None:
-            return False, None
-        return False, describe_exit(os.waitstatus_to_exitcode(status))
-    return True, None
-
-
-# ---------------------------------------------------------------------------------------------
-# the watchdog
-
-
-@dataclass
-class PeerFailure:
-    rank: int
-    reason: str
-    order: int = 1 << 30  # when it was recorded (the store's failure counter), first one first
-    code: int = EXIT_RUNTIME  # the exit code its cause calls for: 3 bad input, 4 anything else
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} failed: {self.reason}"
-
-
-@dataclass
-class _Peer:
-    host: str | None = None
-    pid: int | None = None
-    done: bool = False
-    beat: int = -1
-    beat_changed: float = field(default_factory=time.monotonic)
-
-
-def _record(store, rank: int, reason: str, code: int = EXIT_RUNTIME) -> None:
-    key = f"{_PREFIX}failed/{rank}"
-    if not store.check([key]):
-        order = store.add(f"{_PREFIX}failures", 1)
-        store.compare_set(key, "", f"{order}|{code}|{reason}")
-
-
-def recorded_failures(store, world: int) -> list[PeerFailure]:
-    """The failures recorded in a mesh's store, first recorded first."""
-    found = []
-    for r in range(world):
-        key = f"{_PREFIX}failed/{r}"
-        if store.check([key]):
-            order, code, reason = (store.get(key).decode(errors="replace").split("|", 2) + ["", ""])[:3]
-            found.append(PeerFailure(r, reason, int(order) if order.isdigit() else 1 << 30,
-                                     int(code) if code.isdigit() else EXIT_RUNTIME))
-    return sorted(found, key=lambda f: f.order)
-
-
-def _is_store_error(e: BaseException) -> bool:
-    import torch.distributed as dist
-
-    return isinstance(e, (dist.DistError, ConnectionError, OSError))
-
-
-class Watchdog:
-    """One per process: heartbeats, failure records and peer checks through the mesh's store.
-
-    Keys (under ``nvtp/``): ``pid/r`` (host:pid), ``beat/r`` (a counter), ``progress/r`` (this
-    rank's collective count), ``failed/r`` ("order|reason", first writer wins), ``failures`` (a
-    counter), ``done/r``, ``stopped/r`` (stopped because of another rank)."""
-
-    def __init__(self, store, rank: int, world: int, timeout: float, *, hosts_store: bool, store_desc: str):
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
-        self.hosts_store, self.store_desc = hosts_store, store_desc
-        self.host, self.pid = socket.gethostname(), os.getpid()
-        self.peers = {r: _Peer() for r in range(world) if r != rank}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._exiting = False
-        self._failed_self = False
-        self._seen_failures = 0
-        self._last_beat_check = 0.0
-        self._wakeup: tuple[int, int] | None = None
-        self._sigterm = False
-        self._thread = threading.Thread(target=self._loop, name="nvtp-watchdog", daemon=True)
-
-    # -- lifecycle ------------------------------------------------------------------------
-
-    def start(self) -> "Watchdog":
-        self.store.set(self._key("pid", self.rank), f"{self.host}:{self.pid}")
-        self.store.add(self._key("beat", self.rank), 1)
-        self._install_sigterm()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2 * HEARTBEAT_S + 1)
-        if self._wakeup is not None and threading.current_thread() is threading.main_thread() and not self._thread.is_alive():
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            for fd in self._wakeup:
-                os.close(fd)
-            self._wakeup = None
-
-    def finish(self) -> None:
-        """This rank's work is done: say so, and if this process hosts the store (rank 0 under a
-        ``tcp://`` init), wait until every rank is done or failed so nobody loses the store."""
-        if self._failed_self or self._exiting:
-            return
-        with contextlib.suppress(Exception):
-            self.store.set(self._key("done", self.rank), "1")
-        if self.hosts_store:
-            deadline = time.monotonic() + self.timeout
-            while time.monotonic() < deadline:
-                try:
-                    pending = [r for r in self.peers if not self._has(self._key("done", r))
-                               and not self._has(self._key("failed", r)) and not self._has(self._key("stopped", r))]
-                except Exception:  # noqa: BLE001 - the store is ours; nothing more to wait for
-                    break
-                if not pending:
-                    break
-                time.sleep(HEARTBEAT_S / 2)
-        self.stop()
-
-    # -- recording --------------------------------------------------------------------------
-
-    def _key(self, kind: str, rank: int | None = None) -> str:
-        return _PREFIX + kind + ("" if rank is None else f"/{rank}")
-
-    def _has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
-
-    def record_failure(self, rank: int, reason: str, code: int = EXIT_RUNTIME) -> None:
-        """Record that ``rank`` failed (first record wins), so every rank names the same cause."""
-        if rank == self.rank:
-            self._failed_self = True
-        with contextlib.suppress(Exception):
-            _record(self.store, rank, reason, code)
-
-    def failures(self) -> list[PeerFailure]:
-        """Every failure recorded so far, first recorded first."""
-        return recorded_failures(self.store, self.world)
-
-    def _others_failures(self) -> list[PeerFailure]:
-        # A failure this rank recorded itself is being reported by this rank's own code.
-        return [f for f in self.failures() if not (f.rank == self.rank and self._failed_self)]
-
-    # -- looking at the peers --------------------------------------------------------------------
-
-    def find_failure(self, settle: float = 1.0, stuck_after: float | None = None) -> PeerFailure | None:
-        """The first failure of another rank (or of this one, recorded by the others), if any.
-        A peer found dead without a record gets ``settle`` seconds for the launcher's record
-        (which says how it ended) to arrive. This rank waiting in a collective for more than
-        ``stuck_after`` seconds (default: the timeout) names the ranks that never reached it."""
-        n = self.store.add(self._key("failures"), 0)
-        if n > self._seen_failures:
-            self._seen_failures = n
-            recorded = self._others_failures()
-            if recorded:
-                return recorded[0]
-        for r, peer in self.peers.items():
-            if peer.done:
-                continue
-            if peer.pid is None and self._has(self._key("pid", r)):
-                host, _, pid = self.store.get(self._key("pid", r)).decode().rpartition(":")
-                peer.host, peer.pid = host, int(pid)
-            if peer.pid is None or peer.host != self.host:
-                continue
-            alive, how = _process_state(peer.pid)
-            if alive:
-                continue
-            if self._has(self._key("done", r)):
-                peer.done = True
-                continue
-            deadline = time.monotonic() + settle
-            while time.monotonic() < deadline and not self._has(self._key("failed", r)):
-                time.sleep(0.05)
-            recorded = self._others_failures()
-            if recorded:
-                return recorded[0]
-            if self._has(self._key("done", r)) or self._has(self._key("stopped", r)):
-                peer.done = True
-                continue
-            reason = f"its process (pid {peer.pid}) {how}" if how else f"its process (pid {peer.pid}) is gone (killed?)"
-            self.record_failure(r, reason)
-            return PeerFailure(r, reason)
-        now = time.monotonic()
-        if now - self._last_beat_check >= max(HEARTBEAT_S, min(self.timeout / 4, 5.0)):
-            self._last_beat_check = now
-            for r, peer in self.peers.items():
-                if peer.done:
-                    continue
-                key = self._key("beat", r)
-                beat = self.store.add(key, 0)
-                if beat != peer.beat:
-                    peer.beat, peer.beat_changed = beat, now
-                elif now - peer.beat_changed > self.timeout:
-                    if self._has(self._key("done", r)):
-                        peer.done = True
-                        continue
-                    reason = f"no heartbeat for {now - peer.beat_changed:.0f} s (hung, stopped, or its machine is unreachable)"
-                    self.record_failure(r, reason)
-                    return PeerFailure(r, reason)
-        return self._stuck_collective(self.timeout if stuck_after is None else stuck_after)
-
-    def _stuck_collective(self, stuck_after: float) -> PeerFailure | None:
-        from nvtp.execute.collectives import PROGRESS
-
-        since, mine = PROGRESS.since, PROGRESS.count
-        if since is None or time.monotonic() - since <= stuck_after:
-            return None
-        behind = []
-        for r, peer in self.peers.items():
-            key = self._key("progress", r)
-            theirs = int(self.store.get(key)) if self._has(key) else 0
-            if theirs < mine and not peer.done:
-                behind.append((r, theirs))
-        waited = time.monotonic() - since
-        if not behind:
-            reason = f"collective #{mine} has not completed in {waited:.0f} s, though every rank reached it"
-            self.record_failure(self.rank, reason)
-            return PeerFailure(self.rank, reason)
-        r, theirs = behind[0]
-        reason = (f"hung: rank {self.rank} waited {waited:.0f} s in collective #{mine}, which rank {r} never reached "
-                  f"(rank {r} last reported collective #{theirs}: alive, but not making progress)")
-        self.record_failure(r, reason)
-        return PeerFailure(r, reason)
-
-    def diagnose(self, wait: float = 2.0, timed_out: bool = False) -> PeerFailure | None:
-        """After a collective failed in this rank: which peer failed, looking for up to ``wait`` s
-        (``timed_out``: the collective timed out, so ranks that never reached it are to blame)."""
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                found = self.find_failure(settle=max(0.0, deadline - time.monotonic()), stuck_after=0.0 if timed_out else None)
-            except Exception:  # noqa: BLE001 - the store is gone with its host
-                return self._store_lost()
-            if found is not None and found.rank != self.rank:
-                return found
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.1)
-
-    def _store_lost(self) -> PeerFailure | None:
-        if self.store_desc.startswith("rank 0"):
-            return PeerFailure(0, f"lost contact with it (it hosts the mesh's store, {self.store_desc}): it died")
-        return PeerFailure(-1, f"the mesh's store ({self.store_desc}) is gone: the launcher died")
-
-    # -- stopping ----------------------------------------------------------------------------
-
-    def abort(self, failure: PeerFailure, how: str = "stopping") -> None:
-        """Print why this rank stops and exit at once (``os._exit``: no teardown that could hang)."""
-        with self._lock:
-            if self._exiting:
-                return
-            self._exiting = True
-        who = "the launcher" if failure.rank < 0 else f"rank {failure.rank}"
-        if failure.rank == self.rank:
-            line = f"nvtp: rank {self.rank} {how}: {failure.reason}"
-        else:
-            line = f"nvtp: rank {self.rank} {how}: {who} failed: {failure.reason}"
-        with contextlib.suppress(Exception):
-            self.store.set(self._key("stopped", self.rank), line)
-        # The cause decides the code: every rank of a mesh stopped by bad input exits 3.
-        _exit_now(line, failure.code)
-
-    def _loop(self) -> None:
-        from nvtp.execute.collectives import PROGRESS
-
-        while not self._stop.is_set():
-            self._sleep(HEARTBEAT_S)
-            if self._stop.is_set():
-                return
-            try:
-                if self._sigterm:
-                    found = self.diagnose(wait=2.0)
-                    if found is None:  # the others may have recorded this rank itself as failed
-                        found = next(iter(self.failures()), None)
-                    if found is None:
-                        _exit_now(f"nvtp: rank {self.rank} stopped by SIGTERM (no failed rank recorded)", 128 + signal.SIGTERM)
-                    self.abort(found, "stopping (SIGTERM)")
-                    return
-                self.store.add(self._key("beat", self.rank), 1)
-                self.store.set(self._key("progress", self.rank), str(PROGRESS.count))
-                found = self.find_failure()
-            except Exception as e:  # noqa: BLE001 - the store host is gone
-                if self._stop.is_set():
-                    return
-                if not _is_store_error(e):
-                    raise
-                found = self._store_lost()
-            if found is not None:
-                self.abort(found)
-                return
-
-    def _sleep(self, seconds: float) -> None:
-        if self._wakeup is None:
-            self._stop.wait(seconds)
-            return
-        import select
-
-        r, _ = self._wakeup
-        ready, _, _ = select.select([r], [], [], seconds)
-        if ready:
-            with contextlib.suppress(OSError):
-                data = os.read(r, 64)
-                if signal.SIGTERM in data:
-                    self._sigterm = True
-
-    def _install_sigterm(self) -> None:
-        """On SIGTERM (torchrun stops the others when a rank fails) the watchdog thread names the
-        failed rank before exiting, even while the main thread is blocked in a collective: the
-        C-level handler writes the signal to a wakeup pipe this thread selects on."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # the program handles SIGTERM itself
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        try:
-            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        except ValueError:
-            os.close(r)
-            os.close(w)
-            return
-        if old != -1:  # someone else (e.g. asyncio) uses the wakeup fd: leave it to them
-            signal.set_wakeup_fd(old)
-            os.close(r)
-            os.close(w)
-            return
-        self._wakeup = (r, w)
-
-        def on_sigterm(signum, frame):  # the watchdog thread does the work; make sure we go
-            threading.Timer(HEARTBEAT_S + 5.0, lambda: os._exit(128 + signal.SIGTERM)).start()
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _exit_now(line: str, code: int) -> None:
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    _say(line)
-    os._exit(code)
-
-
-def _say(line: str) -> None:
-    """Write one line to stderr in a single ``write``: ranks share the pipe, so lines must not interleave."""
-    try:
-        sys.stderr.flush()
-        os.write(sys.stderr.fileno(), (line + "\n").encode())
-    except Exception:  # noqa: BLE001 - stderr replaced by an object without a file descriptor
-        with contextlib.suppress(Exception):
-            print(line, file=sys.stderr, flush=True)
+# the watchdog of this process
 
 
 _WATCHDOG: Watchdog | None = None
 
-
 def start_watchdog(timeout_s: float, init_method: str | None = None) -> Watchdog | None:
-    """Start this rank's watchdog in the default process group (once per process); None when
-    the group's store is not a TCP store nvtp can reach."""
+    """Start this rank's watchdog in the default process group (once per process: a later call
+    shortens its timeout to ``timeout_s`` if that is shorter, so the shortest timeout asked for
+    holds); None when the group's store is not a TCP store nvtp can reach."""
     global _WATCHDOG
-    import torch.distributed as dist
-
     if _WATCHDOG is not None and not _WATCHDOG._stop.is_set():
+        _WATCHDOG.timeout = min(_WATCHDOG.timeout, timeout_s)
         return _WATCHDOG
     rank, world = dist.get_rank(), dist.get_world_size()
     address = _store_address(init_method)
@@ -503,8 +129,6 @@ def _store_address(init_method: str | None) -> tuple[str, int, bool, str] | None
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         return host, port, not agent, (f"torchrun's, {host}:{port}" if agent else f"rank 0's, {host}:{port}")
-    import torch.distributed as dist
-
     store = dist.distributed_c10d._get_default_store()
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
@@ -521,9 +145,20 @@ def _install_exit_hooks() -> None:
 
     def hook(kind, value, tb):
         wd = _WATCHDOG
+        if wd is not None and isinstance(value, Exception):
+            wd.communication_failed(value)  # a transport error because a peer failed: stop naming the peer, no traceback
         previous(kind, value, tb)
         if wd is not None and not wd._exiting and isinstance(value, Exception):
-            _report(wd.rank, value, wd, print_traceback=False)
+            code = _report(wd.rank, value, wd, print_traceback=False)
+            wd._stop.set()  # this process is ending: its watchdog has nothing left to watch
+            # The program's own atexit hooks run, then the process ends: torch's teardown of a process group whose
+            # peers or store are gone can wait many seconds (8.5 s seen with gloo), as run_rank's failed ranks avoid too.
+            with contextlib.suppress(Exception):
+                atexit._run_exitfuncs()
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
 
     sys.excepthook = hook
 
@@ -539,14 +174,6 @@ def _install_exit_hooks() -> None:
 # a rank's work
 
 
-def _looks_like_communication(e: BaseException) -> bool:
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "gloo", "Gloo", "NCCL", "Broken pipe"))
-
-
 def describe_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if "Timed out waiting" in str(e):
@@ -557,7 +184,7 @@ def describe_error(e: BaseException) -> str:
 def _report(rank: int, e: BaseException, wd: Watchdog | None, print_traceback: bool) -> int:
     """Print and record ``e``; returns its exit code. If it came from a peer's failure, name the
     peer and exit at once."""
-    if wd is not None and _looks_like_communication(e):
+    if wd is not None and looks_like_communication(e):
         found = wd.diagnose(wait=2.0, timed_out="Timed out" in str(e) or "timeout" in str(e).lower())
         if found is not None:
             wd.abort(found)
@@ -652,10 +279,6 @@ def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S
     When a rank exits non-zero or is killed, the launcher records how in the mesh's store (the
     other ranks' watchdogs name it), waits up to ``grace`` seconds for the others to stop, then
     terminates them (SIGTERM, then SIGKILL)."""
-    import multiprocessing.connection
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     init_method = f"nvtp://127.0.0.1:{store.port}"
     ctx = mp.get_context("spawn")
@@ -688,7 +311,7 @@ def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S
                     if any(c is None for c in codes):
                         cause = _first_recorded(store, world)
                         why = f" (the first failure recorded is rank {cause.rank}'s)" if cause is not None and cause.rank != r else ""
-                        _say(f"nvtp: {result.first_failure}{why}; stopping the other ranks (they get {grace:.0f} s)")
+                        say(f"nvtp: {result.first_failure}{why}; stopping the other ranks (they get {grace:.0f} s)")
         if deadline is not None and now > deadline and any(c is None for c in codes):
             if killed_at is None:
                 for r, p in enumerate(procs):

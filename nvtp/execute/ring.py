@@ -50,12 +50,12 @@ def recording():
 class _Shift:
     """One ring step under way: ``wait()`` gives the previous rank's tensor."""
 
-    def __init__(self, out: torch.Tensor, works: list | None = None):
-        self.out, self.works = out, works
+    def __init__(self, out: torch.Tensor, works: list | None = None, peers: tuple[int, ...] | None = None):
+        self.out, self.works, self.peers = out, works, peers
 
     def wait(self) -> torch.Tensor:
         if self.works:
-            with PROGRESS:
+            with PROGRESS.on(self.peers, f"a ring step with ranks {list(self.peers)}" if self.peers else ""):
                 for w in self.works:
                     w.wait()
             self.works = None
@@ -79,7 +79,8 @@ def start_shift(t: torch.Tensor, comm: Any) -> _Shift:
         out = torch.empty_like(t)
         ops = [dist.P2POp(dist.isend, t, ranks[(comm.rank + 1) % n], comm.group),
                dist.P2POp(dist.irecv, out, ranks[(comm.rank - 1) % n], comm.group)]
-        return _Shift(out, dist.batch_isend_irecv(ops))
+        peers = tuple(dict.fromkeys((ranks[(comm.rank - 1) % n], ranks[(comm.rank + 1) % n])))
+        return _Shift(out, dist.batch_isend_irecv(ops), peers if comm.peers is not None else None)
     parts = comm.all_gather(t)  # any other Comm: the same data, by a collective
     return _Shift(parts[(comm.rank - 1) % n])
 

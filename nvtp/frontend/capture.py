@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from nvtp.frontend import parts
+from nvtp.frontend import parts, user_code
 from nvtp.frontend.complex import ComplexAsReal
 from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor, use_runtime
 from nvtp.frontend.outputs import Leaf, structure as output_structure, tensors as output_tensors
@@ -306,7 +306,8 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     bwd_traces = thunder.last_backward_traces(jitted) if backward else []
     bwd = fusion_callables(bwd_traces[-1]) if bwd_traces else []
     if strict and (runtime.unclaimed or len(fwd) != 1 or len(bwd) > 1):
-        raise MissingOpError(missing_ops_message(type(module).__name__, runtime.unclaimed, len(fwd), len(bwd)))
+        state = user_code.state_update_message(module, runtime.unclaimed)  # BatchNorm's statistics, a counter: the user's terms
+        raise MissingOpError(state or missing_ops_message(type(module).__name__, runtime.unclaimed, len(fwd), len(bwd)))
     if not fwd:
         raise CaptureError("Thunder's trace of the module contains no operation nvtp can fuse")
     if bwd_traces and not bwd and any(g is not None for g in _flat(bwd_traces[-1].bound_symbols[-1].args[0])):
@@ -424,6 +425,10 @@ def missing_ops_message(model: str, unclaimed: Sequence[Unclaimed], forward: int
     if any(n.startswith(_IN_PLACE) for n in seen):
         advice = ("write the in-place update out of place (`x = x + y` instead of `x += y`; `torch.where(mask, value, x)` instead of "
                   "`x[mask] = value`), or update only tensors forward itself made and reads by one name; " + advice)
+    if any("an argument, parameter or buffer of the model" in n for n in seen):
+        advice = ("a write into the model's own parameters or buffers would be lost: nvtp's compiled program computes outputs and "
+                  "does not write the model's state back, where eager PyTorch makes the change at every call, so keep state updates "
+                  "(counters, running statistics, weight decay) out of forward, in the training loop; " + advice)
     return (f"{model}.forward uses operations nvtp cannot compile, so nvtp cannot shard the model (it runs only its own fusions, "
             f"never an op outside them): {what}. What to do: {advice}; if the operation is in a library's code, report it to nvtp")
 

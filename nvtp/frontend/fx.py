@@ -72,15 +72,15 @@ def wants_fx(module: torch.nn.Module) -> bool:
 
 
 @dataclass
-class Program:
-    """One exported forward: the graph module Thunder traces and how calls map onto it."""
+class Binding:
+    """How a call maps onto an exported forward, as plain data (no graph): the argument leaves'
+    names, the output object's structure, the folded constants and the fused parts. A Program's
+    ``Source.call`` (``nvtp.program``): runtimes bind calls and rebuild outputs by it."""
 
-    graph_module: fx.GraphModule
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     arg_names: list[str]                 # one per flat argument leaf: the placeholder's name
     constants: dict[str, torch.Tensor]   # label -> value (whole, on the CPU)
-    export_seconds: float = 0.0
     output_map: list[Any] = field(default_factory=list)  # per output leaf: ("out", i) or ("const", v)
     parts: dict[str, Any] = field(default_factory=dict)  # label -> nvtp.frontend.fused.Part: inputs that are rows of a parameter
 
@@ -95,6 +95,18 @@ class Program:
         """The model's own output object (e.g. ``CausalLMOutputWithPast``) from the fusion's user outputs."""
         leaves = [outputs[i] if kind == "out" else i for kind, i in self.output_map]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+@dataclass
+class Program(Binding):
+    """One exported forward: the graph module Thunder traces, and (``Binding``) how calls map onto it."""
+
+    graph_module: fx.GraphModule | None = None
+    export_seconds: float = 0.0
+
+    def binding(self) -> Binding:
+        """The plain part: how calls map onto the forward, without the graph."""
+        return Binding(self.in_spec, self.out_spec, self.arg_names, self.constants, self.output_map, self.parts)
 
 
 # -- capture --------------------------------------------------------------------------------------
@@ -172,7 +184,8 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_
     # The model's buffers are state (the model is on meta here): only what depends on nothing folds.
     constants = fold_constants(new, {})
     new, parts = _split_parts(new) if split_parts else (new, {})
-    return Program(new, exported.in_spec, exported.out_spec, exported.arg_names, constants, time.perf_counter() - start, parts=parts)
+    return Program(exported.in_spec, exported.out_spec, exported.arg_names, constants, parts=parts, graph_module=new,
+                   export_seconds=time.perf_counter() - start)
 
 
 @dataclass

@@ -7,12 +7,13 @@ model without its layers, and splices L copies of the layer's fusions into the m
 forward and ONE backward fusion, computing what the whole trace computes (tests/test_fx_regional.py
 compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
 
-1. ``regional.find_repeated`` finds the repeated layers (``model.layers`` of a ``LlamaForCausalLM``:
-   the longest ``nn.ModuleList`` of 2 or more blocks of one class and parameter shapes). Every block
-   must hold the same settings as block 0 (``_alike``: each submodule's plain attributes), except
-   those that already differ between blocks 0 and 1 (``layer_idx``), which step 3 shows do not
-   change the graph; and a config's ``layer_types`` must name one kind.
-2. dynamo exports the model cut to its first 2 blocks (``regional.truncated``): one graph, whatever
+1. ``blocks.find_repeated`` finds the repeated layers (``model.layers`` of a ``LlamaForCausalLM``:
+   the outermost ``nn.ModuleList`` of 2 or more blocks of one class and parameter shapes), and
+   ``prove`` shows, by a run of the model on fake tensors (``nvtp.frontend.variants``), that every
+   layer computes layer 0's program, that the model calls each alike (the same mask, the same
+   rotary tables: not a sliding-window mask for some layers), and that the model cut to 2 layers
+   runs as the whole does outside them.
+2. dynamo exports the model cut to its first 2 blocks (``blocks.truncated``): one graph, whatever
    the depth (``fx.export_graph``; the rewrites of the FX route are done on it).
 3. ``cut`` finds each block's nodes by dynamo's ``nn_module_stack`` (the node ran inside
    ``<prefix>.<i>``) and checks that the two blocks are one computation on a chain: block 1's nodes
@@ -22,11 +23,11 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
    *invariant*: the rotary tables ``cos`` and ``sin``, an attention mask); and nothing but block 1
    reads block 0, nothing but the rest of the model reads block 1's output.
 4. From that graph two graph modules: the *skeleton*, the model with the two blocks replaced by
-   ``carry * MARK`` (``regional``'s boundary marker) that also returns the invariants; and the
+   ``carry * MARK`` (``template.Boundary``'s marker, another factor) that also returns the invariants; and the
    *block*, block 0's nodes reading the carry and the invariants as arguments and its parameters
    by their names in the block. Each has its constants folded (``fx_constants.fold_constants``) and, when
    asked, its fused projections split (``fx._split_parts``; a block's parts are named per layer).
-5. Thunder traces each (``capture``), and ``regional.splice_template`` builds the L-layer fusions:
+5. Thunder traces each (``capture``), and ``template.splice_template`` builds the L-layer fusions:
    the skeleton's, its marker replaced by L copies of the block's (parameters named
    ``<prefix>.<i>.<name>``, the carry chained, every copy reading the skeleton's invariants; a
    constant the block folded is one input that every copy reads). The skeleton's extra outputs go
@@ -34,10 +35,9 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
 
 Anything that does not fit (a piece Thunder cannot trace alone included) raises ``NotRepeatable``
 with the reason, and ``trace`` traces the whole model, saying why in ``Captured.regional``
-(``Traced.how``): e.g. Gemma 2, whose layers alternate sliding-window and full attention. Assumed,
-not checked: a block's settings that differ between blocks 0 and 1 (``layer_idx``) change nothing
-in any block's graph (they change nothing in the two traced), and the model's forward does not
-depend on its number of layers but by running them.
+(``Traced.how``): e.g. Gemma 2, whose layers alternate sliding-window and full attention (the
+model calls them with two masks), or any model whose layers are of several variants (this route
+traces one layer; the Thunder route traces one per variant).
 """
 
 from __future__ import annotations
@@ -56,49 +56,16 @@ from nvtp.frontend import fx as fxroute
 from nvtp.frontend.capture import CaptureError, Captured, MissingOpError, capture, parameter_names
 from nvtp.frontend.fx_constants import fold_constants
 from nvtp.frontend.fused import Part
-from nvtp.frontend.regional import NotRepeatable, Repeated, find_repeated, splice_template, truncated
+from nvtp.frontend.blocks import NotRepeatable, Repeated, find_repeated, truncated
+from nvtp.frontend.template import splice_template
+from nvtp.frontend.variants import record, variants_text
+from nvtp.gcpause import paused
 from nvtp.ir.verify import verify
 
 CARRY = "nvtp_carry"  # the block graph's first argument; its others are nvtp_invariant_<k>
 # The skeleton's boundary ``carry * MARK``: a factor no model multiplies its residual stream by
 # (Granite's embedding multiplier is 1.0 in small configs: ``x * 1.0`` would be found twice).
 MARK = 1.0009765625
-
-
-# -- 1. blocks alike -------------------------------------------------------------------------------
-
-def _settings(block: torch.nn.Module) -> dict[tuple[str, str], Any]:
-    """Each submodule's plain attributes (not its parameters, buffers, children or hooks)."""
-    out = {}
-    for name, m in block.named_modules():
-        for k, v in vars(m).items():
-            if not k.startswith("_") and k != "training":
-                out[(name, k)] = v
-    return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value that does not compare (a tensor): unlike
-        return False
-
-
-def _alike(module: torch.nn.Module, rep: Repeated) -> None:
-    """``NotRepeatable`` unless every block holds block 0's settings (see the module docstring)."""
-    types = getattr(getattr(module, "config", None), "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(set(types)) > 1:
-        raise NotRepeatable(f"the config's layer_types name {len(set(types))} kinds of layer ({', '.join(sorted(set(map(str, types))))})")
-    blocks = list(module.get_submodule(rep.prefix))
-    first = _settings(blocks[0])
-    varying = {k for k, v in _settings(blocks[1]).items() if not _same(v, first.get(k))}
-    for i, block in enumerate(blocks[2:], start=2):
-        for k, v in _settings(block).items():
-            if k not in varying and not _same(v, first.get(k)):
-                where = f"{k[0]}.{k[1]}" if k[0] else k[1]
-                raise NotRepeatable(f"block {i} of {rep.prefix} differs from block 0 in {where} ({v!r}, block 0 {first.get(k)!r})")
 
 
 # -- 3. the cut ------------------------------------------------------------------------------------
@@ -378,7 +345,7 @@ def _splice(skel: Captured, block: Captured, n_invariants: int, block_constants:
                                     "skeleton's forward fusion")
             reads[label] = value
             extras.add(value)
-    spliced = splice_template(skel.forward, skel.backward, block.forward, block.backward, carry, rep.prefix, rep.count,
+    spliced = splice_template(skel.forward, skel.backward, [(block.forward, block.backward)], [0] * rep.count, carry, rep.prefix,
                               carry_label=CARRY, reads=reads, shared=shared, extras=extras, mark=MARK)
     verify(spliced.forward)
     if spliced.backward is not None:
@@ -396,17 +363,40 @@ def _splice(skel: Captured, block: Captured, n_invariants: int, block_constants:
     return spliced, output_map
 
 
+def prove(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> None:
+    """Step 1: ``NotRepeatable`` unless every block computes block 0's program and the model calls
+    each alike, and the model cut to 2 blocks runs as the whole does outside them (a run of each
+    on fake tensors, ``nvtp.frontend.variants``). Blocks of several variants are traced whole
+    here: the cut of step 3 takes one block's graph for all."""
+    rec = record(module, rep, args, kwargs)
+    variant_of, why = rec.variants()
+    if max(variant_of) > 0:
+        raise NotRepeatable(f"the blocks of {rep.prefix} are {variants_text(variant_of, why)}, and the FX route splices "
+                            "blocks that are all alike")
+    cut = f"the model cut to 2 blocks of {rep.prefix}"
+    differs = rec.uniform() or rec.outside_differs(record(truncated(module, rep.prefix, 2), Repeated(rep.prefix, 2), args, kwargs, cut), cut)
+    if differs:
+        raise NotRepeatable(differs)
+
+
+def _export_cut(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> fxroute.Exported:
+    """Step 2; a cut model dynamo cannot export is traced whole (where the real error, if any, shows in the user's terms)."""
+    try:
+        return fxroute.export_graph(truncated(module, rep.prefix, 2), args, kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever fails here fails again, or not, in the whole trace
+        raise NotRepeatable(f"the model cut to 2 blocks of {rep.prefix} did not export ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
+
+
 def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bool = True) -> tuple[fxroute.Program, Captured]:
     """``fx.trace``, by splicing one traced block when the model has repeated blocks (the module
     docstring); else the whole trace. ``Captured.regional`` says which, and why."""
-    from nvtp.gcpause import paused
-
     start = time.perf_counter()
     try:
         rep = find_repeated(module)
-        _alike(module, rep)
         with paused():
-            exported = fxroute.export_graph(truncated(module, rep.prefix, 2), args, kwargs)
+            prove(module, rep, args, kwargs)
+            exported = _export_cut(module, rep, args, kwargs)
             p = pieces(exported, rep, split_parts)
             export_seconds = time.perf_counter() - start
             leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
@@ -418,9 +408,9 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict, *, split_parts: bo
         program, captured = fxroute.trace(module, args, kwargs, split_parts=split_parts)
         return program, replace(captured, regional=f"whole trace: {e}")
     seconds = time.perf_counter() - start
-    program = fxroute.Program(p.skeleton, exported.in_spec, exported.out_spec, exported.arg_names, p.constants, export_seconds,
-                              output_map, p.parts)
-    how = (f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s: dynamo's export of 2 blocks "
+    program = fxroute.Program(exported.in_spec, exported.out_spec, exported.arg_names, p.constants, output_map, p.parts,
+                              graph_module=p.skeleton, export_seconds=export_seconds)
+    how = (f"spliced: {rep.count} blocks of {rep.prefix} from one traced block ({seconds:.1f} s: the proof and dynamo's export of 2 blocks "
            f"{export_seconds:.1f} s, Thunder's traces of the model without its blocks and of one block {traced_seconds:.1f} s, "
            f"the splice {seconds - export_seconds - traced_seconds:.1f} s)")
     return program, replace(skel, forward=spliced.forward, backward=spliced.backward, trace_seconds=seconds, regional=how,

@@ -246,6 +246,11 @@ def _uniform(b, shape, minval, maxval, *, device, dtype):
     return b.op("uniform", minval, maxval, shape=list(shape), dtype=to_dtype(dtype))
 
 
+@translates(PrimIDs.RANDN)
+def _randn(b, shape, *, device, dtype):  # torch.randn, torch.randn_like: normal(0, 1), fresh at every call
+    return b.op("normal", 0.0, 1.0, shape=list(shape), dtype=to_dtype(dtype))
+
+
 @translates(PrimIDs.UNIFORM_PHILOX)
 def _uniform_philox(b, shape, minval, maxval, *, device, dtype, seed, offset):
     return b.op("uniform", minval, maxval, shape=list(shape), rng_seed=seed, rng_offset=offset, dtype=to_dtype(dtype))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
 from nvtp.ir.dtypes import DType
@@ -85,6 +86,16 @@ def renamed_value(v: Value, name: str) -> Value:
     return TensorValue(name, v.shape, v.dtype) if isinstance(v, TensorValue) else ScalarValue(name, v.dtype)
 
 
+def _shape_of(a: Any) -> Any:
+    if isinstance(a, TensorValue):
+        return ("T", a.shape, a.dtype)
+    if isinstance(a, ScalarValue):
+        return ("S", a.dtype)
+    if isinstance(a, tuple):
+        return tuple(_shape_of(x) for x in a)
+    return (type(a), a)
+
+
 @dataclass(frozen=True)
 class Op:
     """One statement: ``outputs = fd.ops.<kind>(**args)`` (or ``fd.define_tensor`` / ``fd.define_scalar``)."""
@@ -111,6 +122,14 @@ class Op:
         new = Op(self.kind, args, outputs)
         object.__setattr__(new, "template", self.template or self)
         return new
+
+    @cached_property
+    def structure(self) -> tuple:
+        """The op without its value names: its kind, its literals (with their types: ``1`` is not
+        ``1.0``), and each value's kind, shape and dtype. What an op's sharding rule and type check
+        read is a function of this alone, so ops of one structure share that work where they are
+        no renamed copies of one op (``template``): a parsed file's 10^5 ops of a few structures."""
+        return (self.kind, tuple((k, _shape_of(a)) for k, a in self.args), tuple(_shape_of(v) for v in self.outputs))
 
     def arg(self, name: str) -> Any:
         for key, value in self.args:
@@ -220,8 +239,10 @@ class Fusion:
         return tuple(op.outputs[0] for op in self.ops if defines_input(op))
 
     @property
-    def values(self) -> dict[str, Value]:
-        return dict(self._by_name)
+    def values(self) -> Mapping[str, Value]:
+        """Every value by name, read-only (a view, not a copy: ``name in fusion.values`` in a loop
+        over a fusion's communications was quadratic in its size)."""
+        return MappingProxyType(self._by_name)
 
     @cached_property
     def _by_name(self) -> dict[str, Value]:

@@ -20,13 +20,15 @@ def _context(fusion: Fusion, index: int, radius: int = 3) -> str:
     return "\n".join(lines)
 
 
-def verify(fusion: Fusion) -> Fusion:
-    """Check ``fusion``; return it unchanged, or raise ``IRError`` saying what is wrong and where."""
+def verify(fusion: Fusion, *, typed: bool = False) -> Fusion:
+    """Check ``fusion``; return it unchanged, or raise ``IRError`` saying what is wrong and where.
+    ``typed``: every op was built by ``nvtp.ir.build.make_op`` from the op table and its operand
+    dtypes checked (the parser's ops), so only the SSA structure is left to check."""
     defined: dict[str, object] = {}
     for i, op in enumerate(fusion.ops):
         where = lambda: f"in {fusion.name}, op {i}:\n{_context(fusion, i)}"  # noqa: E731
         try:
-            _verify_op(op, defined)
+            _verify_op(op, defined, typed)
         except IRError as e:
             raise IRError(f"{e}\n{where()}") from None
         for v in op.outputs:
@@ -47,18 +49,28 @@ def verify(fusion: Fusion) -> Fusion:
 # of a verified fusion unchanged, and re-inferring them was a fifth of sharding a deep model. Held
 # weakly: an entry goes when its op does.
 _TYPED: "weakref.WeakValueDictionary[int, Op]" = weakref.WeakValueDictionary()
+# And by ``Op.structure`` (what ``_typed`` reads is a function of it alone), the most recent ones:
+# the ops a pass rebuilds (``with_args``) repeat a few structures in a long fusion.
+_TYPED_STRUCTURES: dict[tuple, None] = {}
+_STRUCTURES_KEPT = 4096
 
 
-def _verify_op(op: Op, defined: dict[str, object]) -> None:
+def _verify_op(op: Op, defined: dict[str, object], typed: bool = False) -> None:
     for v in op.operands:
         if v.name not in defined:
             raise IRError(f"{v.name} is used before it is defined")
         if defined[v.name] != v:
             raise IRError(f"{v.name} is used as {v.describe()} but defined as {defined[v.name].describe()}")  # type: ignore[attr-defined]
+    if typed:
+        return
     op = op.template or op  # a renamed copy is typed as its template is
     if _TYPED.get(id(op)) is op:
         return
-    _typed(op)
+    if op.structure not in _TYPED_STRUCTURES:
+        _typed(op)
+        if len(_TYPED_STRUCTURES) >= _STRUCTURES_KEPT:
+            _TYPED_STRUCTURES.pop(next(iter(_TYPED_STRUCTURES)))
+        _TYPED_STRUCTURES[op.structure] = None
     _TYPED[id(op)] = op
 
 

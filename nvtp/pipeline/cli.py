@@ -47,7 +47,7 @@ def explain_pipeline(args) -> int:
             model = gpt.GPT(cfg)
         example = (torch.zeros(batch, cfg.seq_len, dtype=torch.long), torch.zeros(batch, cfg.seq_len, dtype=torch.long))
         name = f"nvtp's GPT ({args.config}, {cfg.n_layer} layers, each rank's batch {batch})"
-    program = pipeline.plan(model, *example, plan=args.plan, mesh=lay, microbatches=microbatches, schedule=args.schedule,
+    program = pipeline.plan(model, *example, plan=args.plan, mesh=lay, microbatches=microbatches, schedule=args.schedule or "1f1b",
                             backend=backend)
     print(json.dumps(program.as_data(), indent=1) if args.json else program.as_text(name))
     return EXIT_OK

@@ -35,7 +35,7 @@ def _batch(step: int, global_batch: int, layers: int):
     return gpt.example_tokens(gpt.config("tiny", n_layer=layers, batch=global_batch), seed=step)
 
 
-def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps, plan, layers, nvfuser_dir):
+def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps, plan, layers, nvfuser_dir, timeout=60.0):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -43,9 +43,9 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps,
     from nvtp.execute.launch import init_group
     from nvtp.sharding import axes
 
-    init_group(rank, world, init_method)
+    init_group(rank, world, init_method, timeout)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes.spelled(3))  # (pp, dp, tp)
-    model = nvtp.jit(_model(layers), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
+    model = nvtp.jit(_model(layers), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule, timeout=timeout)
     opt = torch.optim.SGD(model.module.parameters(), lr=LR, momentum=0.9)
     dp, dp_rank = shape[1], model.layout.coords(rank)[1]
     losses, times, mismatched = [], [], 0
@@ -100,7 +100,8 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out, nvf = os.path.join(tmp, "result.pt"), os.path.join(tmp, "nvfuser")
         start = time.perf_counter()
-        codes = spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf)
+        codes = spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf,
+                      getattr(args, "timeout", 60.0))
         if codes != [0] * lay.size:
             print(f"nvtp demo: a rank failed (exit codes {list(codes)})")
             return 1

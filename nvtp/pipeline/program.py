@@ -32,7 +32,7 @@ from nvtp.steps import Step
 def check_pipeline(module: torch.nn.Module, args: Sequence[Any], mesh: Any, microbatches: int, schedule: str):
     """(layout, the repeated blocks, one microbatch's arguments) or a clear error before any work:
     fewer blocks than stages, a batch the microbatches do not divide, an unknown schedule."""
-    from nvtp.frontend.regional import NotRepeatable, find_repeated
+    from nvtp.frontend.blocks import NotRepeatable, find_repeated
 
     layout = layout_of(mesh)
     sched.check(schedule)

@@ -26,16 +26,20 @@ alike, as for ``nvtp.jit``), made distinct per stage and microbatch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from nvtp import driver
+from nvtp import driver, guard, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, collectives, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
+from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
+from nvtp.frontend import user_code
+from nvtp.frontend.recompute import check_mode as recompute_mode
 from nvtp.parallel import _replace_parameter, full_tensor
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
@@ -50,7 +54,8 @@ class PipelineModule(torch.nn.Module):
     """``module`` pipelined over a (pp, dp, tp) mesh; call it as you would call ``module``."""
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
-                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto", recompute: str = "none"):
+                 schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
+                 timeout: float | None = 60.0, verify: bool | float = True, recompute: str = "none"):
         super().__init__()
         import torch.distributed as dist
 
@@ -61,9 +66,8 @@ class PipelineModule(torch.nn.Module):
         self.schedule = sched.check(schedule)
         self.cut = cut
         self.frontend = frontend
-        from nvtp.frontend.recompute import check_mode
-
-        self.recompute = check_mode(recompute)
+        self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
+        self.recompute = recompute_mode(recompute)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -76,6 +80,8 @@ class PipelineModule(torch.nn.Module):
         check_plan(plan, driver.plan_names(module), type(module).__name__)
         self.backend = backends.resolve(backend, next((p.device.type for p in module.parameters()), "cpu")).name
         self.rank = dist.get_rank() if world > 1 else 0
+        if timeout is not None and world > 1:  # names a dead or silent rank and stops this one (nvtp.execute.watchdog)
+            start_watchdog(timeout)
         self.stage, self.dp_index, self.tp_index = self.layout.coords(self.rank)
         self.program = None  # the PipelineProgram, after the first call
         self._groups: dict[str, Any] = {}
@@ -112,7 +118,8 @@ class PipelineModule(torch.nn.Module):
     def compile(self, *args: Any) -> "PipelineModule":
         """Plan and lower for arguments like ``args`` (this rank's batch), without running."""
         if self.program is None:
-            self._compile(args)
+            with collectives.PROGRESS.busy("tracing and sharding the model"):
+                self._compile(args)
         return self
 
     def lower(self, *args: Any):
@@ -127,6 +134,7 @@ class PipelineModule(torch.nn.Module):
         for a in args:
             if isinstance(a, torch.Tensor) and a.device.type != device:
                 raise InputError(f"an argument is on {a.device}, the module's parameters on {device}; move it with .to({device!r})")
+        precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
         self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
                                                     microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
                                                     backend=self.backend, frontend=self.frontend, recompute=self.recompute)
@@ -244,10 +252,13 @@ class PipelineModule(torch.nn.Module):
     # -- run --------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        user_code.check_hooks(self.module)  # a hook registered since nvtp.jit would never fire: refused
         if kwargs:
             args, _ = driver.bind_call(self.module, "thunder", args, kwargs)
-        if self.program is None:
-            self._compile(args)
+        first = self.program is None
+        if first:
+            with collectives.PROGRESS.busy("tracing and sharding the model"):  # not hung: the watchdog gives it COMPILE_S
+                self._compile(args)
         shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         if shapes != self._arg_shapes:
             raise InputError(f"the pipeline was compiled for arguments of shapes {list(self._arg_shapes)}, got {list(shapes)}; "
@@ -256,12 +267,13 @@ class PipelineModule(torch.nn.Module):
         if train and self.program.programs[self.stage].backward is None:
             raise InputError("this pipeline was compiled by a call under torch.no_grad(), forward only, and cannot train; make "
                              "the first call a training step, or call model.compile(*inputs) with gradients enabled first")
-        return calls.result(self.program.traced, _PipeRun.apply(self, args, train, *self._all))  # the loss, or the model's object holding it
+        with collectives.PROGRESS.busy("running its first step") if first else contextlib.nullcontext():  # lowers what it runs
+            guard.check_pipeline(self, args, train)  # once: a step run for the check, raises MiscompileError
+            loss = _PipeRun.apply(self, args, train, *self._all)
+        return calls.result(self.program.traced, loss)  # the loss, or the model's object holding it
 
     def _step(self, args: tuple, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run this rank's actions for one step: (the step's loss on every rank, gradient by label)."""
-        import torch.distributed as dist
-
         pp, lay, m = self.program, self.layout, self.microbatches
         rp = self._runner
         self.moved = []  # every send, recv, broadcast and reduce on the pp axis, in the order this rank ran them
@@ -294,13 +306,13 @@ class PipelineModule(torch.nn.Module):
             if list(t.shape) != p["local_shape"]:
                 raise RuntimeError(f"nvtp: stage {self.stage} would send {p['label']} of shape {list(t.shape)}, planned "
                                    f"{p['local_shape']} (a bug in nvtp's pipeline plan)")
-            handles.append(dist.isend(t, peer(p["dst"]), tag=tag))
+            handles.append(collectives.isend(t, peer(p["dst"]), tag))
             self.sent.append({"phase": p["phase"], "label": p["label"], "bytes": t.numel() * t.element_size()})
             self.moved.append({"kind": "send", "phase": p["phase"], "label": p["label"], "peer": p["dst"], "bytes": t.numel() * t.element_size()})
 
         def recv(p: dict, dtype: torch.dtype, tag: int) -> torch.Tensor:
             buf = torch.empty(p["local_shape"], dtype=dtype)
-            dist.recv(buf, peer(p["src"]), tag=tag)
+            collectives.recv(buf, peer(p["src"]), tag)
             self.moved.append({"kind": "recv", "phase": p["phase"], "label": p["label"], "peer": p["src"], "bytes": buf.numel() * buf.element_size()})
             return buf
 
@@ -348,14 +360,14 @@ class PipelineModule(torch.nn.Module):
                     g = by_name[v.name]
                     grads[label] = g if label not in grads else grads[label] + g
         for h in handles:
-            h.wait()
+            collectives.wait_sent(h)
         if train:
             grads = self._join_tied(grads)
         # the loss: the mean over microbatches, from the last stage to every rank of this pp group
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
         if lay.pp > 1:
             loss = loss.detach().clone().contiguous()
-            dist.broadcast(loss, peer(lay.pp - 1), group=self._groups["pipeline"])
+            DistComm(self._groups["pipeline"]).broadcast(loss, peer(lay.pp - 1))
             self.moved.append({"kind": "broadcast", "phase": "forward", "label": "loss", "peer": lay.pp - 1,
                                "bytes": loss.numel() * loss.element_size()})
         return loss, grads
@@ -364,8 +376,6 @@ class PipelineModule(torch.nn.Module):
         """One gradient per parameter, by its first name: names of one tied parameter summed in a
         stage, then a weight several stages read reduced to the stage that holds it (Megatron's
         embedding group sums it there)."""
-        import torch.distributed as dist
-
         by_first: dict[str, torch.Tensor] = {}
         for label, g in grads.items():
             k = self._tied.get(label, label)
@@ -376,7 +386,7 @@ class PipelineModule(torch.nn.Module):
             if g is None:
                 g = torch.zeros_like(self.local(name))
             g = g.contiguous().clone()
-            dist.reduce(g, self.layout.rank(owner, self.dp_index, self.tp_index), group=self._tie_groups[name])
+            DistComm(self._tie_groups[name]).reduce(g, self.layout.rank(owner, self.dp_index, self.tp_index))
             self.moved.append({"kind": "reduce", "phase": "backward", "label": f"grad of {name}", "peer": owner,
                                "bytes": g.numel() * g.element_size()})
             by_first[name] = g
@@ -385,14 +395,12 @@ class PipelineModule(torch.nn.Module):
     def _refresh_replicas(self) -> None:
         """At the start of a step: each replica of a weight an earlier stage holds takes the
         holder's value (the optimizer stepped the holder's only)."""
-        import torch.distributed as dist
-
         for name in sorted(self._tie_groups):
             owner = min(self._holders[name])
             buf = self._replicas.get(name)
             if buf is None:
                 buf = _dt.local(self._params[name]).contiguous()
-            dist.broadcast(buf, self.layout.rank(owner, self.dp_index, self.tp_index), group=self._tie_groups[name])
+            DistComm(self._tie_groups[name]).broadcast(buf, self.layout.rank(owner, self.dp_index, self.tp_index))
             self.moved.append({"kind": "broadcast", "phase": "forward", "label": name, "peer": owner,
                                "bytes": buf.numel() * buf.element_size()})
 

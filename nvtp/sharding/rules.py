@@ -76,14 +76,27 @@ def tensor_operands(op: Op) -> tuple[TensorValue, ...]:
 _FACTORS: dict[int, tuple[weakref.ref, "OpFactors"]] = {}
 
 
+# Ops that are no renamed copy by their ``Op.structure`` (a parsed file's ops repeat a few
+# structures): the most recent ones, so a process sharding many models does not keep them all.
+_BY_STRUCTURE: dict[tuple, "OpFactors"] = {}
+_STRUCTURES_KEPT = 4096
+
+
 def factors_of(op: Op) -> OpFactors:
     """The factor description of ``op``; a clear error if no rule is registered."""
     op = op.template or op
-    key = id(op) if not RING.get() or op.kind not in ("sdpfa_fwd", "sdpfa_bwd") else (id(op), "ring")
+    ring = RING.get() and op.kind in ("sdpfa_fwd", "sdpfa_bwd")
+    key = id(op) if not ring else (id(op), "ring")
     hit = _FACTORS.get(key)
     if hit is not None and hit[0]() is op:
         return hit[1]
-    f = _factors_of(op)
+    shape = (op.structure, ring)
+    f = _BY_STRUCTURE.get(shape)
+    if f is None:
+        f = _factors_of(op)
+        if len(_BY_STRUCTURE) >= _STRUCTURES_KEPT:
+            _BY_STRUCTURE.pop(next(iter(_BY_STRUCTURE)))
+        _BY_STRUCTURE[shape] = f
     _FACTORS[key] = (weakref.ref(op, lambda _, key=key: _FACTORS.pop(key, None)), f)
     return f
 

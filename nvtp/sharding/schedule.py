@@ -20,45 +20,19 @@ by the mesh's shape (a flat tuple on a 1-D mesh).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from nvtp.ir.graph import Fusion, Op, TensorValue
-from nvtp.ir.ops import norm_dim, spec
+from nvtp.ir.loops import loop_axes, loop_extents
 from nvtp.ir.graph import ScheduleStep
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, make_shard
-from nvtp.sharding.rules import factors_of, tensor_operands
+from nvtp.sharding.rules import factors_of
 from nvtp.sharding.sharded import ShardedFusion
 
 
 class ScheduleError(ValueError):
     pass
-
-
-def loop_axes(op: Op, result: int) -> list[tuple[str, int]]:
-    """nvFuser's loop domain of ``op``'s result ``result`` before scheduling: ("dim", i) for
-    logical axis i, ("reduce", j) for a reduction over operand axis j."""
-    v = op.outputs[result]
-    dims = [("dim", i) for i in range(len(v.shape))]
-    if result in spec(op.kind).loop_reduce:
-        x = tensor_operands(op)[0]
-        if op.arg_dict.get("keepdim"):
-            return dims
-        red = op.arg("dims")
-        red = set(range(x.ndim)) if red is None else {norm_dim(d, x.ndim) for d in red}
-        out, k = [], 0
-        for j in range(x.ndim):
-            if j in red and x.shape[j] == 1:
-                continue  # nvFuser squeezes a reduced broadcast (size-1) axis instead of reducing it
-            if j in red:
-                out.append(("reduce", j))
-            else:
-                out.append(("dim", k))
-                k += 1
-        return out
-    if spec(op.kind).loop_contract:
-        return dims + [("reduce", tensor_operands(op)[0].ndim - 1)]
-    return dims
 
 
 def _partial_axis(op: Op, result: int, sharded_operand_axis: int | None) -> int:
@@ -135,8 +109,11 @@ def _axis_view(sharded: ShardedFusion, axis: int) -> ShardedFusion:
     return view
 
 
-def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorValue) -> tuple[int, int] | None:
-    """(loop axis, split factor) nvtp splits over devices for value ``v``; None if replicated."""
+def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorValue,
+                made_by: Mapping[str, int] | None = None) -> tuple[int, int] | None:
+    """(loop axis, split factor) nvtp splits over devices for value ``v``; None if replicated.
+    ``made_by``: the index in ``sharded.source.ops`` of the op making each first result (built
+    here if not given; ``schedule_steps`` builds it once, as a scan per partial sum was quadratic)."""
     p = sharded.placement(v.name)
     split = axis_split(p)
     axes = loop_axes(op, result) if op is not None else [("dim", i) for i in range(v.ndim)]
@@ -144,7 +121,7 @@ def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorVal
         dim, sf = split
         return axes.index(("dim", dim)), sf
     if is_partial(p):
-        index = next((i for i, o in enumerate(sharded.source.ops) if o.outputs and o.outputs[0].name == op.outputs[0].name), None)
+        index = (made_by if made_by is not None else _made_by(sharded.source)).get(op.outputs[0].name)
         decision = sharded.propagation.decisions.get(index)
         if decision is None or decision.factor is None:
             raise ScheduleError(f"{op}: no decision recorded for partial {v.name}")
@@ -155,6 +132,15 @@ def device_axis(sharded: ShardedFusion, op: Op | None, result: int, v: TensorVal
                 operand_axis = ax_i
         return _partial_axis(op, result, operand_axis), decision.split
     return None
+
+
+def _made_by(fusion: Fusion) -> dict[str, int]:
+    """Each op's first result -> the op's index (the first op, where two make one name)."""
+    found: dict[str, int] = {}
+    for i, o in enumerate(fusion.ops):
+        if o.outputs:
+            found.setdefault(o.outputs[0].name, i)
+    return found
 
 
 def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
@@ -171,6 +157,7 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
     a dimension over one mesh axis only)."""
     mesh = sharded.mesh
     views = [_axis_view(sharded, a) for a in range(mesh.ndim)]
+    made_by = [_made_by(view.source) for view in views]
     ptypes = [parallel_type(mesh.ndim, a) for a in range(mesh.ndim)]
     scattered = [{s.value: axis_split(s.dst) for s in sharded.set_steps.values()
                   if s.axis == a and is_partial(s.src) and axis_split(s.dst) is not None} for a in range(mesh.ndim)]
@@ -185,7 +172,7 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
                 continue  # a 2-D mesh keeps an axis of extent 1 in the schedule, so the file says which axis splits what
             splits: list[tuple[int, int, int]] = []  # (loop axis, split factor, mesh axis)
             for a, view in enumerate(views):
-                where = device_axis(view, None if op.kind == "define_tensor" else op, r, v)
+                where = device_axis(view, None if op.kind == "define_tensor" else op, r, v, made_by[a])
                 if where is None:
                     continue
                 splits.append((*where, a))
@@ -197,17 +184,6 @@ def schedule_steps(sharded: ShardedFusion) -> list[ScheduleStep]:
                 on_axis = [(sf, mesh.shape[a], ptypes[a]) for x, sf, a in splits if x == axis]
                 steps.extend(_nested_split_steps(v, axis, extents[axis], on_axis, sharded.sharding(v.name)))
     return steps
-
-
-def loop_extents(op: Op | None, result: int, v: TensorValue) -> list[int]:
-    """The extent of each axis of ``loop_axes`` (``op`` None: an input, its logical axes)."""
-    if op is None:
-        return list(v.shape)
-    sizes = []
-    for kind, j in loop_axes(op, result):
-        # a reduction axis: axis j of the first operand (for a matmul its last, contracted axis)
-        sizes.append(v.shape[j] if kind == "dim" else tensor_operands(op)[0].shape[j])
-    return sizes
 
 
 def _nested_split_steps(v: TensorValue, axis: int, extent: int, splits: list[tuple[int, int, str]], sharding) -> list[ScheduleStep]:

@@ -111,6 +111,19 @@ class ContextParallel(Strategy):
     def trace_options(self, mesh: DeviceMesh, axis: int, plan: Any) -> dict[str, Any]:
         return {"ring": True}  # every causal or full attention claimed whole, float32 too (nvtp.frontend.attention)
 
+    def check_arguments(self, mesh: DeviceMesh, axis: int, arguments: list[tuple[str, Any]]) -> None:
+        """A sequence cp cannot split, refused before tracing: token ids and targets ([B, T]) and
+        activations ([B, T, C]); a mask's shape is left to ``check_traced``, whose refusal of the
+        mask itself says more."""
+        cp, parts = mesh.shape[axis], chunks(mesh)
+        for name, a in arguments:
+            if a.ndim in (2, 3) and str(a.dtype) != "torch.bool" and a.shape[SEQUENCE_DIM] % (cp * parts):
+                n = a.shape[SEQUENCE_DIM]
+                raise ContextError(f"argument {name} {list(a.shape)}: its sequence (dimension {SEQUENCE_DIM}) of length {n} cannot "
+                                   f"be split over the cp axis of size {cp}: the balanced layout cuts it into {cp * parts} pieces "
+                                   f"({cp} ranks x {parts}); pass a sequence length that is a multiple of {cp * parts} (e.g. pad "
+                                   f"to {-(-n // (cp * parts)) * cp * parts})")
+
     def check_traced(self, traced: Any, mesh: DeviceMesh, axis: int, fsdp: bool) -> None:
         """Refuse, before any work, what the ring cannot run: an attention Thunder would not claim
         whole (an arbitrary mask, dropout: ``traced.declined``), a sequence cp does not divide."""

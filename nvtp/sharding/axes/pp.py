@@ -42,6 +42,21 @@ class PipelineParallel(Strategy):
     summary = "pipeline parallel: stages of blocks, cut by nvtp.pipeline; each stage sharded over its (dp, tp) sub-mesh"
     order = 0
     options = frozenset({"microbatches", "schedule", "cut"})
+    refuses = {
+        "fsdp": "a pipeline's dp axis is DDP-style (each stage's weights whole over dp); shard without a 'pp' axis for FSDP",
+        "comm": "a pipeline runs on torch.distributed's processes, not a simulated mesh; call it in processes after "
+                "torch.distributed.init_process_group",
+        "dynamic": "a pipeline is compiled for one batch shape, cut into microbatches; pass the same shapes every step, or shard "
+                   "without a 'pp' axis to compile each new shape",
+        "check_replicas": "a pipeline does not compare replicated inputs across ranks; leave it out, or check without a 'pp' axis",
+        "regional": "a pipeline traces a chain of repeated blocks once and splices it, as its stages are cut at block boundaries; "
+                    "leave regional at its default",
+        "overlap": "a pipeline's stages start each collective as soon as its input exists (the default schedule); leave overlap "
+                   "at its default, or shard without a 'pp' axis to run each collective where it stands",
+        "collective_matmul": "a pipeline's stages plan collective matmuls where the cost model says they pay (the default, "
+                             "'auto'); leave it at its default, or shard without a 'pp' axis to force it on or off",
+        "machine": "a pipeline's report does not estimate overlap on a machine model; leave machine out",
+    }
     cuts_stages = True
     crosses_nodes = True
     layout = 0  # outermost

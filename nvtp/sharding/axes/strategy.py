@@ -84,6 +84,8 @@ class Strategy:
     summary: ClassVar[str]  # one line: what sharding along it means
     order: ClassVar[int]  # the driver runs the passes of a mesh's strategies by this order
     options: ClassVar[frozenset[str]] = frozenset()  # the options of nvtp.jit / nvtp.plan only this axis uses
+    # options a mesh with this axis does not honour: option -> why, and what to do instead (refused by nvtp.options)
+    refuses: ClassVar[Mapping[str, str]] = {}
     splits_batch: ClassVar[bool] = False  # each rank passes its own batch (the program is traced for the whole)
     runs_plan: ClassVar[bool] = False  # the user's plan (megatron, megatron-sp, explicit) shards along it
     cuts_stages: ClassVar[bool] = False  # the model is cut into stages along it, before any pass (a pipeline)
@@ -95,6 +97,10 @@ class Strategy:
 
     def check(self, mesh: DeviceMesh, axis: int, *, fsdp: bool = False) -> None:
         """Refuse, naming the fix, a mesh or options this axis cannot take (before anything is traced)."""
+
+    def check_arguments(self, mesh: DeviceMesh, axis: int, arguments: list[tuple[str, Any]]) -> None:
+        """Refuse, before tracing, a call's arguments ((name, tensor), in order) this axis cannot
+        split, as their shapes already tell (``nvtp.precheck``)."""
 
     def trace_options(self, mesh: DeviceMesh, axis: int, plan: Any) -> dict[str, Any]:
         """Options of ``nvtp.driver.trace`` this axis needs (``batch``, ``ring``, ``split_parts``)."""
