@@ -182,7 +182,7 @@ MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
     "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
-                "--schedule"),
+                "--schedule", "--memory"),
     "shard": ("--plan", "--mesh", "--devices", "--fsdp"),
     "replay": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--backend"),
     "demo": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--microbatches", "--schedule"),
