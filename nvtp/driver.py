@@ -41,6 +41,7 @@ import torch
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_for_ring
 from nvtp.frontend.parts import parts_of, splitting
+from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
 from nvtp.frontend.regional import capture_regional
 from nvtp.frontend.tied import aliases, merge_tied
 from nvtp.gcpause import paused
@@ -304,7 +305,7 @@ def trace_dump(dump: Any) -> Traced:
 
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
           fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True,
-          collective_matmul: bool | str = "auto", machine: Any = None) -> Program:
+          collective_matmul: bool | str = "auto", machine: Any = None, recompute: str = "none") -> Program:
     """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: one loop over the
     mesh's axis strategies (``nvtp.sharding.axes``), in their order (the plan on "tp", the data
     plan on "dp", the sequence on "cp"), forward and backward alike, each pass sharding what the
@@ -316,8 +317,11 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     before a matmul and a reduce-scatter after one run as ring steps beside the matmul's blocks
     (``collective_matmul.plan_rings``): "auto" where the cost model says it pays on ``machine``
     (an ``cost.Machine`` or its name; by default the backend's: ``cost.default_machine``),
-    True everywhere it applies, False nowhere. Raises ``ShardingError`` before any work when the
-    plan or mesh does not fit."""
+    True everywhere it applies, False nowhere. ``recompute`` ("none", "selective", "block"): the
+    backward recomputes activations instead of reading them (``nvtp.frontend.recompute``).
+    Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
+
+    traced = recomputed(traced, recompute)
     target = as_target(backend)
     order = axes.passes(mesh)
     start = time.perf_counter()
@@ -417,14 +421,17 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
 
 def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
                      microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
-                     frontend: str = "auto", **kwargs: Any):
+                     frontend: str = "auto", recompute: str = "none", **kwargs: Any):
     """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
     rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.sharding.axes.pp``), traced whole for
     one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
     block boundaries (``nvtp.pipeline.stages``: balanced by cost, or at ``cut``), and each stage
     sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
     both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
-    schedule) is refused before anything is traced."""
+    schedule) is refused before anything is traced. ``recompute``: each stage's backward
+    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them)."""
+
+    recompute_mode(recompute)
 
     layout, repeated, mb_args = check_pipeline(source, args, mesh, microbatches, schedule)
     check_plan(plan, plan_names(source), type(source).__name__)
@@ -441,7 +448,8 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     for stage in staged.stages:
         # a weight tied across stages: every stage places its name as the first stage placed it
         same = {a: placed[n] for a, n in tied.items() if n in placed} | {n: placed[a] for a, n in tied.items() if a in placed}
-        program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
+        stage_traced = recomputed(stage.traced, recompute, layers_of(traced), sequence_of(traced))
+        program = shard(stage_traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
     return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args

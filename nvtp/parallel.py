@@ -41,11 +41,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from nvtp import driver, generation, guard, options, precheck
 from nvtp import dtensor as _dt
+from nvtp.auto.runtime import AutoModule
 from nvtp.errors import InputError
 from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
-from nvtp.frontend import user_code
+from nvtp.frontend import recompute as recomputation, user_code
 from nvtp.frontend.lengths import Lengths
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
@@ -111,7 +112,7 @@ class ShardedModule(torch.nn.Module):
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
                  overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True,
-                 compile: str = kernels.DEFAULT):
+                 compile: str = kernels.DEFAULT, recompute: str = "none"):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -133,7 +134,7 @@ class ShardedModule(torch.nn.Module):
         axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
         from nvtp.sharding.collective_matmul import check_mode
 
-        self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
+        self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), recomputation.check_mode(recompute)  # refused now
         self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
         self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
@@ -278,7 +279,7 @@ class ShardedModule(torch.nn.Module):
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
             like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
-                               overlap=self.overlap, collective_matmul=self.collective_matmul)
+                               overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
@@ -524,7 +525,8 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
-        cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT) -> ShardedModule:
+        cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT, recompute: str = "none", machine: Any = None,
+        memory: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -555,7 +557,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     reference backend runs each rank's fusions (``nvtp.execute.kernels``): "kernels" (default)
     lowers the groups that have a fused torch kernel (cross-entropy, embedding gradient, layer and
     RMS norm, softmax, GELU, SiLU) to it and runs the rest op by op; "none" runs every op by its
-    own implementation.
+    own implementation. ``recompute``: "none", "selective", "block" (``nvtp.frontend.recompute``).
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -564,20 +566,24 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
+    ``plan="auto"`` (with a ``machine`` and a ``memory`` budget per device): nvtp chooses the
+    mesh's axes, FSDP, the plan and the pipeline's options (``nvtp.auto``).
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
+    if isinstance(plan, str) and plan == "auto" or machine is not None or memory is not None:  # the planner's (machine=, memory=)
+        return AutoModule.of_jit(locals())
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
                   collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify,
-                  compile=compile)
+                  compile=compile, recompute=recompute)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
-                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile)
+                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile, recompute=recompute)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         verify=verify, compile=compile)
+                         verify=verify, compile=compile, recompute=recompute)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

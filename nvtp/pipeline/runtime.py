@@ -39,6 +39,7 @@ from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
+from nvtp.frontend.recompute import check_mode as recompute_mode
 from nvtp.parallel import _replace_parameter, full_tensor
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
@@ -54,7 +55,7 @@ class PipelineModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
-                 timeout: float | None = 60.0, verify: bool | float = True, compile: str = "kernels"):
+                 timeout: float | None = 60.0, verify: bool | float = True, compile: str = "kernels", recompute: str = "none"):
         super().__init__()
         import torch.distributed as dist
 
@@ -67,6 +68,7 @@ class PipelineModule(torch.nn.Module):
         self.cut = cut
         self.frontend = frontend
         self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
+        self.recompute = recompute_mode(recompute)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -136,7 +138,7 @@ class PipelineModule(torch.nn.Module):
         precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
         self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
                                                     microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                    backend=self.backend, frontend=self.frontend)
+                                                    backend=self.backend, frontend=self.frontend, recompute=self.recompute)
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
