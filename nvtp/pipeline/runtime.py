@@ -40,7 +40,7 @@ from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
 from nvtp.frontend.recompute import check_mode as recompute_mode
-from nvtp.parallel import _replace_parameter, full_tensor
+from nvtp.parameters import full_tensor, replace_parameter
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
@@ -203,7 +203,7 @@ class PipelineModule(torch.nn.Module):
                                      "1-element tensor (shape [1])")
                 new = torch.nn.Parameter(_dt.as_dtensor(mine.contiguous(), (_dt.OnStage(0, owner), *sharding), mesh3, whole.shape),
                                          requires_grad=p.requires_grad)
-                _replace_parameter(self.module, p, new)
+                replace_parameter(self.module, p, new)
             else:
                 with torch.no_grad():
                     p.data = mine
