@@ -132,6 +132,14 @@ def cmd_explain(args) -> int:
 
     if (args.model or args.module) and args.file is not None:
         raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
+    if args.plan == "auto":  # the planner chooses the mesh and its options (nvtp.auto)
+        from nvtp.auto.cli import explain_auto
+
+        if not (args.model or args.module):
+            raise Usage("--plan auto plans a whole model: give --model nanogpt [--config NAME --layers L --batch B] or --module pkg.mod:factory")
+        return explain_auto(args, vars(build_parser().parse_args(["explain", "--plan", "auto"])), _planning_backend(args), _load_factory)
+    if args.memory is not None:
+        raise Usage(f"--memory {args.memory} is the budget --plan auto plans for; with --plan {args.plan} leave it out")
     if args.devices is None and args.mesh is None:
         raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
     if args.batch is not None and not args.model:
@@ -153,11 +161,31 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+def _load_factory(spec: str):
+    """(model, example_args, example_kwargs) of ``--module pkg.mod:factory``."""
+    import importlib
+
+    import torch
+
+    mod_name, _, attr = spec.partition(":")
+    if not attr:
+        raise Usage(f"--module takes pkg.mod:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise Usage(f"--module {spec}: {e}") from None
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module)
+            and (len(made) == 2 or isinstance(made[2], dict))):
+        raise Usage(f"--module {spec}: the factory must return (model, example_args) or (model, example_args, "
+                    f"example_kwargs), got {type(made).__name__}")
+    return made if len(made) == 3 else (*made, {})
+
+
 def _explain_model(args) -> int:
     """``explain --model nanogpt --config C [--layers L]`` (regional: one block traced, counted L
     times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)`` or ``(model, example_args, example_kwargs)``; traced as
     nvtp.jit traces it). ``--devices N`` or ``--mesh DPxTP [--fsdp]``."""
-    import importlib
     import json
 
     from nvtp import explain
@@ -170,19 +198,7 @@ def _explain_model(args) -> int:
     where = dict(devices=args.devices) if mesh is None else dict(mesh=mesh, fsdp=args.fsdp)
     backend = _planning_backend(args)
     if args.module:
-        mod_name, _, attr = args.module.partition(":")
-        if not attr:
-            raise Usage(f"--module takes pkg.mod:factory, got {args.module!r}")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise Usage(f"--module {args.module}: {e}") from None
-        made = factory()
-        if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], __import__("torch").nn.Module)
-                and (len(made) == 2 or isinstance(made[2], dict))):
-            raise Usage(f"--module {args.module}: the factory must return (model, example_args) or (model, example_args, "
-                        f"example_kwargs), got {type(made).__name__}")
-        model, example, example_kwargs = made if len(made) == 3 else (*made, {})
+        model, example, example_kwargs = _load_factory(args.module)
         result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where,
                               machine=args.machine, collective_matmul=_ring_mode(args), **example_kwargs)
     else:
@@ -321,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("explain", cmd_explain, "show each tensor's sharding and every communication with its bytes")]:
         c = sub.add_parser(name, help=helptext)
         c.add_argument("file", nargs="?" if name == "explain" else None, default=None)
-        c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)")
+        c.add_argument("--plan", required=True, help="megatron, megatron-sp, or 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)"
+                                                        + ("; auto: nvtp chooses the mesh and its options for --devices N" if name == "explain" else ""))
         c.add_argument("--devices", type=_positive_int, default=None, help="a 1-D mesh of N devices (or --mesh DPxTP)")
         c.add_argument("--mesh", default=None, metavar="DPxTP",
                        help="a 2-D mesh (dp, tp), e.g. 2x2: the plan on tp (mesh_x), the batch split over dp (mesh_y); "
@@ -340,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib", "cpu-gloo"],
                            help="estimate, on this machine model, what the communication schedule hides per step "
                                 "(h100-nvlink: 8x H100 in one node; h100-ib: nodes of 8 over InfiniBand, the mesh's last axis fastest)")
+            c.add_argument("--memory", default=None, help="with --plan auto: the memory budget per device, e.g. 80GB or 24GiB "
+                                                              "(default: the --machine's device memory)")
             c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],
                            help="the backend to plan for: auto (default) is the one nvtp.jit would run the model on here "
                                 "(nvfuser with a CUDA GPU and nvFuser, else reference); nvfuser plans for GPUs on any machine")

@@ -38,17 +38,27 @@ from typing import Any, Mapping
 
 import torch
 
+from nvtp.errors import InputError
+from nvtp.frontend.attention import claim_for_ring
+from nvtp.frontend.parts import parts_of, splitting
+from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
+from nvtp.frontend.regional import capture_regional
 from nvtp.frontend.tied import aliases, merge_tied
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.ir.parser import Dump, DumpError, load
 from nvtp.mesh import make_mesh
+from nvtp.pipeline.calls import loss_only
+from nvtp.pipeline.program import PipelineProgram, check_pipeline
+from nvtp.pipeline.stages import cut_stages
 from nvtp.program import Program, Source, join_parts
 from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import check_mode, plan_rings
 from nvtp.sharding.compose import compose
 from nvtp.sharding.cost import MACHINES, default_machine
 from nvtp.sharding.overlap import schedule_collectives
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement
+from nvtp.sharding.placements import DeviceMesh, Placement, REPLICATE
+from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import Target, as_target
 
 ROUTES = ("auto", "thunder", "fx")
@@ -89,7 +99,6 @@ class Traced:
             return self.call.parts
         if not self.split_parts:
             return {}
-        from nvtp.frontend.parts import parts_of
 
         return parts_of(self.forward)
 
@@ -104,7 +113,8 @@ def route(module: torch.nn.Module, frontend: str = "auto") -> str:
         raise ValueError(f"frontend must be one of {', '.join(map(repr, ROUTES))}, not {frontend!r}")
     if frontend != "auto":
         return frontend
-    from nvtp.frontend import fx
+
+    from nvtp.frontend import fx  # the FX route (TorchDynamo) is imported when a model is routed, not with the driver
 
     return "fx" if fx.wants_fx(module) else "thunder"
 
@@ -189,7 +199,6 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.axes.cp``); the
     ones declined are in ``Traced.declined``."""
     if ring:
-        from nvtp.frontend.attention import claim_for_ring
 
         with claim_for_ring() as declined:
             traced = trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
@@ -208,12 +217,12 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     tied = aliases(module) if tie else {}
     if way == "fx":
         if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
-            from nvtp.frontend import fx_regional
+            from nvtp.frontend import fx_regional  # TorchDynamo's route, imported when taken
 
             call, captured = fx_regional.trace(meta, margs, mkwargs, split_parts=split_parts)
             how = captured.regional
         else:
-            from nvtp.frontend import fx
+            from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
 
             call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
             how = "whole trace (regional=False): dynamo's graph of the whole forward, traced by Thunder"
@@ -222,11 +231,9 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
                       seconds=time.perf_counter() - start, split_parts=split_parts, tied=tied, boundary=boundary)
     if kwargs:
         raise TypeError("on Thunder's route a call's keywords are bound to positions first: driver.bind_call")
-    from nvtp.frontend.parts import splitting
 
     with splitting(split_parts):  # the same split on Thunder's route (nvtp/frontend/parts.py)
         if regional:  # a deep model's repeated block traced once, then spliced (nvtp/frontend/regional.py)
-            from nvtp.frontend.regional import capture_regional
 
             captured = capture_regional(meta, *margs)
         else:
@@ -245,10 +252,10 @@ def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[st
     targets=t)`` binds ``t`` to its position, defaults filled up to the last given); on the FX
     route keywords stay, with a transformers model's KV cache off (nvtp trains: ``use_cache=False``
     unless the call asks for it, which is refused)."""
-    from nvtp.errors import InputError
 
     if way == "fx":
-        from nvtp.frontend import fx
+
+        from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
 
         return tuple(args), fx.without_cache(module, kwargs)
     if not kwargs:
@@ -281,7 +288,6 @@ def trace_dump(dump: Any) -> Traced:
     forward its ``nvtp_info`` names (next to it), as a backward is sharded with its forward."""
     from pathlib import Path
 
-    from nvtp.ir.parser import DumpError, load
 
     fusion = dump.fusion
     if fusion.attrs.get("role") != "backward":
@@ -299,7 +305,7 @@ def trace_dump(dump: Any) -> Traced:
 
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
           fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True,
-          collective_matmul: bool | str = "auto", machine: Any = None) -> Program:
+          collective_matmul: bool | str = "auto", machine: Any = None, recompute: str = "none") -> Program:
     """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: one loop over the
     mesh's axis strategies (``nvtp.sharding.axes``), in their order (the plan on "tp", the data
     plan on "dp", the sequence on "cp"), forward and backward alike, each pass sharding what the
@@ -311,8 +317,11 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     before a matmul and a reduce-scatter after one run as ring steps beside the matmul's blocks
     (``collective_matmul.plan_rings``): "auto" where the cost model says it pays on ``machine``
     (an ``cost.Machine`` or its name; by default the backend's: ``cost.default_machine``),
-    True everywhere it applies, False nowhere. Raises ``ShardingError`` before any work when the
-    plan or mesh does not fit."""
+    True everywhere it applies, False nowhere. ``recompute`` ("none", "selective", "block"): the
+    backward recomputes activations instead of reading them (``nvtp.frontend.recompute``).
+    Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
+
+    traced = recomputed(traced, recompute)
     target = as_target(backend)
     order = axes.passes(mesh)
     start = time.perf_counter()
@@ -397,8 +406,6 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     takes. The plan is checked against the module's names before anything is traced. ``overlap``,
     ``collective_matmul``, ``machine``: the schedule's, as ``shard`` takes them."""
     schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine)
-    from nvtp.ir.parser import Dump
-    from nvtp.sharding.plans import check_plan
 
     mesh = make_mesh(mesh, fsdp=fsdp)
     if isinstance(source, Dump):
@@ -414,18 +421,17 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
 
 def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
                      microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
-                     frontend: str = "auto", **kwargs: Any):
+                     frontend: str = "auto", recompute: str = "none", **kwargs: Any):
     """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
     rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.sharding.axes.pp``), traced whole for
     one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
     block boundaries (``nvtp.pipeline.stages``: balanced by cost, or at ``cut``), and each stage
     sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
     both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
-    schedule) is refused before anything is traced."""
-    from nvtp.pipeline.calls import loss_only
-    from nvtp.pipeline.program import PipelineProgram, check_pipeline
-    from nvtp.pipeline.stages import cut_stages
-    from nvtp.sharding.plans import check_plan
+    schedule) is refused before anything is traced. ``recompute``: each stage's backward
+    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them)."""
+
+    recompute_mode(recompute)
 
     layout, repeated, mb_args = check_pipeline(source, args, mesh, microbatches, schedule)
     check_plan(plan, plan_names(source), type(source).__name__)
@@ -442,7 +448,8 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     for stage in staged.stages:
         # a weight tied across stages: every stage places its name as the first stage placed it
         same = {a: placed[n] for a, n in tied.items() if n in placed} | {n: placed[a] for a, n in tied.items() if a in placed}
-        program = shard(stage.traced, plan, layout.submesh(stage.index), backend, placed=same)
+        stage_traced = recomputed(stage.traced, recompute, layers_of(traced), sequence_of(traced))
+        program = shard(stage_traced, plan, layout.submesh(stage.index), backend, placed=same)
         placed.update(program.parameters)
         programs.append(program)
     return PipelineProgram(staged, programs, layout, microbatches, schedule, traced.record(), tuple(tuple(a.shape) for a in args

@@ -22,6 +22,7 @@ against DDP's 2W(dp-1)/dp and FSDP's 3Psi(dp-1)/dp + 2R(dp-1)/dp.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
-         collective_matmul: bool | str = "auto", **example_kwargs) -> ModelReport:
+         collective_matmul: bool | str = "auto", memory: Any = None, **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -56,11 +57,24 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     Takes every model ``nvtp.jit`` takes (the FX route for transformers models included).
     ``machine`` (an ``nvtp.sharding.cost.Machine`` or its name): plan the collective matmuls
     for it (default: the backend's machine, as ``nvtp.jit`` does) and estimate what the schedule
-    hides there; ``collective_matmul``: as ``nvtp.jit`` takes it."""
+    hides there; ``collective_matmul``: as ``nvtp.jit`` takes it. ``plan="auto"``: the choice of
+    ``nvtp.auto.search`` (an ``nvtp.auto.Choice``: the plan, and the candidates ranked) for
+    ``mesh`` = N devices (or ``devices``), ``machine`` and a ``memory`` budget per device; the
+    example arguments are then the whole batch."""
     from nvtp import driver, options, precheck
     from nvtp.execute import backends
     from nvtp.frontend import user_code
 
+    if isinstance(plan, str) and plan == "auto":
+        from nvtp.auto.search import plan_auto
+
+        given = {k: v for k, v in locals().items() if k in _CHOSEN and v != _CHOSEN[k]}
+        return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
+                         backend=backend, given=given)
+    if memory is not None:
+        from nvtp.errors import InputError
+
+        raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
                   machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
@@ -86,6 +100,9 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     report.machine = _machine(machine)
     return report
 
+
+_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "example_kwargs")
+_CHOSEN = {k: p.default for k, p in inspect.signature(plan).parameters.items() if k not in _AUTO_TAKES}  # what plan="auto" chooses
 
 def _machine(machine: Any):
     from nvtp.sharding.cost import MACHINES

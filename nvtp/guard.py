@@ -359,7 +359,9 @@ def _finish(owner: Any, outcome: Outcome, start: float, gather: Callable[[Any], 
         if failures:
             where = f" (rank {rank})" if len(per_rank) > 1 else ""
             raise MiscompileError(f"nvtp's compiled program differs from the model run eagerly on the same inputs (the first call's "
-                                  f"check){where}: {failures[0]}. This is a bug in nvtp: please report it with the model. "
+                                  f"check){where}: {failures[0]}. Unless the ranks' models differ (each process must build "
+                                  "its model with the same weights: seed them alike, or load one checkpoint; nvtp.jit(..., "
+                                  "check_replicas=True) checks it), this is a bug in nvtp: please report it with the model. "
                                   "regional=False (every block traced) may avoid it; verify=False skips this check")
 
 

@@ -81,6 +81,19 @@ def _schedules() -> tuple[str, ...]:
     return SCHEDULES
 
 
+def _recompute_modes() -> tuple[str, ...]:
+    from nvtp.frontend.recompute import MODES
+
+    return MODES
+
+
+def _memory(name: str, value: Any) -> str | None:
+    """A budget per device for plan='auto' (bytes, or a size such as '80GB'; nvtp.auto.search.parse_memory reads it)."""
+    if value is None or isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        return None
+    return f"{name}={value!r}: give plan='auto' a memory budget per device, in bytes or as a size such as '80GB'"
+
+
 def _routes() -> tuple[str, ...]:
     from nvtp.driver import ROUTES
 
@@ -139,6 +152,12 @@ def _verify(name: str, value: Any) -> str | None:
             "or a relative tolerance between 0 and 1 (e.g. 1e-2)")
 
 
+def _compile(name: str, value: Any) -> str | None:
+    from nvtp.execute.kernels import mode_problem  # imports torch: only for a compile= that is given
+
+    return mode_problem(name, value)
+
+
 # option -> (rule, default), written as the entry points' keywords
 RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     plan=(_plan, "megatron"),
@@ -159,15 +178,18 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     schedule=(_one_of(_schedules, lambda s: s.lower().replace("-", "")), None),
     cut=(_cut, None),
     verify=(_verify, True),
+    compile=(_compile, "kernels"),  # nvtp.execute.kernels.DEFAULT
+    recompute=(_one_of(_recompute_modes), "none"),
+    memory=(_memory, None),
 )
 
 # Options no axis takes or refuses (a test holds it): a call giving only these needs no mesh strategy.
-MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"})
+MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify", "compile", "recompute", "memory"})
 
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
     "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
-                "--schedule"),
+                "--schedule", "--memory"),
     "shard": ("--plan", "--mesh", "--devices", "--fsdp"),
     "replay": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--backend"),
     "demo": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--microbatches", "--schedule"),

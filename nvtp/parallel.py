@@ -37,71 +37,26 @@ import types
 from typing import Any, Mapping
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from nvtp import driver, generation, guard, options, precheck
 from nvtp import dtensor as _dt
+from nvtp.auto.runtime import AutoModule
 from nvtp.errors import InputError
-from nvtp.execute import backends, spmd
+from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
-from nvtp.frontend import user_code
+from nvtp.frontend import recompute as recomputation, user_code
 from nvtp.frontend.lengths import Lengths
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
+from nvtp.parameters import full_tensor, gather, hold_part, replace_parameter, retarget
 from nvtp.program import Program
 from nvtp.sharding import axes
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, is_replicate
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
 
-__all__ = ["ShardedModule", "jit", "full_tensor", "InputError", "retarget", "hold_part", "gather"]
-
-
-# Each parameter of an nvtp.jit module -> (placement, whole shape, comm), for full_tensor; weak,
-# so a module and its parameters are freed as usual (the entry holds no reference to either).
-_PLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-
-
-# A parameter replaced by its DTensor form at the first call -> that DTensor parameter. An optimizer
-# made before the first call holds the old objects: before its first step it is pointed at the new
-# ones (``_retarget_optimizer``; torch's swap_tensors cannot turn a Parameter into a DTensor in place).
-_REPLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-_RETARGET_HOOK: list = []
-
-
-def _replace_parameter(root: torch.nn.Module, old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
-    """Put ``new`` wherever ``root`` holds ``old`` (every owner of a tied parameter)."""
-    for module in root.modules():
-        for attr, q in list(module._parameters.items()):
-            if q is old:
-                module._parameters[attr] = new
-    retarget(old, new)
-
-
-def retarget(old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
-    """An optimizer holding ``old`` steps ``new`` instead (it is pointed at ``new`` before its first step)."""
-    _REPLACED[old] = new
-    if not _RETARGET_HOOK:  # installed on the first replacement, not on import
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_retarget_optimizer))
-
-
-def _retarget_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before a step: swap parameters nvtp.jit replaced by DTensors for their replacements."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            new = _REPLACED.get(p)
-            if new is None:
-                continue
-            if p in optimizer.state:
-                raise InputError(f"{type(optimizer).__name__} holds state for a parameter that nvtp.jit has since made a DTensor "
-                                 "(it stepped before the module's first call); make the optimizer after model.compile(*inputs)")
-            if p.grad is not None and new.grad is None:  # DCP's _init_optim_state gave the old one zeros: so does the new
-                new.grad = torch.zeros_like(new)
-            params[i] = new
+__all__ = ["ShardedModule", "jit", "full_tensor", "InputError", "retarget", "hold_part", "gather"]  # the last four: nvtp/parameters.py
 
 
 class ShardedModule(torch.nn.Module):
@@ -110,7 +65,8 @@ class ShardedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None,
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True):
+                 overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True,
+                 compile: str = kernels.DEFAULT, recompute: str = "none"):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -132,8 +88,9 @@ class ShardedModule(torch.nn.Module):
         axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
         from nvtp.sharding.collective_matmul import check_mode
 
-        self.overlap, self.collective_matmul = overlap, check_mode(collective_matmul)  # refused before tracing
+        self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), recomputation.check_mode(recompute)  # refused now
         self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
+        self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
             from nvtp.execute.launch import start_watchdog
 
@@ -276,10 +233,10 @@ class ShardedModule(torch.nn.Module):
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
             like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
-                               overlap=self.overlap, collective_matmul=self.collective_matmul)
+                               overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute)
         self.notes = list(program.notes)
         self._shard_parameters(program)
-        run = backends.BACKENDS[self.backend].lower(program, self.comm)
+        run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
         return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), program.source.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
@@ -314,7 +271,7 @@ class ShardedModule(torch.nn.Module):
                 if self.uses_dtensor:
                     shape = self._global_shapes[label]
                     new = torch.nn.Parameter(_dt.as_dtensor(part, placement, self._device_mesh(), shape), requires_grad=p.requires_grad)
-                    _replace_parameter(self.module, p, new)
+                    replace_parameter(self.module, p, new)
                 else:
                     with torch.no_grad():
                         p.data = part
@@ -347,8 +304,8 @@ class ShardedModule(torch.nn.Module):
         same model with the same plan and mesh on another rank (a simulated mesh, one module per
         rank in one process). This rank's parameters become its shards."""
         for key, compiled in other._compiled.items():  # the same program; this rank's runner of it
-            self._compiled[key] = RankProgram(compiled.program, backends.BACKENDS[self.backend].lower(compiled.program, self.comm),
-                                              self.rank, self._part_rows, compiled.signature, compiled.call)
+            run = backends.BACKENDS[self.backend].lower(compiled.program, self.comm, compile=self.compile_mode)
+            self._compiled[key] = RankProgram(compiled.program, run, self.rank, self._part_rows, compiled.signature, compiled.call)
             self._shard_parameters(compiled.program)
         self.last = other.last
         return self
@@ -522,7 +479,8 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
-        cut: Any = None, verify: bool | float = True) -> ShardedModule:
+        cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT, recompute: str = "none", machine: Any = None,
+        memory: Any = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -549,7 +507,11 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     wherever it applies, False never. ``verify`` (default on): the first call of each compiled
     program is checked against the model run eagerly on the same inputs (outputs, and a sample of
     gradients) and refused with ``nvtp.guard.MiscompileError`` naming the first value that differs
-    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance.
+    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance. ``compile``: how the
+    reference backend runs each rank's fusions (``nvtp.execute.kernels``): "kernels" (default)
+    lowers the groups that have a fused torch kernel (cross-entropy, embedding gradient, layer and
+    RMS norm, softmax, GELU, SiLU) to it and runs the rest op by op; "none" runs every op by its
+    own implementation. ``recompute``: "none", "selective", "block" (``nvtp.frontend.recompute``).
     On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
     shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
     averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
@@ -558,43 +520,21 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
+    ``plan="auto"`` (with a ``machine`` and a ``memory`` budget per device): nvtp chooses the
+    mesh's axes, FSDP, the plan and the pipeline's options (``nvtp.auto``).
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
+    if isinstance(plan, str) and plan == "auto" or machine is not None or memory is not None:  # the planner's (machine=, memory=)
+        return AutoModule.of_jit(locals())
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
-                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify)
+                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify,
+                  compile=compile, recompute=recompute)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
 
         return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
-                              backend=backend, frontend=frontend, timeout=timeout, verify=verify)
+                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile, recompute=recompute)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         verify=verify)
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a parameter of an ``nvtp.jit`` module, or of its gradient (a collective:
-    every rank calls it). A DTensor's is ``t.full_tensor()``; a plain tensor not of an nvtp module is itself."""
-    if isinstance(t, _dt.DTensor):
-        return t.full_tensor().detach().clone()
-    owner = _PLACED.get(t)
-    if owner is None:
-        owner = next((o for p, o in list(_PLACED.items()) if p.grad is t), None)
-    if owner is None:
-        return t
-    return gather(t, *owner)
-
-
-def hold_part(p: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm) -> None:
-    """Record that plain tensor ``p`` holds this rank's part (``placement``) of a parameter of
-    ``shape`` on ``comm``'s ranks, so that ``full_tensor`` gathers it (and its gradient) whole."""
-    _PLACED[p] = (placement, tuple(shape), comm)
-
-
-def gather(t: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm) -> torch.Tensor:
-    """The whole tensor of which ``t`` is this rank's part (a collective on ``comm``: every rank calls it)."""
-    if axis_split(placement) is None:
-        return t.detach().clone()
-    parts = comm.all_gather(t.detach().contiguous())
-    return spmd.assemble(parts, placement, shape)
+                         verify=verify, compile=compile, recompute=recompute)

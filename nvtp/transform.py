@@ -239,7 +239,7 @@ class ShardingTransform(Transform):
         """Make each ThunderModule parameter in ``placed`` this rank's part, then release the
         module's own (whole) parameters: they become meta tensors of their shapes, which is all
         Thunder's interpreter needs to trace a later call shape."""
-        from nvtp.parallel import hold_part, retarget
+        from nvtp.parameters import hold_part, retarget
 
         for label, placement in placed.items():
             self._placements[label] = placement
@@ -423,7 +423,7 @@ class ShardingTransform(Transform):
 
     def reverse_transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's parts -> whole tensors (``jm.original_state_dict()``; a collective: every rank calls it)."""
-        from nvtp.parallel import gather
+        from nvtp.parameters import gather
 
         prefix = f"{submodule_name}." if submodule_name else ""
         out = {}

@@ -83,6 +83,88 @@ def test_the_static_check_sees_a_direct_call(tmp_path):
     assert _calls_of_tracers(bad) == ["nvtp.sharding.passes.shard_pair", "nvtp.frontend.fx.trace"]
 
 
+def _tracers_and_passes() -> dict:
+    """The code object of each tracer and pass -> its name: what a call is recognised by, whatever
+    name or alias the caller holds it under."""
+    import importlib
+
+    out = {}
+    for module, names in TRACERS_AND_PASSES.items():
+        m = importlib.import_module(module)
+        for name in names:
+            fn = getattr(m, name, None)
+            if fn is not None:
+                out[fn.__code__] = f"{module}.{name}"
+    return out
+
+
+class _Callers:
+    """Records every call of a tracer or pass whose Python stack holds no frame of nvtp/driver.py
+    (``sys.setprofile`` on this thread and on threads started while it is on)."""
+
+    def __init__(self):
+        self.codes = _tracers_and_passes()
+        self.outside: list[str] = []
+        self.seen: set[str] = set()
+
+    def __call__(self, frame, event, arg):
+        if event != "call" or frame.f_code not in self.codes:
+            return
+        name = self.codes[frame.f_code]
+        self.seen.add(name)
+        f = frame.f_back
+        while f is not None and not f.f_code.co_filename.replace("\\", "/").endswith("nvtp/driver.py"):
+            f = f.f_back
+        if f is None:
+            caller = frame.f_back.f_code
+            self.outside.append(f"{name} called from {caller.co_filename}:{caller.co_name}")
+
+    def __enter__(self):
+        import sys
+        import threading
+
+        sys.setprofile(self)
+        threading.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        import threading
+
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+def test_every_trace_and_pass_runs_under_the_driver_whatever_name_calls_it():
+    """Structural, on calls: each entry point a user has (nvtp.jit, nvtp.plan, the Thunder transform,
+    the CLI on a dump) traces and shards only through nvtp/driver.py's frames."""
+    import thunder
+
+    from nvtp.cli import main
+
+    torch.manual_seed(0)
+    block, x = gpt.Block(gpt.config("tiny")), gpt.example_input(gpt.config("tiny"))
+    with _Callers() as callers:
+        nvtp.jit(copy.deepcopy(block), mesh=1)(x).sum().backward()
+        nvtp.plan(copy.deepcopy(block), x, devices=2)
+        thunder.jit(copy.deepcopy(block), transforms=[nvtp.ShardingTransform("megatron", mesh=1)])(x)
+        assert main(["explain", str(ROOT / "fusions" / "nanogpt_gpt2_bf16_fwd.py"), "--plan", "megatron", "--devices", "2"]) == 0
+    assert not callers.outside, callers.outside
+    assert {"nvtp.frontend.capture.capture", "nvtp.sharding.passes.shard"} <= callers.seen, callers.seen  # the check saw them run
+
+
+def test_the_call_check_catches_a_pass_called_by_an_alias_outside_the_driver():
+    from nvtp.sharding import passes as p
+
+    shard_it = p.shard  # an alias the source check could not follow
+    from nvtp.ir.parser import load
+
+    fusion = load(ROOT / "fusions" / "nanogpt_gpt2_bf16_fwd.py").fusion
+    with _Callers() as callers:
+        shard_it(fusion, "megatron", DeviceMesh.of_size(2))
+    assert callers.outside and callers.outside[0].startswith("nvtp.sharding.passes.shard called from"), callers.outside
+
+
 # -- what is planned is what runs ------------------------------------------------------------------
 
 

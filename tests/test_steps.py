@@ -133,6 +133,35 @@ def test_every_communication_of_a_step_is_a_step_of_the_program(monkeypatch, cas
         assert log == want, f"rank {r} ran {len(log)} communications, the program lists {len(want)}:\n{log}\n{want}"
 
 
+def test_the_backend_decides_no_communication_a_program_did_not_plan(monkeypatch):
+    """A program whose forward lost the step of one of its sets is refused at that set, naming it:
+    the reference backend runs the program's steps, it never derives a collective for a program."""
+    import dataclasses
+
+    from nvtp import driver
+    from nvtp.execute.impls import ExecutionError
+
+    shard, dropped = driver.shard, []
+
+    def losing_a_step(*args, **kwargs):
+        program = shard(*args, **kwargs)
+        dropped.append(next(iter(program.forward.set_steps)))
+        steps = {k: v for k, v in program.forward.set_steps.items() if k != dropped[0]}
+        return dataclasses.replace(program, forward=dataclasses.replace(program.forward, set_steps=steps))
+
+    monkeypatch.setattr(driver, "shard", losing_a_step)
+    mesh = DeviceMesh.of_size(2)
+    threads = spmd.ThreadMesh(mesh, timeout=60)
+    ranks = [nvtp.jit(_gpt(), plan="megatron", mesh=mesh, comm=threads.comm(r), verify=False, overlap=False) for r in range(2)]
+    ranks[0].compile(*_whole(0))
+    ranks[1].share_compiled(ranks[0])
+    with pytest.raises(Exception) as e:
+        spmd.on_threads(lambda r: ranks[r](*_whole(r)), threads)
+    chain = [e.value, e.value.__cause__, e.value.__context__]
+    assert any(isinstance(x, ExecutionError) and f"set {dropped[0]} " in str(x) and "planned no step for it" in str(x)
+               for x in chain) or (f"set {dropped[0]} " in str(e.value) and "planned no step for it" in str(e.value)), e.value
+
+
 # -- the slow tier: gloo processes, torch.distributed's own functions recorded --------------------
 
 def _wrap_torch_distributed(log: list, axis_of) -> None:
@@ -213,6 +242,7 @@ def _steps_worker(rank, world, init_method, out, case):
 
     cfg = gpt.config("tiny") if len(names) < 3 else gpt.config("tiny", n_layer=4, batch=4)  # a pipeline: 2 microbatches a dp rank
     idx, tgt = gpt.example_tokens(cfg)
+    torch.manual_seed(0)  # every rank builds the same model (the first call's check compares with it)
     model = gpt.GPT(cfg)
     options = {"fsdp": True} if case == "dp2xtp2-fsdp" else {"microbatches": 2} if len(names) == 3 else {}
     sm = nvtp.jit(model, plan="megatron-sp" if case == "tp2" else "megatron", mesh=mesh, **options)

@@ -45,7 +45,9 @@ class Backend:
     def check(self, device: str) -> None:
         """Raise ``InputError`` if this backend cannot run a model whose parameters are on ``device``."""
 
-    def lower(self, program: "Program", comm: "Comm") -> Runner:
+    def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
+        """This rank's runner of ``program``; ``compile`` (``nvtp.execute.kernels.MODES``): how the
+        reference backend runs a rank's fusions (nvFuser compiles its own)."""
         raise NotImplementedError
 
 
@@ -54,16 +56,18 @@ class Backend:
 
 @dataclass(frozen=True)
 class ReferenceBackend(Backend):
-    def lower(self, program: "Program", comm: "Comm") -> Runner:
+    def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
         from nvtp.execute import reference
 
+        kernels = compile == "kernels"  # else "none": every op by its own implementation
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
 
         def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None) -> list[Any]:
             sharded = phases[phase]
             return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
-                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase))
+                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase),
+                                 compiled=kernels)
 
         return run
 
@@ -92,7 +96,7 @@ def nvfuser_loads() -> str | None:
 
 
 @dataclass(frozen=True)
-class NvFuserBackend(Backend):
+class NvFuserBackend(Backend):  # compile= is the reference backend's: nvFuser fuses and compiles each fusion itself
     def check(self, device: str) -> None:
         import torch
 
@@ -108,7 +112,7 @@ class NvFuserBackend(Backend):
             raise InputError(f"backend='nvfuser' runs on CUDA tensors, and the model's parameters are on {device}; "
                              "move the model with model.to('cuda') before nvtp.jit, or use backend='reference'")
 
-    def lower(self, program: "Program", comm: "Comm") -> Runner:
+    def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
         import torch
 
         axes.check(program.mesh, backend=self.name)  # an axis nvFuser does not run (cp's ring: no point-to-point step in a fusion)

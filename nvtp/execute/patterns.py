@@ -3,7 +3,7 @@ forward and backward, as Thunder decomposes them into nvFuser's primitive ops.
 
 Eager PyTorch calls ``F.layer_norm``; Thunder hands nvtp ``var_mean``, eight broadcasts and
 five pointwise ops, and for the backward some thirty more. Each pattern is a small fx graph of op
-kinds (written below with ``_Builder``, in the order Thunder emits the ops), matched by fx's own
+kinds (written below with ``Builder``, in the order Thunder emits the ops), matched by fx's own
 ``SubgraphMatcher`` against a lowered fusion (``lower.py``); a *check* (shapes, reduced axes,
 constants, placements: the kernel must compute what the ops compute, on this rank's parts); and
 a *kernel*, the torch call eager PyTorch itself makes.
@@ -35,7 +35,7 @@ from nvtp.sharding.placements import Placement, axis_split, is_partial
 # writing patterns
 
 
-class _Builder:
+class Builder:
     """Writes a pattern graph: ``b.add(x, 1.0)`` is an ``add`` op node, ``b.leaf("x")`` an input;
     ``name=`` names a node for the check (``m["name"]``)."""
 
@@ -67,7 +67,7 @@ class _Builder:
             self.named[name] = node
         return node
 
-    def done(self, root: fx.Node) -> "_Builder":
+    def done(self, root: fx.Node) -> "Builder":
         self.graph.output(root)
         return self
 
@@ -79,7 +79,9 @@ class Match:
     nodes: dict[fx.Node, Any]  # pattern node -> graph node (or literal)
     named: dict[str, fx.Node]
     local_shape: Callable[[Value], tuple[int, ...]]
-    sharding: Callable[[Value], Placement | None]
+    sharding: Callable[[Value], Placement | None]  # on the first mesh axis
+    placements: Callable[[Value], tuple[Placement, ...] | None] = lambda v: None  # on every mesh axis
+    producer: Callable[[Value], Op | None] = lambda v: None  # the fusion's op that makes a value (folded ones too)
 
     def node(self, name: str) -> Any:
         return self.nodes[self.named[name]]
@@ -113,11 +115,11 @@ class Match:
 # checks shared by the patterns
 
 
-def _no_partial(m: Match) -> bool:
+def no_partial(m: Match) -> bool:
     return not any(p is not None and is_partial(p) for p in map(m.sharding, m.values()))
 
 
-def _unsplit(m: Match, v: Value, axes) -> bool:
+def unsplit(m: Match, v: Value, axes) -> bool:
     p = m.sharding(v)
     if p is None:
         return True
@@ -127,11 +129,11 @@ def _unsplit(m: Match, v: Value, axes) -> bool:
     return split is None or split[0] not in axes
 
 
-def _float(*vs: Value) -> bool:
+def same_float(*vs: Value) -> bool:
     return all(isinstance(v, TensorValue) and v.dtype.is_float for v in vs) and len({v.dtype for v in vs}) == 1
 
 
-def _reduced(o: Op, ndim: int) -> set[int]:
+def reduced(o: Op, ndim: int) -> set[int]:
     dims = o.arg("dims")
     return set(range(ndim)) if dims is None else {d % ndim for d in dims}
 
@@ -143,7 +145,7 @@ def _reduced(o: Op, ndim: int) -> set[int]:
 @dataclass
 class Pattern:
     name: str
-    built: _Builder
+    built: Builder
     check: Callable[[Match], tuple[list[str], dict[str, str], Callable[..., dict[str, torch.Tensor]]] | None]
     # check -> (leaf names, {exported node name: kernel result key}, kernel), or None: no fusing
 
@@ -155,9 +157,9 @@ class Pattern:
 PATTERNS: list[Pattern] = []
 
 
-def pattern(name: str, built: _Builder):
+def pattern(name: str, built: Builder, table: list[Pattern] = PATTERNS):
     def deco(check):
-        PATTERNS.append(Pattern(name, built, check))
+        table.append(Pattern(name, built, check))
         return check
 
     return deco
@@ -165,8 +167,8 @@ def pattern(name: str, built: _Builder):
 
 # LayerNorm forward: var_mean, rsqrt(var + eps), (x - mean) * rstd * w + b ----------------------
 
-def _layer_norm_pattern(bias: bool) -> _Builder:
-    b = _Builder()
+def _layer_norm_pattern(bias: bool) -> Builder:
+    b = Builder()
     x, w = b.leaf("x"), b.leaf("w")
     vm = b.var_mean(x)
     var, mean = b.get(vm, 0, "var"), b.get(vm, 1, "mean")
@@ -181,13 +183,13 @@ def _layer_norm_pattern(bias: bool) -> _Builder:
 def _layer_norm_check(m: Match, bias: bool):
     x, w = m["x"], m["w"]
     vm = m.op_of("mean")
-    if not _float(x, w, m["mean"]) or (bias and not _float(x, m["b"])) or not _no_partial(m) or isinstance(m["eps"], Value):
+    if not same_float(x, w, m["mean"]) or (bias and not same_float(x, m["b"])) or not no_partial(m) or isinstance(m["eps"], Value):
         return None
     if vm.arg("correction") != 0 or vm.arg("keepdim"):
         return None
-    axes = sorted(_reduced(vm, x.ndim))
+    axes = sorted(reduced(vm, x.ndim))
     k = x.ndim - len(axes)
-    if not axes or axes != list(range(k, x.ndim)) or not _unsplit(m, x, axes):
+    if not axes or axes != list(range(k, x.ndim)) or not unsplit(m, x, axes):
         return None
     norm = tuple(x.shape[k:])
     lead, trail = list(range(k)), list(range(k, x.ndim))
@@ -216,10 +218,10 @@ pattern("layer_norm", _layer_norm_pattern(bias=False))(lambda m: _layer_norm_che
 
 # LayerNorm backward (input gradient), from the saved mean and rstd ----------------------------
 
-def _layer_norm_backward_pattern(residual: bool, depth: int) -> _Builder:
+def _layer_norm_backward_pattern(residual: bool, depth: int) -> Builder:
     """``depth``: the broadcasts that put the per-row sums s3 and s4 back on the rows (2, or 3
     where a size-1 leading axis was summed away too)."""
-    b = _Builder()
+    b = Builder()
     x, dy, mean, rstd, w = (b.leaf(n) for n in ("x", "dy", "mean", "rstd", "w"))
     b.bcast(mean, 2, name="mean_full")
     b.bcast(w, name="w_full")
@@ -241,7 +243,7 @@ def _layer_norm_backward_pattern(residual: bool, depth: int) -> _Builder:
 
 def _layer_norm_backward_check(m: Match, residual: bool):
     x, dy, mean, rstd, w = (m[n] for n in ("x", "dy", "mean", "rstd", "w"))
-    if not _float(x, dy, mean, rstd, w) or (residual and not _float(x, m["g"])) or not _no_partial(m):
+    if not same_float(x, dy, mean, rstd, w) or (residual and not same_float(x, m["g"])) or not no_partial(m):
         return None
     if x.shape != dy.shape or m.local_shape(x) != m.local_shape(dy) or (residual and m.local_shape(m["g"]) != m.local_shape(x)):
         return None
@@ -261,7 +263,7 @@ def _layer_norm_backward_check(m: Match, residual: bool):
     for s, whole in (("s1", True), ("s2", True), ("s3", False), ("s4", False)):
         if not _row_sum(m, s, k, whole):
             return None
-    if not all(_unsplit(m, v, axes) for v in (x, dy, w)):
+    if not all(unsplit(m, v, axes) for v in (x, dy, w)):
         return None
     rows = m.local_shape(mean)
     backward = torch.ops.aten.native_layer_norm_backward.default
@@ -283,7 +285,7 @@ def _row_sum(m: Match, name: str, k: int, whole: bool) -> bool:
     ndim = m["x"].ndim
     if arg.ndim != ndim or o.arg("keepdim"):
         return False
-    red = _reduced(o, ndim)
+    red = reduced(o, ndim)
     norm = set(range(k, ndim))
     if whole and (not norm <= red or tuple(arg.shape[k:]) != tuple(m["x"].shape[k:])):
         return False
@@ -307,19 +309,19 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
 
 
-def _gelu_inner(b: _Builder, x: fx.Node, x2: fx.Node) -> fx.Node:
+def _gelu_inner(b: Builder, x: fx.Node, x2: fx.Node) -> fx.Node:
     return b.tanh(b.mul(_SQRT_2_OVER_PI, b.add(x, b.mul(_KAPPA, b.mul(x2, x)))))
 
 
-def _gelu_pattern() -> _Builder:
-    b = _Builder()
+def _gelu_pattern() -> Builder:
+    b = Builder()
     x = b.leaf("x")
     t = _gelu_inner(b, x, b.mul(x, x))
     return b.done(b.mul(b.mul(0.5, x), b.add(1.0, t), name="y"))
 
 
-def _gelu_backward_pattern() -> _Builder:
-    b = _Builder()
+def _gelu_backward_pattern() -> Builder:
+    b = Builder()
     x, g = b.leaf("x"), b.leaf("g")
     x2 = b.mul(x, x)
     t = _gelu_inner(b, x, x2)
@@ -332,7 +334,7 @@ def _gelu_backward_pattern() -> _Builder:
 
 @pattern("gelu", _gelu_pattern())
 def _gelu_check(m: Match):
-    if not _float(m["x"]) or not _no_partial(m) or m.local_shape(m["x"]) != m.local_shape(m["y"]):
+    if not same_float(m["x"]) or not no_partial(m) or m.local_shape(m["x"]) != m.local_shape(m["y"]):
         return None
     return ["x"], {"y": "y"}, lambda x: {"y": F.gelu(x, approximate="tanh")}
 
@@ -340,7 +342,7 @@ def _gelu_check(m: Match):
 @pattern("gelu_backward", _gelu_backward_pattern())
 def _gelu_backward_check(m: Match):
     x, g = m["x"], m["g"]
-    if not _float(x, g) or not _no_partial(m) or m.local_shape(x) != m.local_shape(g) or m.local_shape(x) != m.local_shape(m["dx"]):
+    if not same_float(x, g) or not no_partial(m) or m.local_shape(x) != m.local_shape(g) or m.local_shape(x) != m.local_shape(m["dx"]):
         return None
     backward = torch.ops.aten.gelu_backward.default
     return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x, approximate="tanh")}
@@ -348,15 +350,15 @@ def _gelu_backward_check(m: Match):
 
 # softmax, forward and backward -----------------------------------------------------------------
 
-def _softmax_pattern() -> _Builder:
-    b = _Builder()
+def _softmax_pattern() -> Builder:
+    b = Builder()
     s = b.leaf("s")
     e = b.exp(b.sub(s, b.bcast(b.max(s, name="max"), 2, name="max_full")), name="e")
     return b.done(b.div(e, b.bcast(b.sum(e, name="sum"), 2, name="sum_full"), name="p"))
 
 
-def _softmax_backward_pattern() -> _Builder:
-    b = _Builder()
+def _softmax_backward_pattern() -> Builder:
+    b = Builder()
     p, dp = b.leaf("p"), b.leaf("grad_p")
     s = b.sum(b.mul(p, dp), name="sum")
     return b.done(b.mul(p, b.sub(dp, b.bcast(s, 2, name="sum_full")), name="dx"))
@@ -367,7 +369,7 @@ def _softmax_axis(m: Match, src: str, full_of: Mapping[str, str]) -> int | None:
     axis = None
     for red, full in full_of.items():
         o = m.op_of(red)
-        dims = _reduced(o, s.ndim)
+        dims = reduced(o, s.ndim)
         if len(dims) != 1 or o.arg("keepdim") or tuple(m[full].shape) != tuple(s.shape):
             return None
         (d,) = dims
@@ -381,7 +383,7 @@ def _softmax_axis(m: Match, src: str, full_of: Mapping[str, str]) -> int | None:
 def _softmax_check(m: Match):
     s = m["s"]
     axis = _softmax_axis(m, "s", {"max": "max_full", "sum": "sum_full"})
-    if axis is None or not _float(s, m["p"]) or not _no_partial(m) or not _unsplit(m, s, [axis]):
+    if axis is None or not same_float(s, m["p"]) or not no_partial(m) or not unsplit(m, s, [axis]):
         return None
     return ["s"], {"p": "p"}, lambda s: {"p": torch.softmax(s, axis)}
 
@@ -390,7 +392,7 @@ def _softmax_check(m: Match):
 def _softmax_backward_check(m: Match):
     p, dp = m["p"], m["grad_p"]
     axis = _softmax_axis(m, "p", {"sum": "sum_full"})
-    if axis is None or not _float(p, dp) or not _no_partial(m) or not _unsplit(m, p, [axis]):
+    if axis is None or not same_float(p, dp) or not no_partial(m) or not unsplit(m, p, [axis]):
         return None
     if p.shape != dp.shape or m.local_shape(p) != m.local_shape(dp):
         return None
@@ -411,10 +413,12 @@ class _Matcher(SubgraphMatcher):
 
 
 def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], sharding: Callable[[Value], Any],
-         dtype: Callable[[Any], torch.dtype], patterns: list[Pattern] | None = None) -> dict[str, int]:
+         dtype: Callable[[Any], torch.dtype], patterns: list[Pattern] | None = None,
+         producer: Callable[[Value], Op | None] = lambda v: None) -> dict[str, int]:
     """Replace each match of ``patterns`` in ``graph`` (the matching form of ``lower.lower``) by
     one call of its kernel; returns how many times each pattern fused. ``sharding(v)``: the
-    placements of ``v`` (None: whole); ``dtype``: the run's torch dtype of a declared dtype."""
+    placements of ``v`` (None: whole); ``dtype``: the run's torch dtype of a declared dtype;
+    ``producer(v)``: the op that makes ``v`` (a check may read how a folded constant was made)."""
     first = lambda v: (sharding(v) or (None,))[0]  # noqa: E731 - the 1-D mesh's placement
     counts: dict[str, int] = {}
     for pat in patterns if patterns is not None else PATTERNS:
@@ -426,7 +430,7 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
                 if any(getattr(n, "_erased", False) for n in found.nodes_map.values() if isinstance(n, fx.Node)):
                     stale = True
                     continue
-                m = Match(found.nodes_map, pat.built.named, local_shape, first)
+                m = Match(found.nodes_map, pat.built.named, local_shape, first, sharding, producer)
                 try:
                     made = pat.check(m)
                 except (KeyError, TypeError, ValueError, AttributeError):

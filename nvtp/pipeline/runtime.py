@@ -34,12 +34,13 @@ import torch
 from nvtp import driver, guard, precheck
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
-from nvtp.execute import backends, collectives, spmd
+from nvtp.execute import backends, collectives, kernels, spmd
 from nvtp.execute.collectives import DistComm, MeshComm, SoloComm
 from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
-from nvtp.parallel import _replace_parameter, full_tensor
+from nvtp.frontend.recompute import check_mode as recompute_mode
+from nvtp.parameters import full_tensor, replace_parameter
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
@@ -54,7 +55,7 @@ class PipelineModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, plan: Any = "megatron", mesh: Any = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
-                 timeout: float | None = 60.0, verify: bool | float = True):
+                 timeout: float | None = 60.0, verify: bool | float = True, compile: str = "kernels", recompute: str = "none"):
         super().__init__()
         import torch.distributed as dist
 
@@ -63,9 +64,11 @@ class PipelineModule(torch.nn.Module):
         self.layout = layout_of(mesh)
         self.microbatches = microbatches
         self.schedule = sched.check(schedule)
+        self.compile_mode = kernels.check_mode(compile)
         self.cut = cut
         self.frontend = frontend
         self.verify = guard.option(verify)  # the first step checked against eager (nvtp/guard.py)
+        self.recompute = recompute_mode(recompute)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.layout.size != world:
             lay = self.layout
@@ -135,12 +138,12 @@ class PipelineModule(torch.nn.Module):
         precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
         self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
                                                     microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                    backend=self.backend, frontend=self.frontend)
+                                                    backend=self.backend, frontend=self.frontend, recompute=self.recompute)
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
         self._pos = self.layout.position(self.rank)
-        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm), self._pos)
+        self._runner = RankProgram(mine, backends.BACKENDS[self.backend].lower(mine, self._comm, compile=self.compile_mode), self._pos)
         # which stages read each parameter (by its first name): a weight several stages read gets a group
         params = dict(self.module.named_parameters(remove_duplicate=False))
         first = {n: self._tied.get(n, n) for n in params}
@@ -200,7 +203,7 @@ class PipelineModule(torch.nn.Module):
                                      "1-element tensor (shape [1])")
                 new = torch.nn.Parameter(_dt.as_dtensor(mine.contiguous(), (_dt.OnStage(0, owner), *sharding), mesh3, whole.shape),
                                          requires_grad=p.requires_grad)
-                _replace_parameter(self.module, p, new)
+                replace_parameter(self.module, p, new)
             else:
                 with torch.no_grad():
                     p.data = mine

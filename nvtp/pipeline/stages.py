@@ -520,6 +520,28 @@ def balance(costs: Sequence[Cost], stages: int) -> tuple[int, ...]:
     return best[1]
 
 
+@dataclass(frozen=True)
+class BlockOps:
+    """Which block each op of a traced model runs in, read as the cut reads it (one block per
+    stage): the head (embedding) with block 0, the tail (final norm, head, loss) with the last; an
+    op several blocks need (a rotary table) with the first of them."""
+
+    forward: dict[int, int]  # forward op index -> block
+    backward: dict[int, int]
+    parameters: dict[str, int]  # parameter label -> the block holding it
+
+
+def block_ops(traced, prefix: str, blocks: int) -> BlockOps:
+    """``BlockOps`` of ``traced`` (a whole model of ``blocks`` blocks named ``prefix.<i>``)."""
+    layers = getattr(traced.captured, "layers", None) or {}
+    a = _assign(traced.forward, traced.backward, prefix, list(range(blocks)), layers)
+
+    def first(stages: set[int]) -> int:
+        return min(stages) if stages else 0
+    return BlockOps({k: first(st) for k, st in a.fwd.items()}, {k: first(st) for k, st in a.bwd.items()},
+                    {label: first(st) for label, st in a.pstage.items()})
+
+
 def cut_stages(traced, prefix: str, blocks: int, stages: int, cut: Sequence[int] | None = None) -> Staged:
     """The stages of ``traced`` (see the module docstring). ``cut``: the first block of each stage
     after the first (``(2,)``: blocks [0, 2) and [2, L)); None: balanced by cost. Raises
@@ -572,4 +594,4 @@ def cut_stages(traced, prefix: str, blocks: int, stages: int, cut: Sequence[int]
     return Staged(out, transfers, block_costs, prefix, blocks, chosen)
 
 
-__all__ = ["cut_stages", "Staged", "Stage", "Transfer", "Cost", "StageError", "balance", "op_cost"]
+__all__ = ["BlockOps", "block_ops", "cut_stages", "Staged", "Stage", "Transfer", "Cost", "StageError", "balance", "op_cost"]

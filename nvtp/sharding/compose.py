@@ -14,6 +14,9 @@ give it, and a collective on one axis sees the other's cut (``placements.held``,
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
@@ -36,12 +39,33 @@ def _rebytes(step: ReshardStep, axis: int, mesh: DeviceMesh, sharding: tuple[Pla
 def _check_shared_axis(v: TensorValue, sharding: tuple[Placement, ...], mesh: DeviceMesh) -> None:
     """Two mesh axes may split one tensor axis only by splitting different factors of it (the
     batch and the sequence of a flattened ``[B*T, C]``): then every rank holds 1/(n1*n2) of it."""
-    want = local_shape(v.shape, sharding, mesh)
-    for rank in mesh.devices:
-        got = held(v.shape, sharding, mesh, mesh.coords(rank))
+    if not _shares_fairly(v.shape, sharding, mesh.shape):
+        raise ShardingError(f"{v.describe()}: mesh axes {list(mesh.names)} split one of its axes over the same entries "
+                            f"({', '.join(map(str, sharding))}); a tensor axis is split by two mesh axes only along different factors")
+
+
+@functools.lru_cache(maxsize=4096)
+def _shares_fairly(shape: tuple[int, ...], sharding: tuple[Placement, ...], extents: tuple[int, ...]) -> bool:
+    """Whether every mesh position holds ``local_shape``'s count of each tensor axis. Only the
+    mesh axes that split a tensor axis change what a rank holds, so the positions checked are
+    those axes' coordinates (the others at 0); past 64 of them (a large mesh: the planner's
+    1024 devices), each splitting axis's coordinates 0, 1, n/2 and n-1: the placements nvtp has
+    (contiguous, strided and zigzag pieces) hold pieces affine in the coordinate, so two axes
+    splitting one factor already disagree at those. Cached: a model's values share a few shapes."""
+    mesh = DeviceMesh.of_shape(extents, tuple(f"a{i}" for i in range(len(extents))))
+    want = local_shape(shape, sharding, mesh)
+    splitting = [a for a, p in enumerate(sharding) if axis_split(p) is not None]
+    ranges = [range(extents[a]) for a in splitting]
+    if math.prod(len(r) for r in ranges) > 64:
+        ranges = [sorted({0, min(1, n - 1), n // 2, n - 1}) for n in (extents[a] for a in splitting)]
+    for picked in itertools.product(*ranges):
+        coords = [0] * len(extents)
+        for a, c in zip(splitting, picked):
+            coords[a] = c
+        got = held(shape, sharding, mesh, coords)
         if any(g is not None and g.numel() != w for g, w in zip(got, want)):
-            raise ShardingError(f"{v.describe()}: mesh axes {list(mesh.names)} split one of its axes over the same entries "
-                                f"({', '.join(map(str, sharding))}); a tensor axis is split by two mesh axes only along different factors")
+            return False
+    return True
 
 
 def compose(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, source: Fusion, plan: str) -> ShardedFusion:

@@ -11,7 +11,7 @@ unless a machine's description says so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.overlap import Issue, Ring, Schedule, collectives_of
@@ -74,23 +74,26 @@ def default_machine(target: str) -> Machine:
     return MACHINES["h100-nvlink" if target == "nvfuser" else "cpu-gloo"]
 
 
-def op_seconds(op, machine: Machine, local_shape) -> float:
+def op_seconds(op, machine: Machine, local_shape, factor=None) -> float:
     """A rough time for one op on one rank: matmul-like ops by FLOPs, the rest by the bytes they
-    write (a fusing backend writes fewer; this is an upper bound for the light ops)."""
-    import math
-
+    write (a fusing backend writes fewer; this is an upper bound for the light ops). ``factor``
+    (value name -> number, default 1): how many times larger than its shape a value is on the
+    rank costed (the planner's microbatches: a value carrying the batch, 1/M of the traced one);
+    a product scales with its operand that carries the batch (never both: the batch is summed or kept)."""
     outs = [v for v in op.outputs if isinstance(v, TensorValue)]
     if op.kind in ("linear", "matmul"):
         a, b = (local_shape(v) for v in op.operands[:2])
         k = a[-1]
         n = b[0] if op.kind == "linear" else b[-1]
-        return 2 * math.prod(a) * n / machine.flops if k else 0.0
+        scale = max(factor(v.name) for v in op.operands[:2]) if factor is not None else 1.0
+        return 2 * math.prod(a) * n * scale / machine.flops if k else 0.0
     if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
         q = local_shape(op.arg("query"))
         kv = local_shape(op.arg("key"))
         flops = 4 * math.prod(q) * kv[-2] * (2.5 if op.kind == "sdpfa_bwd" else 1.0)
-        return flops / machine.flops
-    return sum(math.prod(local_shape(v)) * v.dtype.itemsize for v in outs) / machine.memory
+        return flops * (factor(op.arg("query").name) if factor is not None else 1.0) / machine.flops
+    return sum(math.prod(local_shape(v)) * v.dtype.itemsize * (factor(v.name) if factor is not None else 1.0)
+               for v in outs) / machine.memory
 
 
 @dataclass
@@ -112,29 +115,109 @@ class Exposure:
 def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine) -> Exposure:
     """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at
     a time, in the order they start; a ``set`` waits for its collective. Exposed time is the step
-    time minus the ops' time."""
+    time minus the ops' time (``simulate``, summed)."""
+    t = simulate(sharded, schedule, machine)
+    ideal = 0.0
+    for c in collectives_of(sharded):  # every collective, a ring's too (it runs as steps, never launched whole)
+        bw, latency = machine.link(sharded.mesh, c.axis)
+        ideal += latency + c.bytes / bw
+    return Exposure(t.compute, ideal, max(0.0, t.total - t.compute), ideal)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How large the values of a sharded fusion are on the rank being costed: as traced (``scale``
+    1), or, for the planner's microbatches, the values that carry the batch (``batched``: names
+    of the source fusion's values) ``scale`` times as large. A ``set``'s result is its value's size."""
+
+    scale: float = 1.0
+    batched: frozenset = frozenset()
+
+    def factor_of(self, sharded: ShardedFusion):
+        """value name -> its factor, for ``op_seconds``: a set's result counts as its value."""
+        if self.scale == 1.0 or not self.batched:
+            return None
+        steps = sharded.set_steps
+        batched, scale = self.batched, self.scale
+
+        def factor(name: str) -> float:
+            step = steps.get(name)
+            return scale if (step.value if step is not None else name) in batched else 1.0
+        return factor
+
+
+@dataclass
+class Timeline:
+    """One rank running one sharded fusion (``simulate``): every op's own time (``compute``, per
+    op index), what each op waited for its collectives (``waited``, per op index, and per mesh
+    axis), each axis's collectives' own time (``busy``), and the whole."""
+
+    total: float
+    compute_by_op: dict[int, float]
+    waited_by_op: dict[int, float]
+    waited_by_axis: dict[int, float]
+    busy: dict[int, float]  # per mesh axis: its collectives' own time, as started (a bucket is one)
+    waits: list[tuple[int, int, float]] = field(default_factory=list)  # (op index, mesh axis, seconds) of each wait
+    busy_by_op: dict[int, tuple[int, float]] = field(default_factory=dict)  # a set's index -> (its axis, its collective's seconds)
+
+    @property
+    def compute(self) -> float:
+        return sum(self.compute_by_op.values())
+
+    @property
+    def ideal(self) -> float:
+        return sum(self.busy.values())
+
+
+def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine, sizes: Sizes | None = None) -> Timeline:
+    """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at a
+    time, in the order they start (an ``Issue`` of the schedule, or an unscheduled ``set`` where it
+    stands); a ``set`` waits for its collective; a collective matmul's ring takes its
+    ``ring_seconds``. ``sizes``: the values' sizes on the rank costed (default: as traced)."""
     f = sharded.fusion
+    factor = (sizes or Sizes()).factor_of(sharded)
 
     def local(v):
         return shape_of(v.shape, sharded.shardings[v.name], sharded.mesh) if v.name in sharded.shardings else v.shape
 
+    def scaled(name: str, nbytes: int) -> float:
+        return nbytes * (factor(name) if factor is not None else 1.0)
+
     comms = {c.name: c for c in collectives_of(sharded)}
-    def comm_seconds(axis: int, nbytes: int) -> float:
+
+    def comm_seconds(axis: int, nbytes: float) -> float:
         bw, latency = machine.link(sharded.mesh, axis)
         return latency + nbytes / bw
 
-    ideal = sum(comm_seconds(c.axis, c.bytes) for c in comms.values())
-    compute = sum(op_seconds(op, machine, local) for op in f.ops if op.kind not in ("set", "define_tensor", "define_scalar"))
+    busy: dict[int, float] = {}
+    busy_by_op: dict[int, tuple[int, float]] = {}
+    waits: list[tuple[int, int, float]] = []
     issues = schedule.by_position() if schedule is not None else {}
     done: dict[str, float] = {}
     link_free: dict[int, float] = {}
+    compute_by_op: dict[int, float] = {}
+    waited_by_op: dict[int, float] = {}
+    waited_by_axis: dict[int, float] = {}
     now = 0.0
 
     def launch(issue: Issue) -> None:
         start = max(now, link_free.get(issue.axis, 0.0))
-        end = start + comm_seconds(issue.axis, issue.bytes)
+        nbytes = sum(scaled(n, comms[n].bytes) for n in issue.sets if n in comms) if factor is not None else issue.bytes
+        took = comm_seconds(issue.axis, nbytes)
+        end = start + took
         link_free[issue.axis] = end
         done.update((name, end) for name in issue.sets)
+        busy[issue.axis] = busy.get(issue.axis, 0.0) + took
+        first = min(issue.waits)
+        busy_by_op[first] = (issue.axis, busy_by_op.get(first, (issue.axis, 0.0))[1] + took)
+
+    def wait(i: int, until: float, axis: int) -> None:
+        nonlocal now
+        if until > now:
+            waited_by_op[i] = waited_by_op.get(i, 0.0) + until - now
+            waited_by_axis[axis] = waited_by_axis.get(axis, 0.0) + until - now
+            waits.append((i, axis, until - now))
+            now = until
 
     rings = {r.at: r for r in getattr(schedule, "rings", ())}
     in_rings = {k for r in rings.values() for c in r.chains for k in c}
@@ -145,23 +228,29 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
         if i in in_rings:  # its time is the ring's
             pass
         elif i in rings:  # a collective matmul: the ring's steps beside the blocks of its matmuls
-            now += ring_seconds(sharded, rings[i], machine)[1]
+            blocking, ringed = ring_seconds(sharded, rings[i], machine, factor)
+            work = sum(op_seconds(f.ops[k], machine, local, factor) for k in rings[i].linears)
+            compute_by_op[i] = work
+            now += work
+            wait(i, now + max(0.0, ringed - work), rings[i].axis)
         elif op.kind == "set" and name in comms:
             if name not in done:  # unscheduled: it starts here and blocks
                 launch(Issue(None, i, (name,), (i,), comms[name].axis, comms[name].kind, comms[name].bytes))
-            now = max(now, done[name])
+            wait(i, done[name], comms[name].axis)
         elif op.kind not in ("define_tensor", "define_scalar"):
-            now += op_seconds(op, machine, local)
+            t = op_seconds(op, machine, local, factor)
+            compute_by_op[i] = t
+            now += t
         for issue in issues.get(i, ()):
             launch(issue)
-    return Exposure(compute, ideal, max(0.0, now - compute), ideal)
+    return Timeline(now, compute_by_op, waited_by_op, waited_by_axis, busy, waits, busy_by_op)
 
 
-def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[float, float]:
+def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine, factor=None) -> tuple[float, float]:
     """(the collective and its matmuls one after the other, the ring) in seconds on ``machine``:
     blocking is the collective's time plus the matmuls'; the ring runs n blocks of matmul and
     n - 1 steps, each step beside a block: (n - 1) * max(step, block) + block, plus the machine's
-    ``block_overhead`` for each of the n smaller matmuls."""
+    ``block_overhead`` for each of the n smaller matmuls. ``factor``: as ``op_seconds`` takes it."""
     f = sharded.fusion
 
     def local(v):
@@ -170,8 +259,9 @@ def ring_seconds(sharded: ShardedFusion, ring: Ring, machine: Machine) -> tuple[
     n = ring.steps + 1
     bw, latency = machine.link(sharded.mesh, ring.axis)
     step = sharded.set_steps[ring.name]
-    collective = latency + step.bytes / bw
-    compute = sum(op_seconds(f.ops[k], machine, local) for k in ring.linears)  # on the whole (gathered) rows
-    one_step = latency + ring.step_bytes / bw
+    k = factor(ring.name) if factor is not None else 1.0
+    collective = latency + step.bytes * k / bw
+    compute = sum(op_seconds(f.ops[j], machine, local, factor) for j in ring.linears)  # on the whole (gathered) rows
+    one_step = latency + ring.step_bytes * k / bw
     block = compute / n
     return collective + compute, (n - 1) * max(one_step, block) + block + n * machine.block_overhead

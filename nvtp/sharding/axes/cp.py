@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes.dp import split_at_rest
-from nvtp.sharding.axes.ring import NAME, ring_records
+from nvtp.sharding.axes.ring import NAME, ring_records, ring_seconds
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, register
 from nvtp.sharding.passes import backward_annotations, shard
 from nvtp.sharding.placements import ZIGZAG, DeviceMesh, Placement, is_replicate, make_shard
@@ -186,6 +186,34 @@ class ContextParallel(Strategy):
 
     def extra_steps(self, phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
         return ring_records(phase, sharded)
+
+    layout = 2  # inside dp, outside tp
+
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        if facts.sequence is None:
+            return "the model's arguments have no sequence axis ([B, T, ...]) for cp to split"
+        if facts.sequence % (2 * extent):
+            return f"the sequence of {facts.sequence} does not split into the balanced layout's 2 x {extent} pieces"
+        return super().refuse(extent, facts)
+
+    def conflicts(self, extents: Mapping[str, int], options: Mapping[str, Any], facts: Any) -> str | None:
+        if extents[self.name] == 1:
+            return None
+        mesh = DeviceMesh.of_shape(tuple(extents.values()), tuple(extents))
+        pieces = extents[self.name] * chunks(mesh)
+        if facts.sequence is not None and facts.sequence % pieces:
+            return f"the sequence of {facts.sequence} does not split into the {pieces} pieces cp={extents[self.name]} takes with tp"
+        return None
+
+    def cost_terms(self, costed: Any) -> dict[str, float]:
+        """What the step waits for cp's collectives (the weights' gradients), and the ring
+        attention's steps: each attention runs n blocks of its queries against the travelling
+        K/V, one step beside each block but the last: (n - 1) max(step, block) more than one block
+        (the op's own time, counted with the ops)."""
+        ring = 0.0
+        for phase, sharded, factor, times in costed.programs():
+            ring += times * ring_seconds(phase, sharded, factor, costed.machine)
+        return {f"{self.name} communication": costed.waited(self.name), f"{self.name} ring attention": ring}
 
     def headline(self, report: Any, axis: int) -> str:
         return ("the sequence split over cp (attention by ring: K/V blocks passed by point-to-point steps, no all-gather of K or V)"

@@ -19,7 +19,7 @@ be split twice along one dimension, by different factors of it: the batch (dp) a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, inputs_of, register
@@ -134,6 +134,17 @@ class DataParallel(Strategy):
 
     def headline(self, report: Any, axis: int) -> str:
         return f"{(report.data or 'ddp').upper()} on dp"
+
+    layout = 1  # outside cp and tp, inside pp
+
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        if facts.batch % extent:
+            return f"the batch of {facts.batch} rows does not split over dp={extent}"
+        return super().refuse(extent, facts)
+
+    def choices(self, extent: int, extents: Mapping[str, int], facts: Any) -> list[dict[str, Any]]:
+        return [{"fsdp": False}, {"fsdp": True}] if extent > 1 else [{}]
+
 
     def report_lines(self, report: Any, axis: int) -> list[str]:
         return _traffic_text(dp_traffic(report, axis))

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-from nvtp.sharding.axes.strategy import MeshError, Strategy, register
+from nvtp.sharding.axes.strategy import AXES, MeshError, Strategy, register
 from nvtp.sharding.placements import DeviceMesh
 
 ORDER = ("pp", "dp", "tp")
 NAME = ORDER[0]
+
+
+SCHEDULES = ("1f1b", "gpipe")  # nvtp.pipeline.schedule's, the planner's order (1F1B holds fewer microbatches)
+STAGE_AXES = ORDER[1:]  # the axes a stage's sub-mesh has
 
 
 @register
@@ -55,6 +59,53 @@ class PipelineParallel(Strategy):
     }
     cuts_stages = True
     crosses_nodes = True
+    layout = 0  # outermost
+
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        if extent > facts.blocks:
+            return f"pp={extent} stages, but the model has {facts.blocks} block(s): each stage holds one or more"
+        if not facts.loss_only:
+            return "a pipeline trains a forward that returns its loss alone (one scalar); this model returns more"
+        return super().refuse(extent, facts)
+
+    def conflicts(self, extents: Mapping[str, int], options: Mapping[str, Any], facts: Any) -> str | None:
+        if extents[self.name] == 1:
+            return None
+        others = [a for a, n in extents.items() if n > 1 and a != self.name and a not in STAGE_AXES]
+        if others:
+            return f"a pipeline shards each stage over ({', '.join(STAGE_AXES)}); it does not take {', '.join(others)}"
+        if options.get("fsdp"):
+            return "a pipeline's stages keep their weights whole over dp (DDP): no FSDP"
+        return None
+
+    def choices(self, extent: int, extents: Mapping[str, int], facts: Any) -> list[dict[str, Any]]:
+        """Microbatches that divide each data-parallel rank's batch: from pp (a bubble of about half)
+        by doubling to the whole batch (a row each), and both schedules."""
+        if extent == 1:
+            return [{}]
+        rows = facts.batch // math.prod(n for a, n in extents.items() if AXES[a].splits_batch)
+        counts = sorted({m for m in [rows] + [extent * 2 ** i for i in range(12)] if m <= rows and rows % m == 0})
+        return [{"microbatches": m, "schedule": s} for m in counts for s in SCHEDULES]
+
+    def in_flight(self, stage: int, stages: int, microbatches: int, schedule: str) -> int:
+        """Microbatches whose activations ``stage`` holds at once: 1F1B at most stages - stage, GPipe all of them."""
+        return min(stages - stage, microbatches) if schedule == SCHEDULES[0] else microbatches
+
+    def cost_terms(self, costed: Any) -> dict[str, float]:
+        """The pipeline's own time: per microbatch each stage's forward and backward (``costed.stage_seconds``)
+        and its point-to-point transfers; a step of m microbatches on p stages takes
+        (m - 1) t_max + sum_s t_s (the fill and drain: the bubble, (p - 1) t_max for equal stages).
+        The terms are what the step adds to m t_max of the slowest stage (counted by the other terms)."""
+        m = costed.microbatches
+        base = costed.stage_seconds
+        sends = [costed.transfer_seconds(s) for s in range(len(base))]
+        t = [b + x for b, x in zip(base, sends)]
+        slowest = max(range(len(t)), key=lambda s: t[s])
+        step = (m - 1) * t[slowest] + sum(t)
+        return {f"{self.name} transfers": m * sends[slowest], f"{self.name} bubble": step - m * t[slowest]}
+
+    def memory_terms(self, costed: Any) -> dict[str, float]:
+        return {f"{self.name}: activations of in-flight microbatches": costed.in_flight_bytes}
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,34 @@ def _numel(shape) -> int:
     return n
 
 
+def ring_seconds(phase: str, sharded: Any, factor: Any, machine: Any) -> float:
+    """The time a ring attention adds to its op's own (one block of queries against one K/V block,
+    which ``nvtp.sharding.cost.op_seconds`` counts): n - 1 more blocks, each beside a step of the
+    ring, (n - 1) max(step, block), on ``machine``'s cp link. ``factor``: a value's size against
+    its traced one (``cost.Sizes``; None: as traced)."""
+    from nvtp.sharding.cost import op_seconds
+
+    mesh = sharded.mesh
+    steps: dict[int, list[RingStep]] = {}
+    for r in ring_steps(phase, sharded):
+        steps.setdefault(r.position, []).append(r)
+    total = 0.0
+    for position, rs in steps.items():
+        op = sharded.fusion.ops[position]
+        axis = ring_axis(mesh, sharded.shardings.get(op.arg("key").name if op.kind == "sdpfa_fwd" else op.arg("query").name))
+        if axis is None:
+            continue
+        n = mesh.shape[axis]
+        bw, latency = machine.link(mesh, axis)
+        k = factor(op.arg("key").name) if factor is not None else 1.0
+        messages = len(rs) / max(1, n - 1)  # K and V a step (and their gradients, backward)
+        per_step = messages * latency + sum(r.bytes for r in rs) * k / max(1, n - 1) / bw
+
+        def local(v):
+            return local_shape(v.shape, sharded.shardings[v.name], mesh) if v.name in sharded.shardings else v.shape
+        block = op_seconds(op, machine, local, factor)
+        total += (n - 1) * max(per_step, block)
+    return total
 
 
 def ring_records(phase: str, sharded: Any) -> list[dict[str, Any]]:

@@ -91,6 +91,7 @@ class Strategy:
     cuts_stages: ClassVar[bool] = False  # the model is cut into stages along it, before any pass (a pipeline)
     backends: ClassVar[frozenset[str] | None] = None  # backends that run it (None: every one)
     crosses_nodes: ClassVar[bool] = False  # placed outermost, it crosses the slower link first (data parallel)
+    layout: ClassVar[int] = 0  # where the planner (nvtp.auto) puts the axis in a mesh: smaller is outer (Megatron's pp, dp, cp, tp)
 
     # -- before any work --------------------------------------------------------------------
 
@@ -136,6 +137,35 @@ class Strategy:
 
     def runs_on(self, backend: str) -> bool:
         return self.backends is None or backend in self.backends
+
+    # -- what the planner asks (nvtp.auto): extents, options, cost and memory terms ---------------
+    # ``facts`` is an ``nvtp.auto.facts.Facts``: the model's batch, sequence, blocks, the backend, the machine.
+    # ``extents`` maps each axis name to its extent in the candidate (1 for an axis it lacks).
+
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        """Why this axis cannot span ``extent`` (> 1) devices for the model and machine of
+        ``facts``, in the user's terms; None when it can."""
+        if not self.runs_on(facts.backend):
+            return f"the {facts.backend} backend does not run the {self.name!r} axis ({self.summary})"
+        return None
+
+    def choices(self, extent: int, extents: Mapping[str, int], facts: Any) -> list[dict[str, Any]]:
+        """The options of this axis the planner tries at ``extent`` (keyword arguments of
+        ``nvtp.jit`` / ``nvtp.driver.shard``); [{}] when it has none to choose."""
+        return [{}]
+
+    def conflicts(self, extents: Mapping[str, int], options: Mapping[str, Any], facts: Any) -> str | None:
+        """Why this axis, at its extent, cannot go with the rest of a candidate (None: it can)."""
+        return None
+
+    def cost_terms(self, costed: Any) -> dict[str, float]:
+        """This axis's terms of a candidate's step time (seconds, ``nvtp.auto.costing.Costed``): by
+        default what the step waits for this axis's collectives, the schedule having hidden the rest."""
+        return {f"{self.name} communication": costed.waited(self.name)}
+
+    def memory_terms(self, costed: Any) -> dict[str, float]:
+        """This axis's terms of a candidate's memory per rank (bytes), for the report: what it saves or adds."""
+        return {}
 
 
 AXES: dict[str, Strategy] = {}

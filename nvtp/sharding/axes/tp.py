@@ -10,7 +10,7 @@ whole. It runs first on every mesh: the data and sequence axes shard what it lea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, register
 from nvtp.sharding.passes import backward_annotations, shard
@@ -46,3 +46,21 @@ class TensorParallel(Strategy):
 
     def headline(self, report: Any, axis: int) -> str:
         return f"plan {report.plan} on tp"
+
+    layout = 3  # innermost: the fastest link
+
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        node = facts.machine.devices_per_node
+        if extent > node:
+            return (f"tp={extent} spans more than a node of {node} devices on {facts.machine.name}: its collectives, on the "
+                    "critical path of every layer, would cross nodes")
+        if facts.dims and not any(d % extent == 0 for d in facts.dims):
+            return f"tp={extent} divides no dimension of the model's weight matrices ({', '.join(map(str, sorted(facts.dims)))})"
+        return super().refuse(extent, facts)
+
+    def choices(self, extent: int, extents: Mapping[str, int], facts: Any) -> list[dict[str, Any]]:
+        if extent == 1:
+            return [{"plan": DERIVED[0]}]
+        # megatron: all-reduces; megatron-sp: gathers and reduce-scatters, blocking or as rings beside the matmuls
+        return [{"plan": DERIVED[0], "collective_matmul": False}, {"plan": DERIVED[1], "collective_matmul": False},
+                {"plan": DERIVED[1], "collective_matmul": True}]

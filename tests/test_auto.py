@@ -1,0 +1,226 @@
+"""``plan="auto"`` (``nvtp/auto``): the fastest candidate that fits is chosen from what the axis
+strategies allow, bad input is refused before any search, the chosen plan trains like one process
+(simulated ranks here; 4 gloo processes in the slow test), and ``nvtp explain --plan auto`` prints
+the choice and the ranked table as typed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.auto import AutoError, Candidate, search
+from nvtp.auto.runtime import simulated
+from nvtp.auto.search import size_text
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_USAGE, InputError
+from nvtp.execute import spmd
+from nvtp.models import gpt
+
+ROOT = Path(__file__).parent.parent
+CFG = replace(gpt.config("tiny", n_layer=4), batch=8)  # hidden 64, 4 heads, sequence 16, vocabulary 256; 4 blocks, batch 8
+
+
+def _loss(out):
+    return out[1] if isinstance(out, tuple) else out
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt.GPT(CFG)
+
+
+@pytest.fixture(scope="module")
+def choice():
+    return search(_model(), gpt.example_tokens(CFG), devices=4)
+
+
+def test_the_choice_is_the_fastest_candidate_that_fits(choice):
+    """Every candidate uses the 4 devices; tp, dp (with and without FSDP) and pp all compete;
+    the ranked list is sorted by predicted step time and the choice is its head; a candidate's
+    terms sum to its time; FSDP's weights per rank are a quarter of DDP's."""
+    ranked = choice.ranked
+    assert choice.best is ranked[0] and len(ranked) >= 10
+    assert [c.seconds for c in ranked] == sorted(c.seconds for c in ranked)
+    assert all(c.candidate.devices == 4 and c.total_memory <= choice.facts.memory for c in ranked)
+    used = {s.name for c in ranked for s, _ in c.candidate.used()}
+    assert {"tp", "dp", "pp"} <= used, used
+    for c in ranked:
+        assert abs(sum(c.terms.values()) - c.seconds) <= 1e-12
+        assert {"parameters", "gradients", "optimizer", "activations"} <= set(c.memory)
+    by_text = {c.candidate.text(): c for c in ranked}
+    ddp, fsdp = by_text["dp4"], by_text["dp4 fsdp"]
+    assert fsdp.memory["parameters"] == pytest.approx(ddp.memory["parameters"] / 4)
+    pipelines = [c for c in ranked if c.candidate.pipelined]
+    assert pipelines and all(c.terms.get("pp bubble", 0.0) > 0 for c in pipelines)
+    text = choice.as_text()
+    assert f"chosen: {choice.best.candidate.text()}:" in text and "why not chosen" in text and "slower: " in text
+
+
+def test_a_budget_rules_out_what_does_not_fit(choice):
+    """A budget just under the unconstrained choice's memory: another candidate is chosen, it fits,
+    and the old choice is listed as over the budget, by how much."""
+    was = choice.best
+    budget = was.total_memory * 0.99
+    tight = choice.within(budget)  # what search(..., memory=budget) ranks, from the candidates already costed
+    assert tight.best.total_memory <= budget and tight.best.candidate != was.candidate
+    over = {r.candidate: r.why for r in tight.over_budget}
+    assert was.candidate in over and "over by" in over[was.candidate]
+    assert "over the memory budget" in tight.as_text()
+    with pytest.raises(AutoError, match="no plan fits 1.00 KB a device: the smallest needs"):
+        choice.within("1KB")
+
+
+def test_bad_input_is_refused_before_any_tracing(monkeypatch):
+    """Unknown machines, budgets that are not sizes, a budget nothing fits (the smallest plan's
+    need named: its weights, gradients and Adam state over the 4 devices), a device count no layout
+    takes (each axis's reason named), and a mesh instead of a count: refused before anything is traced."""
+    from nvtp.auto import sample
+
+    def no_tracing(*a, **k):
+        raise AssertionError("traced before refusing")
+
+    monkeypatch.setattr(sample, "take", no_tracing)
+    model, args = _model(), gpt.example_tokens(CFG)
+    with pytest.raises(AutoError, match="unknown machine 'a100'.*'h100-nvlink'"):
+        search(model, args, devices=4, machine="a100")
+    with pytest.raises(AutoError, match="'80GB'"):
+        search(model, args, devices=4, memory="lots")
+    elements = sum(p.numel() for p in model.parameters())
+    least = elements * (4 + 4 + 8) / 4  # fp32 weights, gradients, Adam's two moments, split 4 ways
+    with pytest.raises(AutoError, match=f"no plan fits 1.00 KB a device: even the most split plan holds {size_text(least)}"):
+        search(model, args, devices=4, memory="1KB")
+    with pytest.raises(AutoError, match="no layout of 5 devices") as e:
+        search(model, args, devices=5)
+    for reason in ("the batch of 8 rows does not split over dp=5", "pp=5 stages, but the model has 4 block",
+                   "tp=5 divides no dimension", "does not split into the balanced layout"):
+        assert reason in str(e.value), (reason, str(e.value))
+    with pytest.raises(AutoError, match="pass mesh=N"):
+        nvtp.plan(model, *args, plan="auto", mesh=(2, 2))
+    with pytest.raises(AutoError, match="leave out fsdp=True"):
+        nvtp.plan(model, *args, plan="auto", mesh=4, fsdp=True)
+    with pytest.raises(InputError, match="leave out fsdp=True"):
+        nvtp.jit(model, plan="auto", fsdp=True)
+    with pytest.raises(InputError, match="memory= are what plan='auto' plans for"):
+        nvtp.jit(model, plan="megatron", memory="80GB")
+
+
+def _train(ranks, threads, whole, steps=3):
+    """3 SGD steps on every simulated rank (each passing the whole batch) and on one eager copy."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ranks]
+
+    def step(r):
+        opts[r].zero_grad()
+        loss = _loss(ranks[r](*whole))
+        loss.backward()
+        opts[r].step()
+        return loss.item()
+    return [spmd.on_threads(step, threads) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("which", ["chosen", pytest.param("dp2-tp2-megatron-fsdp", marks=pytest.mark.slow)])
+def test_the_choice_trains_like_one_process_on_simulated_ranks(choice, which):
+    """Every rank passes the same whole batch; nvtp takes each data-parallel rank's rows; after 3
+    SGD steps the losses and every weight (reassembled) are eager PyTorch's on one process."""
+    c = choice.candidate if which == "chosen" else Candidate.of({"dp": 2, "tp": 2}, {"plan": "megatron", "fsdp": True,
+                                                                                       "collective_matmul": False})
+    assert not c.pipelined  # a pipeline runs on processes (the slow test below)
+    model, whole = _model(), gpt.example_tokens(CFG)
+    ref = copy.deepcopy(model)
+    ranks, threads = simulated(model, c, *whole)
+    losses = _train(ranks, threads, whole)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for got in losses:
+        ref_opt.zero_grad()
+        want = _loss(ref(*whole))
+        want.backward()
+        ref_opt.step()
+        assert all(abs(a - want.item()) <= 1e-5 * abs(want.item()) for a in got), (got, want.item())
+    mesh = c.mesh()
+    for name, p in ref.named_parameters():
+        placement = ranks[0].inner.placement(name)
+        placement = placement if isinstance(placement, tuple) else (placement,)
+        parts = [dict(m.inner.module.named_parameters())[name].detach() for m in ranks]
+        whole_p = spmd.assemble(parts, placement, p.shape, mesh)
+        assert (whole_p - p.detach()).abs().max().item() <= 1e-5, name
+
+
+def _cli(*argv, timeout=600):
+    return subprocess.run([sys.executable, "-m", "nvtp", "explain", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+MODEL = ["--model", "nanogpt", "--config", "tiny", "--layers", "4", "--batch", "8", "--machine", "cpu-gloo"]
+
+
+@pytest.mark.slow
+def test_cli_explains_plan_auto_as_typed():
+    """``nvtp explain --plan auto --devices 4 --model nanogpt ...`` prints the choice and the ranked
+    table, and with --json the same as one object."""
+    r = _cli("--plan", "auto", "--devices", "4", *MODEL)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("plan auto for GPT tiny (4 layers") and "\nchosen: " in r.stdout and "why not chosen" in r.stdout
+    r = _cli("--plan", "auto", "--devices", "4", *MODEL, "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["facts"]["devices"] == 4 and got["facts"]["machine"] == "cpu-gloo" and got["facts"]["batch"] == 8
+    assert got["ranked"][0]["text"] == got["chosen"]["text"]
+    assert [c["seconds"] for c in got["ranked"]] == sorted(c["seconds"] for c in got["ranked"])
+
+
+def test_cli_refuses_bad_input_for_plan_auto_before_tracing():
+    """Bad input to ``nvtp explain --plan auto`` exits with a one-line reason, no traceback."""
+    model = MODEL
+    r = _cli("--plan", "auto", "--devices", "4", *model, "--memory", "1KB")
+    assert r.returncode == EXIT_BAD_INPUT and "no plan fits 1.00 KB a device" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("--plan", "auto", "--mesh", "2x2", *model)
+    assert r.returncode == EXIT_USAGE and "leave out --mesh" in r.stderr
+    r = _cli("--plan", "megatron", "--devices", "2", *model, "--memory", "80GB")
+    assert r.returncode == EXIT_USAGE and "--memory 80GB is the budget --plan auto plans for" in r.stderr
+
+
+def _gloo_worker(rank, world, init_method, out):
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    model = _model()
+    sm = nvtp.jit(model, plan="auto", mesh=world)  # the user's loop: the same whole batch on every rank
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    whole = gpt.example_tokens(CFG)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = _loss(sm(*whole))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = {n: nvtp.full_tensor(p).detach() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"losses": losses, "params": params, "chosen": sm.candidate.text(), "table": sm.choice.as_text()}, out)
+
+
+@pytest.mark.slow
+def test_plan_auto_trains_like_one_process_on_4_gloo_processes(tmp_path):
+    """``nvtp.jit(model, plan="auto", mesh=4)`` on 4 gloo processes: losses and weights after 3 SGD
+    steps are eager PyTorch's on one process with the whole batch."""
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "auto.pt"
+    assert spawn(_gloo_worker, 4, str(out)) == [0, 0, 0, 0]
+    got = torch.load(out, weights_only=False)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    whole = gpt.example_tokens(CFG)
+    for loss in got["losses"]:
+        opt.zero_grad()
+        want = _loss(ref(*whole))
+        want.backward()
+        opt.step()
+        assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (loss, want.item(), got["chosen"])
+    for name, p in ref.named_parameters():
+        assert (got["params"][name] - p.detach()).abs().max().item() <= 1e-5, (name, got["chosen"])

@@ -1,0 +1,123 @@
+"""``compile="kernels"`` (nvtp/execute/kernels.py): each group of a rank's program that has a fused
+torch kernel runs as it, with the values and gradients of the interpreter (``compile="none"``)
+and of eager PyTorch on one process, computed independently of nvtp.
+
+Each model is run three ways on one process: eager PyTorch (its own modules), nvtp with the
+kernels, nvtp op by op. Each pattern must have fused (by name, so a pattern that stops matching
+fails here), and the loss and every gradient must agree within float32 rounding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.errors import InputError
+from nvtp.execute import reference
+from nvtp.models import gpt
+from nvtp.sharding.placements import DeviceMesh
+
+# what each model's forward and backward must run as kernels
+GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "gelu": 2, "softmax": 2},
+               "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
+                            "layer_norm_backward": 5, "gelu_backward": 2, "softmax_backward": 2}}
+LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "softmax": 2},
+                 "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
+                              "rms_norm_backward": 5, "silu_backward": 2, "softmax_backward": 2}}
+
+
+def _fused(sm) -> dict[str, dict[str, int]]:
+    return {phase: reference.fused_patterns(sharded.fusion) for phase, sharded in sm.last.phases()}
+
+
+def _step(model, loss_of, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = loss_of(model(*args, **kwargs))
+    loss.backward()
+    inner = getattr(model, "module", model)
+    return loss.detach(), {n: p.grad.clone() for n, p in inner.named_parameters()}
+
+
+def _close(got, want, what: str, tol: float = 2e-5) -> None:
+    loss, grads = got
+    want_loss, want_grads = want
+    assert abs(loss.item() - want_loss.item()) <= tol * max(1.0, abs(want_loss.item())), f"{what}: loss {loss.item()} vs {want_loss.item()}"
+    assert grads.keys() == want_grads.keys()
+    for n, g in grads.items():
+        scale = want_grads[n].abs().max().item() or 1.0
+        err = (g - want_grads[n]).abs().max().item() / scale
+        assert err <= tol, f"{what}: gradient of {n} differs by {err:.2e} of its largest entry"
+
+
+def _three_ways(model, loss_of, *args, **kwargs):
+    """(eager, kernels, interpreter) results of one step of copies of ``model``, and the kernels' fusion counts."""
+    eager = _step(copy.deepcopy(model), loss_of, *args, **kwargs)
+    sm = nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1))
+    kernels = _step(sm, loss_of, *args, **kwargs)
+    fused = _fused(sm)
+    interpreted = nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1), compile="none").share_compiled(sm)  # one trace
+    none = _step(interpreted, loss_of, *args, **kwargs)
+    assert _fused(interpreted) == fused  # the op-by-op lowering fused nothing
+    return eager, kernels, none, fused
+
+
+def _expect(fused: dict[str, dict[str, int]], want: dict[str, dict[str, int]]) -> None:
+    for phase, counts in want.items():
+        for name, n in counts.items():
+            assert fused[phase].get(name, 0) == n, f"{phase}: {name} fused {fused[phase].get(name, 0)} times, want {n}; {fused[phase]}"
+
+
+def test_gpt_runs_its_loss_embedding_gradient_and_norms_as_kernels_with_the_interpreters_values():
+    """nvtp's GPT (LayerNorm, tanh-GELU, cross-entropy with ignored targets, tied vocabulary of 512)."""
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny", vocab_size=512)
+    model = gpt.GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
+    targets[0, :3] = -100  # F.cross_entropy's ignore_index: left out of the mean
+    idx[1, :4] = idx[0, 4:8] = idx[0, :4]  # tokens seen three times: their embedding rows sum three gradients
+    eager, kernels, none, fused = _three_ways(model, lambda loss: loss, idx, targets)
+    _expect(fused, GPT_KERNELS)
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+    _close(none, eager, "the interpreter vs eager")
+
+
+def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_eagers_values():
+    """A transformers Llama from a tiny config (RMSNorm, SwiGLU, labels shifted with -100)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                   vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    idx[0, 2] = idx[1, 5] = cfg.pad_token_id  # nn.Embedding(padding_idx=0): its row gets no gradient
+    eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
+    _expect(fused, LLAMA_KERNELS)
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+
+
+def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_values():
+    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
+    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1},
+                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5}})
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+
+
+@pytest.mark.parametrize("bad", ["inductor", "Kernels", None, True])
+def test_a_bad_compile_option_is_refused_before_tracing(bad):
+    model = gpt.GPT(gpt.config("tiny"))
+    with pytest.raises(InputError, match=r"compile=.* is not a way nvtp runs a rank's program; choose one of 'kernels': .*'none': "):
+        nvtp.jit(model, compile=bad)

@@ -1,0 +1,180 @@
+"""Predicted against measured: ``plan="auto"``'s candidates run on a local gloo mesh, their step times ranked both ways.
+
+    python tools/auto_measure.py --devices 4 --layers 4 --batch 8 --steps 6 --out /tmp/auto_measure.json
+    python tools/auto_measure.py --candidates "dp4" "tp4 megatron" "pp2 dp2 microbatches=2 schedule=1f1b"
+
+The planner (``nvtp.auto.search``) costs every candidate for nvtp's GPT (``--config``, ``--layers``,
+the whole ``--batch``) on ``--devices`` CPU processes (the ``cpu-gloo`` machine model). This tool
+then runs a few of them (``--candidates``, by their table text; default: a spread of the ranked
+list, from the fastest to the slowest, one per layout) on that many gloo processes, each through
+``nvtp.auto.runtime.AutoModule`` as ``nvtp.jit(plan="auto")`` would run it: the whole batch on
+every rank, SGD, ``--warmup`` steps (the first compiles) then ``--steps`` timed ones between
+barriers (the median taken). It prints predicted and measured times side by side, the Spearman rank
+correlation, and whether the plan auto picks is measured within 10 % of the fastest measured; the
+losses of every candidate must agree (they train the same model on the same batch).
+
+The processes of one mesh share this machine's cores: compare the times as a ranking, measured
+in one run, never as absolute numbers; and say how loaded the machine was (printed: the load
+average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from nvtp.auto import Candidate, search  # noqa: E402
+from nvtp.models import gpt  # noqa: E402
+
+
+def _cfg(args) -> gpt.GPTConfig:
+    return replace(gpt.config(args.config, n_layer=args.layers), batch=args.batch)
+
+
+def _model(cfg) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt.GPT(cfg)
+
+
+def _loss(out):
+    return out[1] if isinstance(out, tuple) else out
+
+
+def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out):
+    import torch.distributed as dist
+
+    from nvtp.auto.runtime import AutoModule
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method, timeout_s=600.0)
+    torch.set_num_threads(1)
+    model = _model(cfg)
+    sm = AutoModule(model, world, candidate=Candidate(tuple(extents), tuple(options)), timeout=600.0)
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    whole = gpt.example_tokens(cfg)
+    times, losses = [], []
+    for _ in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = _loss(sm(*whole))
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    if rank == 0:
+        torch.save({"times": times, "losses": losses}, out)
+
+
+def spread(ranked, count: int) -> list:
+    """Up to ``count`` candidates from the ranked list, fastest to slowest, one per layout (mesh
+    and plan), as evenly spaced as the list allows; pipelines and cp need processes (no threads)."""
+    seen, picked = set(), []
+    step = max(1, len(ranked) // count)
+    for c in ranked[::step] + ranked:
+        key = (c.candidate.extents, c.candidate.opts.get("plan"))
+        if key in seen:
+            continue
+        seen.add(key)
+        picked.append(c)
+        if len(picked) == count:
+            break
+    return sorted(picked, key=lambda c: c.seconds)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="the whole step's batch (every rank passes it)")
+    p.add_argument("--count", type=int, default=6, help="how many candidates to run (default 6)")
+    p.add_argument("--candidates", nargs="*", default=None, help="run these (their text in the table) instead")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    from nvtp.execute.launch import spawn
+
+    load_before = os.getloadavg()
+    cfg = _cfg(args)
+    t0 = time.perf_counter()
+    choice = search(_model(cfg), gpt.example_tokens(cfg), devices=args.devices)
+    planned = time.perf_counter() - t0
+    print(choice.as_text(top=12), flush=True)
+    if args.candidates:
+        by_text = {c.candidate.text(): c for c in choice.ranked}
+        missing = [t for t in args.candidates if t not in by_text]
+        if missing:
+            print(f"not among the candidates that fit: {missing}; the table's texts are: {sorted(by_text)}", file=sys.stderr)
+            return 2
+        runs = sorted((by_text[t] for t in args.candidates), key=lambda c: c.seconds)
+    else:
+        runs = spread(choice.ranked, args.count)
+        if choice.best not in runs:
+            runs = [choice.best] + runs[:-1]
+    rows = []
+    tmp = Path(f"/tmp/auto_measure_{os.getpid()}.pt")
+    for c in runs:
+        start = time.perf_counter()
+        codes = spawn(_worker, args.devices, cfg, list(c.candidate.extents), list(c.candidate.options), args.warmup, args.steps, str(tmp))
+        wall = time.perf_counter() - start
+        if list(codes) != [0] * args.devices:
+            print(f"{c.candidate.text()}: the run failed, exit codes {list(codes)}", flush=True)
+            rows.append({"candidate": c.candidate.text(), "predicted_s": c.seconds, "failed": list(codes)})
+            continue
+        got = torch.load(tmp, weights_only=False)
+        measured = statistics.median(got["times"][args.warmup:])
+        rows.append({"candidate": c.candidate.text(), "predicted_s": c.seconds, "measured_s": measured,
+                     "first_step_s": got["times"][0], "losses": got["losses"], "wall_s": wall})
+        print(f"{c.candidate.text():<48} predicted {c.seconds * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms "
+              f"(first step {got['times'][0]:.1f} s; losses {got['losses'][0]:.6f} .. {got['losses'][-1]:.6f})", flush=True)
+    tmp.unlink(missing_ok=True)
+    ok = [r for r in rows if "measured_s" in r]
+    rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
+    fastest = min(ok, key=lambda r: r["measured_s"]) if ok else None
+    best = next((r for r in ok if r["candidate"] == choice.best.candidate.text()), None)
+    within = best["measured_s"] / fastest["measured_s"] if best and fastest else float("nan")
+    spread_losses = max(abs(r["losses"][-1] - ok[0]["losses"][-1]) for r in ok) if ok else float("nan")
+    load_after = os.getloadavg()
+    print(f"\nSpearman rank correlation, predicted vs measured ({len(ok)} candidates): {rho:.2f}")
+    print(f"auto's choice {choice.best.candidate.text()}: measured {within:.2f}x the fastest measured "
+          f"({fastest['candidate'] if fastest else '-'})" + (" (within 10 %)" if within <= 1.10 else " (NOT within 10 %)"))
+    print(f"last losses agree across candidates within {spread_losses:.2e}")
+    print(f"planning took {planned:.1f} s; load average before {load_before[0]:.1f}, after {load_after[0]:.1f} "
+          f"({os.cpu_count()} cores)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+                                              "rows": rows, "spearman": rho, "chosen": choice.best.candidate.text(),
+                                              "chosen_vs_fastest": within, "load_before": load_before, "load_after": load_after,
+                                              "planning_s": planned}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
