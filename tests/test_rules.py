@@ -514,6 +514,8 @@ def test_a_reduce_factor_marked_pass_is_caught(monkeypatch):
     fusion = SAMPLES_BY_NAME["sum"].build()  # sum over axis 1 of [2, 8, 16]
     reduced = {g for g, k in enumerate(factors_of(fusion.ops[1]).kinds) if k == "reduce"}
     monkeypatch.setitem(rules.RULES, "sum", wrong)
+    monkeypatch.setattr(rules, "_BY_STRUCTURE", {})  # factors cached by structure would serve the right rule's
+    monkeypatch.setattr(rules, "_FACTORS", {})
     cases = _cases_of("sum", "sum")
     assert any(c.decision.factor in reduced for c in cases)
     for c in cases:
@@ -536,6 +538,8 @@ def test_a_permute_rule_with_swapped_axes_is_caught(monkeypatch):
         return f
 
     monkeypatch.setitem(rules.RULES, "permute", wrong)
+    monkeypatch.setattr(rules, "_BY_STRUCTURE", {})  # factors cached by structure would serve the right rule's
+    monkeypatch.setattr(rules, "_FACTORS", {})
     failed = 0
     for c in _cases_of("permute", "permute"):
         if c.decision.factor is None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
-from nvtp.execute.moe import gather_mm, gather_mm_wgrad
+from nvtp.execute.grouped import gather_mm, gather_mm_wgrad
 
 _RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
 

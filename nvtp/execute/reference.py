@@ -212,6 +212,7 @@ class _Entry:
     fusion: "weakref.ref[Fusion]"
     key: tuple
     lowered: Lowered
+    shardings: Any = None  # held, so its id in ``key`` is not reused by another mapping while the entry lives
 
 
 _CACHE: dict[int, list[_Entry]] = {}
@@ -224,13 +225,13 @@ def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] |
     key = (id(shardings), mesh, rank, size, tuple(sorted((k, id(v) if k == "schedule" else v) for k, v in options.items())))
     entries = _CACHE.get(id(fusion))
     for e in entries or ():
-        if e.fusion() is fusion and e.key == key:
+        if e.fusion() is fusion and e.key == key and e.shardings is shardings:
             return e.lowered
     lowered = lower_fusion(fusion, shardings, mesh, rank, size, **options)
     if not entries or entries[0].fusion() is not fusion:
         entries = _CACHE[id(fusion)] = []
         weakref.finalize(fusion, _CACHE.pop, id(fusion), None)
-    entries.append(_Entry(weakref.ref(fusion), key, lowered))
+    entries.append(_Entry(weakref.ref(fusion), key, lowered, shardings))
     del entries[:-_PER_FUSION]
     return lowered
 
