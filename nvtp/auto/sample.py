@@ -50,6 +50,7 @@ class Facts:
     prefix: str | None  # their ModuleList's name
     loss_only: bool  # the forward returns one scalar (a pipeline needs it)
     dims: frozenset[int] = frozenset()  # the sizes of the trainable weight matrices' dimensions (what a tensor split divides)
+    experts: frozenset[int] = frozenset()  # the leading sizes of 3-D weights (a MoE layer's experts, [E, in, out]); empty: dense
 
 
 @dataclass
@@ -89,8 +90,9 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any], 
             sequence = int(a.shape[1])
             break
     dims = frozenset(d for p in model.parameters() if p.requires_grad and p.ndim == 2 for d in p.shape)
+    experts = frozenset(int(p.shape[0]) for p in model.parameters() if p.requires_grad and p.ndim == 3)
     return Facts(devices, machine, memory, backend, whole_batch(args, kwargs), sequence, blocks, prefix,
-                 bool(loss_only), dims)
+                 bool(loss_only), dims, experts)
 
 
 def take(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any], facts: Facts, *, ring: bool = False,

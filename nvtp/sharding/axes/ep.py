@@ -77,6 +77,14 @@ class ExpertParallel(Strategy):
     order = 15  # after tp (which splits inside experts), before dp (which splits each ep rank's tokens again)
     backends = frozenset({"reference"})  # nvFuser has no all-to-all inside a fusion: the dispatch would be host-driven
 
+    def refuse(self, extent: int, facts: Any) -> str | None:
+        """The planner's question (``nvtp.auto``): a dense model, or expert counts ``extent`` does not divide."""
+        if not facts.experts:
+            return f"ep={extent} splits the experts of mixture-of-experts layers, and this model has none (no 3-D expert weights)"
+        if not any(e % extent == 0 for e in facts.experts):
+            return f"ep={extent} divides none of the model's expert counts ({', '.join(map(str, sorted(facts.experts)))})"
+        return super().refuse(extent, facts)
+
     def check_traced(self, traced: Any, mesh: DeviceMesh, axis: int, fsdp: bool) -> None:
         """Refuse, before any work: a model with no MoE layer, experts the axis does not divide,
         arguments whose batch it does not divide."""
