@@ -118,7 +118,7 @@ def test_plan_of_a_module_on_a_fsdp_mesh():
 @pytest.mark.parametrize("argv, says", [
     (["--mesh", "2by2"], "expected DPxTP"),
     (["--mesh", "0x2"], "at least 1 device"),
-    (["--devices", "2", "--fsdp"], "give --mesh DPxTP with it"),
+    (["--devices", "2", "--fsdp"], "give a mesh with a 'dp' axis, --mesh DPxTP, or leave --fsdp out"),
     (["--devices", "4", "--mesh", "2x2"], "not both"),
 ])
 def test_bad_mesh_spellings_are_refused_with_one_line(argv, says, capsys):
@@ -139,7 +139,7 @@ def test_bad_mesh_spellings_are_refused_with_one_line(argv, says, capsys):
 def test_plan_refuses_a_bad_mesh_before_tracing():
     with pytest.raises(ValueError, match=r"expected \(dp, tp\)"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), mesh=(2,))
-    with pytest.raises(ValueError, match=r"fsdp=True shards weights over a data-parallel axis \('dp'\); the mesh \['tp'\] has none"):
+    with pytest.raises(ValueError, match=r"fsdp=True is an option of the 'dp' mesh axis .* and this mesh has the axis tp: give a mesh with a 'dp' axis"):
         explain.plan(gpt.Block(CFG), gpt.example_input(CFG), devices=2, fsdp=True)
 
 
