@@ -183,7 +183,7 @@ BAD_MESH = [
     (["--mesh", "2x2x1"], "expected DPxTP"),
     (["--mesh", "0x4"], "at least 1 device"),
     (["--mesh", "2x2", "--devices", "4"], "not both"),
-    (["--devices", "4", "--fsdp"], "give --mesh DPxTP with it"),
+    (["--devices", "4", "--fsdp"], "give a mesh with a 'dp' axis, --mesh DPxTP, or leave --fsdp out"),
     (["--mesh", "3x2"], "cannot be split over the dp axis of size 3"),
 ]
 
