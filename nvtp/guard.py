@@ -139,9 +139,11 @@ def _module_step(sm, compiled, args, kwargs, rtol, outcome: Outcome) -> None:
     eager = _Eager(sm.module, whole, args, kwargs, train)
     wants = eager.outputs(paths)
     for k, (path, got) in enumerate(zip(paths, outs)):
+        if not isinstance(wants[k], torch.Tensor):  # a container torch's pytree does not open (a plain dataclass): not compared
+            continue
         _compare(outcome, _output_name(path), got, view(wants[k], k), rtol)
-    if not train or outcome.failures:
-        return
+    if not train or outcome.failures or not all(isinstance(w, torch.Tensor) for w in wants):
+        return  # gradients through an output eager's pytree cannot open would be compared with none: not checked
     # the program's loss is the mean of the dp ranks' (DDP): an output it splits over dp gets 1/dp of its gradient
     expected = eager.gradients(list(got_grads), [None if g is None else g / dp_size if splits[k] else g for k, g in enumerate(grads)])
     for (name, got), want in zip(got_grads.items(), expected):
@@ -289,7 +291,7 @@ class _Eager:
 
     def gradients(self, names: list[str], grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """d(sum of <grads[k], output k>)/d(weight) for each weight of ``names`` (zeros where it does not reach)."""
-        pairs = [(t, g) for t, g in zip(self.leaves, grads) if g is not None and t.requires_grad]
+        pairs = [(t, g) for t, g in zip(self.leaves, grads) if g is not None and isinstance(t, torch.Tensor) and t.requires_grad]
         weights = [self.weights[n] for n in names]
         if not pairs:
             return [torch.zeros_like(w) for w in weights]
