@@ -10,13 +10,12 @@ memory read afterwards by an older name) is refused naming the op, the line and 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import nvtp
 from nvtp.dump import relative_error
+from tests.one_process import jit_and_eager
 from nvtp.frontend.capture import CaptureError
 
 
@@ -67,15 +66,10 @@ def base_updated_after_its_view_was_read(m, x):
 def test_updates_of_tensors_forward_made_match_eager_values_and_gradients(body):
     model = Updates(body)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    jitted = nvtp.jit(copy.deepcopy(model), plan="replicate")
-    xs = x.clone().requires_grad_()
-    y = jitted(xs)
-    y.backward()
-    want_x = x.clone().requires_grad_()
-    want = model(want_x)
-    want.backward()
-    assert relative_error(y.detach(), want.detach())[0] <= 1e-6
-    assert relative_error(xs.grad, want_x.grad)[0] <= 1e-6
+    run = jit_and_eager(model, x)
+    jitted = run.jitted
+    assert relative_error(run.y, run.want)[0] <= 1e-6
+    assert relative_error(run.x_grad, run.want_x_grad)[0] <= 1e-6
     assert relative_error(jitted.module.w.grad, model.w.grad)[0] <= 1e-6
     kinds = {op.kind for op in jitted.last.forward.source.ops}
     assert body is base_updated_after_its_view_was_read or "where" in kinds, kinds  # a setitem is a masked select

@@ -10,14 +10,13 @@ megatron-sp in the slow tier).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import nvtp
 from nvtp.dump import relative_error
+from tests.one_process import jit_and_eager
 from nvtp.sharding.placements import axis_split
 
 
@@ -64,15 +63,10 @@ def test_multihead_attention_matches_eager_values_and_gradients(case):
     model = Attention(**CASES[case])
     shape = (2, 6, 16) if model.mha.batch_first else (6, 2, 16)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    jitted = nvtp.jit(copy.deepcopy(model), plan="replicate")
-    xs = x.clone().requires_grad_()
-    y = jitted(xs)
-    y.backward()
-    want_x = x.clone().requires_grad_()
-    want = model(want_x)
-    want.backward()
-    assert relative_error(y.detach(), want.detach())[0] <= 1e-5
-    assert relative_error(xs.grad, want_x.grad)[0] <= 1e-5
+    run = jit_and_eager(model, x)
+    jitted = run.jitted
+    assert relative_error(run.y, run.want)[0] <= 1e-5
+    assert relative_error(run.x_grad, run.want_x_grad)[0] <= 1e-5
     for name, p in model.named_parameters():
         assert relative_error(dict(jitted.module.named_parameters())[name].grad, p.grad)[0] <= 1e-5, name
 

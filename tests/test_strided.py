@@ -10,13 +10,11 @@ transformers GPT-J on a simulated mesh of 2 (ranks as threads), the other famili
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import nvtp
 from nvtp.dump import relative_error
+from tests.one_process import jit_and_eager
 
 
 class EveryStride(torch.nn.Module):
@@ -40,15 +38,10 @@ def test_strided_slices_and_their_gradients_match_eager_with_no_strided_op_left(
     torch.manual_seed(0)
     model = EveryStride()
     x = torch.randn(4, 7, 12, generator=torch.Generator().manual_seed(1))
-    jitted = nvtp.jit(copy.deepcopy(model), plan="replicate")
-    xs = x.clone().requires_grad_()
-    y = jitted(xs)
-    y.backward()
-    want_x = x.clone().requires_grad_()
-    want = model(want_x)
-    want.backward()
-    assert relative_error(y.detach(), want.detach())[0] <= 1e-6
-    assert relative_error(xs.grad, want_x.grad)[0] <= 1e-6
+    run = jit_and_eager(model, x)
+    jitted = run.jitted
+    assert relative_error(run.y, run.want)[0] <= 1e-6
+    assert relative_error(run.x_grad, run.want_x_grad)[0] <= 1e-6
     assert relative_error(jitted.module.w.grad, model.w.grad)[0] <= 1e-6
     for fusion in (jitted.last.forward.source, jitted.last.backward.source):  # nvFuser's slice takes stride 1 only
         slices = [op for op in fusion.ops if op.kind == "slice"]
