@@ -46,12 +46,19 @@ def _reshards(ctx: Context, op: Op) -> list[tuple[int, str, Placement, Placement
         if len(src) > 1:  # as this axis's process group sees the value: other axes' splits of a shared axis taken out
             others = held(v.shape, src, ctx.mesh, [ctx.coord(a) for a in range(ctx.mesh.ndim)], skip=axis)
             n = ctx.mesh.shape[axis]
-            for dim, o in enumerate(others):
-                if o is not None and any(axis_split(q) and axis_split(q)[0] == dim for q in (s, d)):
-                    s, size[dim] = induced(s, v.shape[dim], o, n)
-                    d, _ = induced(d, v.shape[dim], o, n)
+            for dim, o in enumerate(others):  # each of s and d is induced on the tensor axis it splits only
+                if o is None or not (_splits(s, dim) or _splits(d, dim)):
+                    continue
+                size[dim] = o.numel()
+                s = induced(s, v.shape[dim], o, n)[0] if _splits(s, dim) else s
+                d = induced(d, v.shape[dim], o, n)[0] if _splits(d, dim) else d
         out.append((axis, kind, s, d, size))
     return out
+
+
+def _splits(p: Placement, dim: int) -> bool:
+    split = axis_split(p)
+    return split is not None and split[0] == dim
 
 
 def start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
