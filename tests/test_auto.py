@@ -9,6 +9,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,6 +110,52 @@ def test_bad_input_is_refused_before_any_tracing(monkeypatch):
         nvtp.jit(model, plan="auto", fsdp=True)
     with pytest.raises(InputError, match="memory= are what plan='auto' plans for"):
         nvtp.jit(model, plan="megatron", memory="80GB")
+
+
+@pytest.mark.parametrize("fails", ["budget", "bug"])
+def test_rank_0s_planning_failure_is_raised_on_every_rank(monkeypatch, fails):
+    """On a world of 2 (the exchange simulated: rank 0 runs first, what it sends is what rank 1
+    receives), rank 0's search fails; every rank raises the same error (class and message): the
+    budget nothing fits as rank 0's AutoError, a failure of nvtp's own as a RankFailure naming it.
+    Rank 1 never searches, and receives no choice to wait for."""
+    import importlib
+
+    from nvtp.auto import runtime
+    from nvtp.errors import RankFailure
+
+    searching = importlib.import_module("nvtp.auto.search")  # the module (nvtp.auto.search is also the function)
+
+    sent, searched = [], []
+    real = searching.search
+
+    def search_on(rank):
+        def run(*a, **k):
+            searched.append(rank)
+            if fails == "bug":
+                raise RuntimeError("boom")
+            return real(*a, **k)
+        return run
+
+    def broadcast(payload):
+        if not sent:
+            sent.append(list(payload))
+        return list(sent[0])
+
+    monkeypatch.setattr(runtime, "_broadcast", broadcast)
+    errors = []
+    for rank in (0, 1):
+        m = nvtp.jit(_model(), plan="auto", memory="1KB")
+        m.world, m.rank, m.devices = 2, rank, 2  # as torch.distributed's world of 2 would set them
+        monkeypatch.setattr(searching, "search", search_on(rank))
+        with pytest.raises(Exception) as e:
+            m(*gpt.example_tokens(CFG))
+        errors.append(e.value)
+    assert searched == [0]
+    want = (AutoError, "no plan fits 1.00 KB a device") if fails == "budget" else (RankFailure, "rank 0 failed while planning plan='auto': RuntimeError: boom")
+    for e in errors:
+        assert type(e) is want[0] and str(e).startswith(want[1]), (type(e), str(e))
+    assert str(errors[0]) == str(errors[1])
+    assert "every rank raises this error" in "".join(getattr(errors[1], "__notes__", []))
 
 
 def _train(ranks, threads, whole, steps=3):
@@ -224,3 +271,34 @@ def test_plan_auto_trains_like_one_process_on_4_gloo_processes(tmp_path):
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (loss, want.item(), got["chosen"])
     for name, p in ref.named_parameters():
         assert (got["params"][name] - p.detach()).abs().max().item() <= 1e-5, (name, got["chosen"])
+
+
+def _failing_worker(rank, world, init_method, out):
+    from nvtp.auto import runtime
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    runtime.PLAN_TIMEOUT_S = 120.0  # a rank left waiting for a plan fails in 2 minutes here, not an hour
+    sm = nvtp.jit(_model(), plan="auto", mesh=world, memory="1KB")  # rank 0's search finds nothing fits
+    start = time.monotonic()
+    try:
+        sm(*gpt.example_tokens(CFG))
+        got = ("no error", "")
+    except Exception as e:
+        got = (type(e).__name__, str(e))
+    torch.save({"error": got, "seconds": time.monotonic() - start}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rank_0s_planning_failure_reaches_every_gloo_process(tmp_path):
+    """``nvtp.jit(model, plan="auto", mesh=4, memory="1KB")`` on 4 gloo processes: rank 0's search
+    refuses the budget, and every rank raises the same AutoError at once (none waits for a plan)."""
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "failed"
+    assert spawn(_failing_worker, 4, str(out)) == [0, 0, 0, 0]
+    got = [torch.load(f"{out}.{r}") for r in range(4)]
+    assert all(g["error"] == got[0]["error"] for g in got), [g["error"] for g in got]
+    assert got[0]["error"][0] == "AutoError" and got[0]["error"][1].startswith("no plan fits 1.00 KB a device"), got[0]["error"]
+    assert max(g["seconds"] for g in got) < 100, [g["seconds"] for g in got]  # under the wait's 120 s: nobody timed out

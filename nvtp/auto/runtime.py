@@ -17,13 +17,15 @@ loss over the whole batch, routed back to each rank's rows.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
 
-from nvtp.errors import InputError
+from nvtp.errors import EXIT_BAD_INPUT, InputError, RankFailure, exit_code_for
 from nvtp.sharding import axes
 
 
@@ -56,6 +58,51 @@ def _devices(mesh: Any, world: int) -> int:
         raise InputError(f"plan='auto' plans for the world's devices: the mesh has {n} but the process group has {world} rank(s); "
                          f"start {n} processes or pass mesh=None")
     return n
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What rank 0 sends when planning fails: the class every rank raises (module and name) and its message."""
+
+    module: str
+    name: str
+    message: str
+
+
+def failure(e: Exception) -> Failure:
+    """Bad input (``nvtp.errors.exit_code_for``: an ``AutoError``, an ``InputError``, a model nvtp
+    cannot trace) keeps its nvtp class and message; anything else becomes a ``RankFailure`` naming it."""
+    cls = type(e)
+    if exit_code_for(e) == EXIT_BAD_INPUT and cls.__module__.split(".")[0] == "nvtp":
+        return Failure(cls.__module__, cls.__qualname__, str(e))
+    return Failure(RankFailure.__module__, RankFailure.__qualname__,
+                   f"rank 0 failed while planning plan='auto': {cls.__name__}: {e}")
+
+
+def received(f: Failure) -> Exception:
+    """The error a rank raises for rank 0's ``Failure``: of the class and with the message rank 0 sent."""
+    try:
+        cls = getattr(importlib.import_module(f.module), f.name)
+        error = cls(f.message)
+    except Exception:  # a class that takes other arguments: the message, as an AutoError
+        error = None
+    if not isinstance(error, Exception) or str(error) != f.message:
+        from nvtp.auto.search import AutoError
+
+        error = AutoError(f.message)
+    error.add_note("(raised while rank 0 planned plan='auto'; every rank raises this error)")
+    return error
+
+
+def _broadcast(payload: list[Any]) -> list[Any]:
+    """Rank 0's ``payload`` on every rank. The others wait while rank 0 plans (a minute or more for a
+    large model): a group of its own with a long timeout (``PLAN_TIMEOUT_S``)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_TIMEOUT_S))
+    dist.broadcast_object_list(payload, src=0, group=group)
+    dist.destroy_process_group(group)
+    return payload
 
 
 class _Gather(torch.autograd.Function):
@@ -130,10 +177,10 @@ class AutoModule(torch.nn.Module):
         return self.candidate
 
     def _plan(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Rank 0 searches and sends the choice; if it fails, it sends the error instead and every
+        rank raises that error (``failure``, ``received``), none waits for a choice that never comes."""
         from nvtp.auto.candidate import Candidate
         from nvtp.auto.search import search
-
-        from nvtp.auto.search import AutoError
 
         payload: list[Any] = [None]
         failed: Exception | None = None
@@ -143,19 +190,15 @@ class AutoModule(torch.nn.Module):
                                      backend=self.backend, frontend=self.frontend)
                 c = self.choice.candidate
                 payload = [(c.extents, c.options, c.recompute)]
-            except Exception as e:  # every rank raises, none waits for a choice that never comes
-                failed, payload = e, [f"{type(e).__name__}: {e}"]
+            except Exception as e:
+                failed, payload = e, [failure(e)]
         if self.world > 1:
-            import torch.distributed as dist
-
-            # the others wait while rank 0 plans (a minute or more for a large model): a group of its own with a long timeout
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_TIMEOUT_S))
-            dist.broadcast_object_list(payload, src=0, group=group)
-            dist.destroy_process_group(group)
-        if failed is not None:
-            raise failed
-        if isinstance(payload[0], str):
-            raise AutoError(f"rank 0 could not plan: {payload[0]}")
+            payload = _broadcast(payload)
+        if isinstance(payload[0], Failure):
+            error = received(payload[0])
+            if failed is not None and type(error) is type(failed) and str(error) == str(failed):
+                raise failed  # rank 0: its own error, with its traceback
+            raise error from failed
         extents, options, recompute = payload[0]
         self.candidate = c = Candidate(tuple(extents), tuple(options), recompute)
         self.inner = self._build(c)
@@ -290,4 +333,4 @@ def simulated(module: torch.nn.Module, candidate: Any, *args: Any, backend: str 
     return ranks, threads
 
 
-__all__ = ["AutoModule", "simulated"]
+__all__ = ["AutoModule", "Failure", "failure", "received", "simulated"]
