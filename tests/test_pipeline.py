@@ -388,6 +388,36 @@ def test_the_cut_balances_blocks_by_cost_and_takes_an_explicit_one():
             cut_stages(traced, "h", 4, 2, cut=bad)
 
 
+def test_the_balanced_cut_is_the_first_split_with_the_least_largest_stage():
+    """``balance`` against every contiguous split (the search it replaced): the least largest stage
+    (flops, then bytes), and of equal ones the split whose cuts come first; and 96 blocks into 64
+    stages (GPT-3 on the planner's 64 devices) at once."""
+    import itertools
+    import random
+    import time
+
+    from nvtp.pipeline.stages import Cost, balance
+
+    def every_split(costs, stages):
+        n = len(costs)
+        def worst(cuts):
+            bounds = (0, *cuts, n)
+            return max((sum(costs[a:b], Cost()).flops, sum(costs[a:b], Cost()).bytes) for a, b in zip(bounds, bounds[1:]))
+        return min(itertools.combinations(range(1, n), stages - 1), key=lambda cuts: (worst(cuts), cuts))
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        stages = rng.randint(1, n)
+        costs = [Cost(float(rng.choice([1, 2, 3])), float(rng.randint(0, 3))) for _ in range(n)]  # many ties
+        assert balance(costs, stages) == every_split(costs, stages), (costs, stages)
+    start = time.perf_counter()
+    cuts = balance([Cost(5.0, 1.0)] + [Cost(3.0, 1.0)] * 94 + [Cost(7.0, 2.0)], 64)
+    assert len(cuts) == 63 and time.perf_counter() - start < 10
+    with pytest.raises(ValueError, match="4 blocks cannot be cut into 5 stages"):
+        balance([Cost(1.0, 1.0)] * 4, 5)
+
+
 @pytest.mark.slow  # one process, but a whole Thunder trace (13 s on 2 busy cores)
 def test_the_cut_of_a_llama_style_model_puts_each_rmsnorm_in_its_block():
     """The model's blocks take (x, table), so it is traced whole, with no splice to say which block

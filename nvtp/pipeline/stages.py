@@ -497,27 +497,32 @@ def _cost_by_stage(f: Fusion, b: Fusion | None, a: _Assignment, stages: int) -> 
 
 def balance(costs: Sequence[Cost], stages: int) -> tuple[int, ...]:
     """Cut points (block indices where stages 1.. start) of the contiguous split minimising the
-    largest stage's (flops, bytes)."""
+    largest stage's (flops, bytes); of several such splits, the one whose cuts come first.
+
+    By dynamic programming (``least[s][i]``: the least largest stage splitting blocks i.. into s
+    stages), O(stages * blocks^2): the planner cuts GPT-3's 96 blocks into up to 64 stages (the
+    search over every split it replaced did not finish)."""
     n = len(costs)
-    best: tuple | None = None
-
-    def rec(start: int, left: int, cuts: tuple[int, ...], worst: tuple):
-        nonlocal best
-        if left == 1:
-            c = sum(costs[start:], Cost())
-            w = max(worst, (c.flops, c.bytes))
-            if best is None or w < best[0]:
-                best = (w, cuts)
-            return
-        for end in range(start + 1, n - left + 2):
-            c = sum(costs[start:end], Cost())
-            w = max(worst, (c.flops, c.bytes))
-            if best is not None and w >= best[0]:
-                continue
-            rec(end, left - 1, cuts + (end,), w)
-
-    rec(0, stages, (), (0.0, 0.0))
-    return best[1]
+    if not 1 <= stages <= n:
+        raise ValueError(f"{n} blocks cannot be cut into {stages} stages of at least one block each")
+    seg = [[(0.0, 0.0)] * (n + 1) for _ in range(n + 1)]  # seg[i][j]: blocks i..j-1, summed in order
+    for i in range(n):
+        c = Cost()
+        for j in range(i + 1, n + 1):
+            c = c + costs[j - 1]
+            seg[i][j] = (c.flops, c.bytes)
+    least = [[None] * (n + 1) for _ in range(stages + 1)]
+    for i in range(n):
+        least[1][i] = seg[i][n]
+    for s in range(2, stages + 1):
+        for i in range(n - s + 1):
+            least[s][i] = min(max(seg[i][e], least[s - 1][e]) for e in range(i + 1, n - s + 2))
+    worst = least[stages][0]
+    cuts, start = [], 0
+    for left in range(stages, 1, -1):
+        start = next(e for e in range(start + 1, n - left + 2) if max(seg[start][e], least[left - 1][e]) <= worst)
+        cuts.append(start)
+    return tuple(cuts)
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,18 @@ def local_indices(size: int, p: Placement, num_devices: int, position: int) -> t
     return (starts[:, None] + torch.arange(piece)[None, :]).reshape(-1)
 
 
+def within(a: torch.Tensor, b: torch.Tensor, size: int) -> torch.Tensor:
+    """The entries of ``a`` that ``b`` also holds, in ``a``'s order (both: indices into an axis of
+    ``size``). A mask over the axis of which only ``a``'s and ``b``'s entries are written and read
+    (no pass over the whole axis), not ``torch.isin``: for 16K of 131K indices, isin took 10 ms on
+    one thread, this 0.4 ms (2026-11-26, this project's 2-core machine; the planner's GPT-3 sample
+    on a (dp 8, tp 8) mesh asks 640 of them)."""
+    mask = torch.empty(size, dtype=torch.bool)
+    mask[a] = False
+    mask[b] = True
+    return a[mask[a]]
+
+
 def held(shape: Sequence[int], sharding: Sequence[Placement], mesh: DeviceMesh, coords: Sequence[int],
          skip: int | None = None) -> list[torch.Tensor | None]:
     """Per tensor axis, the global indices (ascending) a rank at mesh ``coords`` holds under
@@ -250,7 +262,7 @@ def held(shape: Sequence[int], sharding: Sequence[Placement], mesh: DeviceMesh, 
             continue
         dim = split[0]
         mine = local_indices(shape[dim], p, mesh.shape[axis], coords[axis])
-        out[dim] = mine if out[dim] is None else out[dim][torch.isin(out[dim], mine)]
+        out[dim] = mine if out[dim] is None else within(out[dim], mine, shape[dim])
     return out
 
 
@@ -267,7 +279,7 @@ def induced(p: Placement, dim_size: int, others: torch.Tensor | None, n: int) ->
         return p, size
     dim, _ = split
     mine = local_indices(dim_size, p, n, 0)
-    positions = torch.searchsorted(others, mine[torch.isin(mine, others)])
+    positions = torch.searchsorted(others, within(mine, others, dim_size))
     for k in range(1, size + 1):
         q = make_shard(dim, k)
         if size % k == 0 and (size // k) % n == 0 and torch.equal(local_indices(size, q, n, 0), positions):
