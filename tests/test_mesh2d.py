@@ -198,6 +198,47 @@ def test_a_tp_reshard_between_tensor_axes_of_a_value_dp_splits_moves_the_right_e
     assert torch.equal(spmd.assemble_outputs(sharded, per_rank)[0], -x)
 
 
+def test_two_axes_on_one_tensor_axis_are_checked_on_a_reduced_axis_with_the_same_answer():
+    """``compose._shares_fairly`` checks a rank's counts on the axis divided by the gcd of its
+    pieces: the same answer as on the whole axis for random shard, strided and zigzag placements
+    over 2 and 3 mesh axes (a third of them unfair), and the planner's 8.4M-row flattened batch
+    on (dp 128, tp 8) in well under a second (it took about 1 s a value before)."""
+    import itertools
+    import random
+    import time
+
+    from nvtp.sharding import compose
+    from nvtp.sharding.placements import REPLICATE, ZIGZAG, DeviceMesh, Shard, held, local_shape, make_shard
+
+    def on_the_whole_axis(shape, sharding, extents):
+        mesh = DeviceMesh.of_shape(extents, tuple(f"a{i}" for i in range(len(extents))))
+        want = local_shape(shape, sharding, mesh)
+        return all(g is None or g.numel() == w for coords in itertools.product(*map(range, extents))
+                   for g, w in zip(held(shape, sharding, mesh, list(coords)), want))
+
+    rng = random.Random(0)
+    fair = compose._shares_fairly.__wrapped__
+    answers = set()
+    for zigzag in (False, True):
+        token = ZIGZAG.set(zigzag)
+        try:
+            for _ in range(150):
+                extents = tuple(rng.choice([2, 3, 4]) for _ in range(rng.choice([2, 3])))
+                size = rng.choice([24, 48, 64, 96, 128, 192])
+                sharding = tuple(make_shard(0, k) if size % (k * n) == 0 else REPLICATE
+                                 for n, k in zip(extents, (rng.choice([1, 2, 3, 4, 6]) for _ in extents)))
+                want = on_the_whole_axis((size, 8), sharding, extents)
+                assert fair((size, 8), sharding, extents) == want, (size, sharding, extents)
+                answers.add(want)
+        finally:
+            ZIGZAG.reset(token)
+    assert answers == {True, False}
+    start = time.perf_counter()
+    assert fair((1024 * 8192, 64), (Shard(0), make_shard(0, 1024)), (128, 8))
+    assert not fair((1024 * 8192, 64), (Shard(0), Shard(0)), (128, 8))
+    assert time.perf_counter() - start < 1.0
+
+
 # -- bad input: one clear error, before any collective of the step -------------------------------
 
 def test_dp_ranks_with_batches_of_different_shapes_are_refused_on_every_rank():

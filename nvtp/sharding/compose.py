@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
 from nvtp.ir.graph import Fusion, TensorValue
-from nvtp.sharding.placements import REPLICATE, DeviceMesh, Placement, axis_split, held, local_shape
+from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, axis_split, held, local_shape
 from nvtp.sharding.propagate import ShardingError, reshard_bytes
 from nvtp.sharding.reshard import ReshardStep
 from nvtp.sharding.sharded import ShardedFusion
@@ -53,6 +53,7 @@ def _shares_fairly(shape: tuple[int, ...], sharding: tuple[Placement, ...], exte
     (contiguous, strided and zigzag pieces) hold pieces affine in the coordinate, so two axes
     splitting one factor already disagree at those. Cached: a model's values share a few shapes."""
     mesh = DeviceMesh.of_shape(extents, tuple(f"a{i}" for i in range(len(extents))))
+    shape = _reduced(shape, sharding, extents)
     want = local_shape(shape, sharding, mesh)
     splitting = [a for a, p in enumerate(sharding) if axis_split(p) is not None]
     ranges = [range(extents[a]) for a in splitting]
@@ -66,6 +67,28 @@ def _shares_fairly(shape: tuple[int, ...], sharding: tuple[Placement, ...], exte
         if any(g is not None and g.numel() != w for g, w in zip(got, want)):
             return False
     return True
+
+
+def _reduced(shape: tuple[int, ...], sharding: tuple[Placement, ...], extents: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with each tensor axis divided by the gcd g of the pieces the placements splitting it
+    cut it into (size / (split factor x devices)): a rank's entries are then g-long runs at the
+    reduced axis's entries times g, so every count scales by g and the check holds on the reduced
+    shape iff on the whole (the planner's 8.4M-row flattened batch checks on 8K rows). An axis a
+    placement does not divide evenly, or fused parts split, is kept whole."""
+    out = list(shape)
+    for dim, size in enumerate(shape):
+        pieces = []
+        for n, p in zip(extents, sharding):
+            split = axis_split(p)
+            if split is None or split[0] != dim:
+                continue
+            if isinstance(p, FusedParts) or size % (split[1] * n):
+                pieces = []
+                break
+            pieces.append(size // (split[1] * n))
+        if pieces:
+            out[dim] = size // math.gcd(*pieces)
+    return tuple(out)
 
 
 def compose(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, source: Fusion, plan: str) -> ShardedFusion:
