@@ -105,7 +105,7 @@ def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed:
     phase = "backward" if sharded.source.attrs.get("role") == "backward" else "forward"
     rings = ring_attentions(tensor_steps(phase, sharded), sharded.mesh).get(phase)
     return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log,
-                         steps=sharded.set_steps, rings=rings)
+                         steps=sharded.set_steps, rings=rings, axis_options=sharded.options)
 
 
 def run_simulated(sharded: ShardedFusion, inputs: Sequence[Any], *, seed: int = 0, timeout: float = 120.0) -> tuple[list[list[Any]], list[list]]:
