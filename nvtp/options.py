@@ -199,7 +199,7 @@ MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
     "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
-                "--schedule", "--memory"),
+                "--schedule", "--memory", "--capacity-factor"),
     "shard": ("--plan", "--mesh", "--devices", "--fsdp"),
     "replay": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--backend"),
     "demo": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--microbatches", "--schedule"),

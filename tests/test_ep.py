@@ -284,6 +284,10 @@ def test_capacity_factor_drops_the_rows_megatron_drops_and_shrinks_the_all_to_al
         ref, dropped = eager_capped(model, n, factor)
         logits, loss = ref(*batch)
     assert dropped == [2 * 32, dropped[1]] and dropped[1] > 0, dropped  # layer 0: each rank drops 32 rows (16 of each expert's 32)
+    from nvtp.execute import expert_load
+
+    load = expert_load.of_batch(capped, model, batch, {})  # the report's count of the drops: the eager reference's
+    assert [sum(x.dropped) for x in load] == dropped and load[0].dropped == (32, 32) and load[0].received == (0, 64)
     user = [i for i, v in enumerate(f.outputs) if f.role(v.name) == "output"]
     for got in outs:
         got_logits, got_loss = (got[i] for i in user)
@@ -350,7 +354,7 @@ def test_an_ep_axis_nvtp_cannot_shard_is_refused_before_any_work(experts, ep, wo
 # -- slow tier: gloo processes, (ep, tp), the CLI ----------------------------------------------------
 
 
-def _gloo_worker(rank, world, init_method, out, shape, names):
+def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -362,7 +366,7 @@ def _gloo_worker(rank, world, init_method, out, shape, names):
     if "dp" in names:  # each dp rank its half of the batch; the ranks of an ep group pass the same
         d = mesh.get_local_rank("dp")
         idx, targets = idx[2 * d:2 * d + 2], targets[2 * d:2 * d + 2]
-    sharded = nvtp.jit(model, plan="megatron", mesh=mesh)
+    sharded = nvtp.jit(model, plan="megatron", mesh=mesh, capacity_factor=capacity_factor)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     losses = []
     with ep_run.recording() as sent:
@@ -385,19 +389,21 @@ def _gloo_worker(rank, world, init_method, out, shape, names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, names", [((2,), ("ep",)), ((2, 2), ("dp", "ep"))], ids=["ep2", "dp2xep2"])
-def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names):
+@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0)],
+                         ids=["ep2", "dp2xep2", "ep2-capacity1"])
+def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
     """2 gloo processes at ep=2, 4 at (dp, ep) = (2, 2) (all_to_all_single on gloo): 3 SGD steps,
     every loss and final weight as eager's on the whole batch; the experts split over ep (whole
-    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte."""
+    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte.
+    With capacity_factor=1.0 at ep=2, as an eager model that drops the same rows (``capped_experts``)."""
     out = tmp_path / "got.pt"
     world = 1
     for n in shape:
         world *= n
-    assert spawn(_gloo_worker, world, str(out), shape, names) == [0] * world
+    assert spawn(_gloo_worker, world, str(out), shape, names, factor) == [0] * world
     got = torch.load(out)
     model, batch = moe_gpt()
-    ref = eager(model)
+    ref = eager(model) if factor is None else eager_capped(model, shape[-1], factor)[0]
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
         _, loss = ref(*batch)
@@ -433,6 +439,15 @@ def test_nvtp_explain_with_an_ep_axis_prints_experts_per_rank_and_all_to_all_byt
     assert run.returncode == 0, run.stderr[-3000:]
     assert "h.0.moe.experts, h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in run.stdout
     assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 48.00 KiB, combine 48.00 KiB" in run.stdout
+    capped = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
+                             "ep=2", "--capacity-factor", "1"], capture_output=True, text=True, timeout=900)
+    assert capped.returncode == 0, capped.stderr[-3000:]
+    assert "capacity factor 1: each expert takes at most ceil(1 x a rank's routed rows / experts)" in capped.stdout, capped.stdout
+    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 24.00 KiB, combine 24.00 KiB" in capped.stdout
+    assert "    dropped past the experts' capacity: rank 0 " in capped.stdout, capped.stdout
+    bad = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
+                          "ep=2", "--capacity-factor", "0"], capture_output=True, text=True, timeout=900)
+    assert bad.returncode == 3 and "capacity_factor=0.0: give each expert's capacity" in bad.stderr and "Traceback" not in bad.stderr
     assert "expert weights w_fc ep S(0), w_proj ep S(0)" in run.stdout, run.stdout
     gpt, (idx, _) = moe.tiny()  # the factory's model and batch: rank r routes sequence r
     ranks = [routed_counts(WithLogits(gpt), idx[r:r + 1]) for r in range(2)]
@@ -466,3 +481,38 @@ def test_nvtp_plan_reports_the_expert_load_of_each_dp_ranks_batch():
         assert x["per_rank_imbalance"] == [max(c) / (sum(c) / 4) for c in x["per_rank"]]
         assert x["axis"] == "ep" and x["received"][0] == sum(x["per_rank"][0][0:2]) + sum(x["per_rank"][1][0:2])
     assert "expert load of the example batch" in report.as_text()
+
+
+@pytest.mark.slow
+def test_moe_gpt_with_a_capacity_factor_steps_like_an_eager_model_dropping_the_same_rows():
+    """nvtp.jit(..., capacity_factor=1.0) at ep=2 on simulated ranks, one forward and backward:
+    logits, loss and every gradient within 1e-5 of ``capped_experts``' eager model (layer 0 drops
+    half its rows); the first-call check is skipped, saying why; the all-to-alls sent are the
+    Program's (capped) steps."""
+    model, batch = moe_gpt()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    threads = spmd.ThreadMesh(mesh, timeout=300)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), capacity_factor=1.0) for r in range(2)]
+    ranks[0].compile(*batch)
+    for m in ranks[1:]:
+        m.share_compiled(ranks[0])
+
+    def step(m):
+        logits, loss = m(*batch)
+        loss.backward()
+        return logits.detach(), loss.detach()
+
+    with pytest.warns(UserWarning, match="capacity_factor=1.0: the ep axis drops each expert's rows past its capacity"):
+        with ep_run.recording() as sent:
+            outs = spmd.on_threads(lambda r: step(ranks[r]), threads)
+    ref, dropped = eager_capped(model, 2, 1.0)
+    logits, loss = ref(*batch)
+    loss.backward()
+    assert dropped[0] == 64
+    for got_logits, got_loss in outs:
+        assert relative_error(got_loss, loss.detach())[0] <= 1e-5 and relative_error(got_logits, logits.detach())[0] <= 1e-5
+    for name, p in ref.named_parameters():
+        got = spmd.assemble([dict(m.module.named_parameters())[name].grad for m in ranks], ranks[0].placement(name), p.shape, mesh)
+        assert relative_error(got, p.grad)[0] <= 1e-5, name
+    planned = [(s.tensor, s.bytes) for s in ranks[0].last.steps() if s.kind == "alltoall"]
+    assert sorted(sent) == sorted(planned * 2)

@@ -10,9 +10,12 @@ fusion (``Program.source.forward``) on one process with the reference backend, o
 the model's parameters as they are, every value kept (``reference.run(values=...)``); each
 layer's expert index (the ``gather_mm`` operand its ops share, ``nvtp.sharding.moe``) is then cut
 as the sharded forward places it (``spmd.shard_tensor``): rank r's part is the routed rows rank r
-holds in a step. A layer whose rows an axis dispatches to its experts' ranks (the all-to-alls of
+holds in a step. A program that drops rows (ep's capacity factor) routes its later layers on
+what the drops left, which no unsharded run computes: its ranks are run instead, as threads of
+this process (``spmd.run_rank``), each keeping its own index. A layer whose rows an axis dispatches to its experts' ranks (the all-to-alls of
 ``Strategy.extra_steps``: the ep axis) also gets what each rank's experts receive: the rows its
-group's ranks route to the experts it holds (a contiguous block of E/P). A token is routed to k
+group's ranks route to the experts it holds (a contiguous block of E/P), and, with a capacity
+factor, the rows each rank drops (an expert's rows past its capacity). A token is routed to k
 distinct experts, so an expert's rows are its tokens.
 
 Imbalance is max / mean of the counts (1.00: even; E: one expert took everything), the figure
@@ -29,6 +32,7 @@ import torch
 from nvtp.execute import reference, spmd
 from nvtp.execute.step import RankProgram
 from nvtp.sharding import axes
+from nvtp.sharding.axes.ep import capacity, capacity_factor
 from nvtp.sharding.moe import module_of, moe_layers
 
 
@@ -36,8 +40,9 @@ from nvtp.sharding.moe import module_of, moe_layers
 class ExpertLoad:
     """One MoE layer's load for a batch. ``total[e]``: rows (= tokens) routed to expert e by the
     whole batch; ``per_rank[p][e]``: by the rows mesh position p holds; ``received[p]``: rows the
-    experts position p holds receive in a step (None where no axis dispatches the layer's rows);
-    ``axis``: the mesh axis that does (its name), or ""."""
+    experts position p holds receive in a step (None where no axis dispatches the layer's rows;
+    with a capacity factor, the rows kept); ``axis``: the mesh axis that does (its name), or "";
+    ``dropped[p]``: with a capacity factor, the rows position p routes past its experts' capacity."""
 
     module: str
     experts: int
@@ -47,6 +52,7 @@ class ExpertLoad:
     per_rank: tuple[tuple[int, ...], ...]
     received: tuple[int, ...] | None = None
     axis: str = ""
+    dropped: tuple[int, ...] | None = None  # with a capacity factor: rows each position's routing drops (its experts' overflow)
 
     @property
     def imbalance(self) -> float:
@@ -67,6 +73,9 @@ class ExpertLoad:
         if self.received is not None:
             out.append(f"    on {self.axis}, each rank's experts receive " + ", ".join(
                 f"rank {r} {n}" for r, n in zip(self.ranks, self.received)) + f" rows (imbalance {self.received_imbalance:.2f})")
+        if self.dropped is not None:
+            out.append("    dropped past the experts' capacity: " + ", ".join(f"rank {r} {n}" for r, n in zip(self.ranks, self.dropped))
+                       + " rows")
         return out
 
     def as_json(self) -> dict[str, Any]:
@@ -74,7 +83,8 @@ class ExpertLoad:
                 "total": list(self.total), "imbalance": self.imbalance, "per_rank": [list(c) for c in self.per_rank],
                 "per_rank_imbalance": [imbalance(c) for c in self.per_rank], "axis": self.axis,
                 "received": None if self.received is None else list(self.received),
-                "received_imbalance": self.received_imbalance}
+                "received_imbalance": self.received_imbalance,
+                "dropped": None if self.dropped is None else list(self.dropped)}
 
 
 def imbalance(counts: Sequence[int]) -> float:
@@ -117,22 +127,48 @@ def of_batch(program: Any, model: torch.nn.Module, args: Sequence[Any], kwargs: 
             inputs.append(named[parts[label].weight][parts[label].start:parts[label].stop])
         else:
             inputs.append(user[label] if label in user else named[label])
-    values: dict[str, Any] = {}
-    with torch.no_grad():
-        reference.run(f, inputs, values=values)
     sharded, mesh = program.forward, program.mesh
+    held = _held_indices(sharded, inputs, [layer.index for layer in layers])
     dispatching = _dispatching_axes(sharded)
     out = []
     for layer in layers:
-        index = values[layer.index].reshape(-1)
-        per_rank = [_count(spmd.shard_tensor(values[layer.index], sharded.sharding(layer.index), mesh, p), layer.experts)
-                    for p in range(mesh.size)]
+        parts = held[layer.index]
+        index = spmd.assemble(parts, sharded.sharding(layer.index), f.values[layer.index].shape, mesh).reshape(-1)
+        per_rank = [_count(part, layer.experts) for part in parts]
         axis = next((dispatching[op.outputs[0].name] for op in f.ops
                      if op.kind == "gather_mm" and op.arg("index").name == layer.index and op.outputs[0].name in dispatching), None)
-        received = None if axis is None else _received(per_rank, mesh, axis, layer.experts)
+        factor = capacity_factor(sharded) if axis is not None else None
+        kept, dropped = per_rank, None
+        if factor is not None:  # an expert's rows past its capacity (from one rank) are not sent
+            caps = [capacity(factor, sum(counts), layer.experts) for counts in per_rank]
+            kept = [tuple(min(c, cap) for c in counts) for counts, cap in zip(per_rank, caps)]
+            dropped = tuple(sum(a) - sum(b) for a, b in zip(per_rank, kept))
+        received = None if axis is None else _received(kept, mesh, axis, layer.experts)
         out.append(ExpertLoad(module_of(f, layer), layer.experts, layer.top_k, tuple(mesh.devices), _count(index, layer.experts),
-                              tuple(per_rank), received, "" if axis is None else mesh.names[axis]))
+                              tuple(per_rank), received, "" if axis is None else mesh.names[axis], dropped))
     return out
+
+
+def _held_indices(sharded: Any, inputs: list[Any], names: list[str]) -> dict[str, list[torch.Tensor]]:
+    """Each of ``names`` (expert indices) as each mesh position holds it, for the whole inputs
+    ``inputs`` of ``sharded.source``. A dropless program routes as the unsharded forward does:
+    that forward is run once and cut by the placements. A program that drops rows (a capacity
+    factor) changes what later layers route: its ranks are run (threads of this process)."""
+    mesh = sharded.mesh
+    with torch.no_grad():
+        if not any(st.changes_result(sharded.options) for st, _ in axes.passes(mesh)):
+            values: dict[str, Any] = {}
+            reference.run(sharded.source, inputs, values=values)
+            return {n: [spmd.shard_tensor(values[n], sharded.sharding(n), mesh, p) for p in range(mesh.size)] for n in names}
+        threads = spmd.ThreadMesh(mesh, timeout=300)
+
+        def body(pos: int) -> dict[str, torch.Tensor]:
+            values: dict[str, Any] = {}
+            spmd.run_rank(sharded, spmd.local_inputs(sharded, inputs, pos), threads.comm(pos), values=values)
+            return {n: values[n] for n in names}
+
+        per_position = spmd.on_threads(body, threads)
+    return {n: [held[n] for held in per_position] for n in names}
 
 
 def _whole_step(rp: RankProgram, v: Any, t: torch.Tensor) -> torch.Tensor:

@@ -261,10 +261,10 @@ def expert_lines(report: Any, axis: int) -> list[str]:
                 sent[rec["part"]] = sent.get(rec["part"], 0) + r.count * rec["bytes"]
             if sent:
                 rows = sum(b for k, b in sent.items() if k != "counts")
-                uniform = rows // n if factor is None else round(rows / factor / n)
+                uniform = rows // n if factor is None else round(rows / factor)  # capped: each expert c times its even share
+                rest = "the rest pads the static capacity" if factor is None else f"the capacity factor {factor:g} sizes the buffers"
                 lines.append(f"  {phase} all-to-all bytes per rank per step: " + ", ".join(f"{k} {size_text(b)}" for k, b in sent.items())
-                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(uniform)}; "
-                             "the rest pads the static capacity)")
+                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(uniform)}; {rest})")
     return lines
 
 
