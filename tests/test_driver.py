@@ -252,7 +252,7 @@ def _gpt() -> torch.nn.Module:
     return gpt.GPT(GPT_CFG)
 
 
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+@pytest.mark.parametrize("plan", [pytest.param("megatron", marks=pytest.mark.slow), "megatron-sp"])
 def test_gpt_plan_equals_the_run_on_4_ranks(plan):
     model = _gpt()
     idx, tgt = gpt.example_tokens(GPT_CFG)
@@ -285,7 +285,7 @@ def test_the_planned_backend_changes_the_program_and_is_printed():
     assert nvf.as_json()["backend"] == "nvfuser"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_transformers_plan_equals_the_run(family):
     pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
     from tests.test_hf import build, tokens
