@@ -121,7 +121,10 @@ def _count_expert_load(report: ModelReport, program: Any, model: torch.nn.Module
         return
     if axes.batch_axis(program.mesh) is not None:  # the program is the whole step's: the dp ranks' batches
         report.expert_load_note = "every data-parallel rank passing the example arguments"
-    report.expert_load = expert_load.of_batch(program, model, args, kwargs)
+    try:
+        report.expert_load = expert_load.of_batch(program, model, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the plan stands without the counts; the report says why they are missing
+        report.expert_load_note = f"not counted: running the forward on the example batch failed ({type(e).__name__}: {e})"
 
 
 _AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "example_kwargs")

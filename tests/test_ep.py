@@ -321,6 +321,29 @@ def test_a_bad_capacity_factor_is_refused_before_any_work(monkeypatch, value, wo
     assert "capacity_factor=1.25 is an option of the 'ep' mesh axis" in str(e.value), str(e.value)
 
 
+def test_the_report_says_why_the_expert_load_is_missing(ep2_step, monkeypatch):
+    """``nvtp.plan``'s count of the example batch: meta arguments are not counted, and a forward that
+    fails leaves the plan standing; both say why in the report (text and JSON), nothing silently missing."""
+    from nvtp import explain
+    from nvtp.execute import expert_load
+    from nvtp.report import report_of
+
+    model, (idx, targets), _, ranks, _, _ = ep2_step
+    program = ranks[0].last
+    report = report_of(program, "MoE GPT")
+    explain._count_expert_load(report, program, model, (idx.to("meta"), targets.to("meta")), {})
+    assert report.expert_load == [] and "not counted: the example arguments are on the meta device" in report.as_text()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(expert_load, "of_batch", broken)
+    report = report_of(program, "MoE GPT")
+    explain._count_expert_load(report, program, model, (idx, targets), {})
+    assert report.as_json()["expert_load_note"] == ("not counted: running the forward on the example batch failed "
+                                                    "(RuntimeError: no such op)")
+
+
 def _moe_fusion(experts: int, dense: bool = False):
     """A fusion of one routed matmul (rows [8, 4], ``experts`` experts [E, 4, 6]), or a dense linear."""
     b = FusionBuilder("moe" if not dense else "dense")
