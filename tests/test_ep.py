@@ -412,13 +412,15 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0)],
-                         ids=["ep2", "dp2xep2", "ep2-capacity1"])
+@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
+                                                  ((2, 2), ("dp", "ep"), 1.0)],
+                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1"])
 def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
     """2 gloo processes at ep=2, 4 at (dp, ep) = (2, 2) (all_to_all_single on gloo): 3 SGD steps,
     every loss and final weight as eager's on the whole batch; the experts split over ep (whole
     over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte.
-    With capacity_factor=1.0 at ep=2, as an eager model that drops the same rows (``capped_experts``)."""
+    With capacity_factor=1.0, as an eager model that drops the same rows (``capped_experts``: each
+    of the dp x ep ranks routes one sequence of the batch and drops past its own capacity)."""
     out = tmp_path / "got.pt"
     world = 1
     for n in shape:
@@ -426,7 +428,7 @@ def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, name
     assert spawn(_gloo_worker, world, str(out), shape, names, factor) == [0] * world
     got = torch.load(out)
     model, batch = moe_gpt()
-    ref = eager(model) if factor is None else eager_capped(model, shape[-1], factor)[0]
+    ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
         _, loss = ref(*batch)
