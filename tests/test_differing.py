@@ -12,7 +12,8 @@ simulated ranks), a transformers model (the FX route, whose layers differ), and 
 "pp" axis, 2 gloo processes). The default tier runs the grouping of every kind (6 s) and one kind
 through ``nvtp.jit`` (35 s); the slow tier every kind on every route. On main's code (fff3152)
 the default tier's training test fails (the first loss 4.1373 against eager's 4.1455), and so
-does the pipeline's; the FX route traced the patched Llama whole already (its ``_alike``).
+does the pipeline's; the FX route traced the patched Llama whole already (its ``_alike``), and
+since 2026-11-26 splices it, and a Qwen2 with sliding-window odd layers, one traced layer per variant.
 """
 
 from __future__ import annotations

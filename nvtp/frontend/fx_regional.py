@@ -9,35 +9,41 @@ compares outputs and every gradient, bit for bit, fp32 and bf16). The steps:
 
 1. ``blocks.find_repeated`` finds the repeated layers (``model.layers`` of a ``LlamaForCausalLM``:
    the outermost ``nn.ModuleList`` of 2 or more blocks of one class and parameter shapes), and
-   ``prove`` shows, by a run of the model on fake tensors (``nvtp.frontend.variants``), that every
-   layer computes layer 0's program, that the model calls each alike (the same mask, the same
-   rotary tables: not a sliding-window mask for some layers), and that the model cut to 2 layers
-   runs as the whole does outside them.
-2. dynamo exports the model cut to its first 2 blocks (``blocks.truncated``): one graph, whatever
-   the depth (``fx.export_graph``; the rewrites of the FX route are done on it).
-3. ``cut`` finds each block's nodes by dynamo's ``nn_module_stack`` (the node ran inside
-   ``<prefix>.<i>``) and checks that the two blocks are one computation on a chain: block 1's nodes
-   are block 0's, node for node (the same ops, the same literals, parameters of the same relative
-   names), where block 0 reads a value ``x`` of the model block 1 reads block 0's one output (the
-   *carry*, the residual stream), and every other value of the model the two read is the same (an
-   *invariant*: the rotary tables ``cos`` and ``sin``, an attention mask); and nothing but block 1
-   reads block 0, nothing but the rest of the model reads block 1's output.
-4. From that graph two graph modules: the *skeleton*, the model with the two blocks replaced by
-   ``carry * MARK`` (``template.Boundary``'s marker, another factor) that also returns the invariants; and the
-   *block*, block 0's nodes reading the carry and the invariants as arguments and its parameters
-   by their names in the block. Each has its constants folded (``fx_constants.fold_constants``) and, when
-   asked, its fused projections split (``fx._split_parts``; a block's parts are named per layer).
+   ``prove`` groups them into *variants* by a run of the model on fake tensors
+   (``nvtp.frontend.variants``, ``Recording.call_variants``): two layers are one variant when they
+   compute the same program and the model calls them with the same values (the same mask, the
+   same rotary tables), so a layer called with a sliding-window mask is a variant of its own; the
+   code between layers must be the same for every layer, and the model cut to ``keep`` layers must
+   run as the whole does outside them.
+2. dynamo exports the model cut to its first ``keep`` layers (``blocks.truncated``): 2 when all are
+   one variant, else up to the first layer of each variant and the second of layer 0's; one graph,
+   whatever the depth (``fx.export_graph``; the rewrites of the FX route are done on it).
+3. ``cut`` finds each layer's nodes by dynamo's ``nn_module_stack`` (the node ran inside
+   ``<prefix>.<i>``) and checks that layer 0 and the next layer of its variant are one
+   computation on a chain: the latter's nodes are layer 0's, node for node (the same ops, the same
+   literals, parameters of the same relative names), where layer 0 reads a value ``x`` of the
+   model the latter reads the layer before's one output (the *carry*, the residual stream), and
+   every other value of the model the two read is the same (an *invariant*: the rotary tables
+   ``cos`` and ``sin``, an attention mask). Every later layer reads the layer before's output as
+   its carry, and model values (its own invariants: another mask); nothing but the next layer
+   reads a layer, nothing but the rest of the model reads the last one's output.
+4. From that graph the graph modules: the *skeleton*, the model with the layers replaced by
+   ``carry * MARK`` (``template.Boundary``'s marker, another factor) that also returns the
+   invariants; and a *block* for each variant, its first layer's nodes reading the carry and the
+   invariants it reads as arguments and its parameters by their names in the layer. Each has its
+   constants folded (``fx_constants.fold_constants``) and, when asked, its fused projections split
+   (``fx._split_parts``; a block's parts are named per layer).
 5. Thunder traces each (``capture``), and ``template.splice_template`` builds the L-layer fusions:
-   the skeleton's, its marker replaced by L copies of the block's (parameters named
+   the skeleton's, its marker replaced by L copies, each of its variant's block (parameters named
    ``<prefix>.<i>.<name>``, the carry chained, every copy reading the skeleton's invariants; a
-   constant the block folded is one input that every copy reads). The skeleton's extra outputs go
+   constant a block folded is one input that every copy reads). The skeleton's extra outputs go
    again, but for those a block's backward saves.
 
 Anything that does not fit (a piece Thunder cannot trace alone included) raises ``NotRepeatable``
 with the reason, and ``trace`` traces the whole model, saying why in ``Captured.regional``
-(``Traced.how``): e.g. Gemma 2, whose layers alternate sliding-window and full attention (the
-model calls them with two masks), or any model whose layers are of several variants (this route
-traces one layer; the Thunder route traces one per variant).
+(``Traced.how``): e.g. a model whose layer 0 is the only one of its variant (Qwen2 with
+``max_window_layers=1``: no second layer to tell layer 0's carry from its other inputs). A splice
+of several variants says in ``how`` which layers share which variant, and why each is its own.
 """
 
 from __future__ import annotations
