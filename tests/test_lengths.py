@@ -114,11 +114,20 @@ def test_a_size_that_does_not_follow_the_length_is_traced_at_every_length():
 
 
 def test_folded_constants_are_regenerated_only_when_they_follow_a_known_pattern():
+    """Position ids, causal masks and sliding-window masks (Mistral, Qwen2's sliding layers) are
+    regenerated at a new length; anything else is not."""
     fit = _Fit(8, 9, 12)
     positions = [torch.arange(n, dtype=torch.float32).reshape(1, n, 1) for n in (8, 9)]
     assert torch.equal(_constant("pos", *positions, fit), torch.arange(12, dtype=torch.float32).reshape(1, 12, 1))
     masks = [torch.ones(n, n, dtype=torch.bool).tril().expand(1, 1, n, n) for n in (8, 9)]
     assert torch.equal(_constant("mask", *masks, fit), torch.ones(12, 12, dtype=torch.bool).tril().expand(1, 1, 12, 12))
+    def sliding(n, window):  # transformers' sliding-window mask: key j within `window` positions before query i
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return ((j <= i) & (j > i - window)).expand(1, 1, n, n)
+
+    assert torch.equal(_constant("sliding", sliding(8, 4), sliding(9, 4), fit), sliding(12, 4))
+    with pytest.raises(NotDerivable, match="constant sliding .* no pattern"):  # a window that follows the length is no band
+        _constant("sliding", sliding(8, 4), sliding(9, 5), fit)
     noise = [torch.rand(1, n, generator=torch.Generator().manual_seed(n)) for n in (8, 9)]
     with pytest.raises(NotDerivable, match="constant noise .* no pattern nvtp regenerates"):
         _constant("noise", *noise, fit)
