@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nvtp
+from nvtp import driver
 from nvtp.dump import relative_error
 from nvtp.errors import InputError
 from nvtp.execute import spmd
@@ -59,22 +60,44 @@ def _infer(module, *args):
         return module(*args)
 
 
+def _greedy(step, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy generation as nanoGPT's ``generate`` with ``top_k=1``: the model on the whole sequence, one token longer each step."""
+    for _ in range(tokens):
+        ids = torch.cat([ids, step(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
 @torch.no_grad()
-def test_new_lengths_are_derived_from_two_traces_and_match_eager_on_2_ranks():
+def test_generation_traces_three_lengths_derives_the_rest_and_gives_eagers_tokens_on_2_ranks(monkeypatch):
+    """Greedy generation of 6 tokens from a prompt of 8 on 2 simulated ranks gives the tokens eager
+    generation gives, with 3 traces a rank for its 6 lengths (two to derive from, one to check the
+    first derived program against), counted at the driver; a later jump to length 31 is derived too, and
+    every output is eager's within 1e-5."""
     torch.manual_seed(0)
     model = TinyLM().eval()
     group, ranks = _ranks(model)
+    traces = []
+    real = driver.trace
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: traces.append(a[1][0].shape[1]) or real(*a, **k))
+    prompt = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(8))
+    want = _greedy(model, prompt, 6)
     hows = []
-    for T in (8, 9, 10, 11, 14, 31):
-        idx = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
-        outs = spmd.on_threads(lambda r: _infer(ranks[r], idx), group)
-        want = model(idx)
+
+    def step(ids):
+        outs = spmd.on_threads(lambda r: _infer(ranks[r], ids), group)
         for out in outs:
-            assert relative_error(out, want)[0] <= 1e-5, T
+            assert relative_error(out, model(ids))[0] <= 1e-5, ids.shape
         hows.append(ranks[0].last.traced.how)
+        return outs[0]
+
+    got = _greedy(step, prompt, 6)
+    assert torch.equal(got, want), (got, want)
+    idx = torch.randint(0, 64, (2, 31), generator=torch.Generator().manual_seed(31))
+    assert relative_error(step(idx), model(idx))[0] <= 1e-5
+    assert sorted(traces) == [8, 8, 9, 9, 10, 10], traces  # each rank (a thread here, a process in use) traces its own
     family = next(iter(ranks[0]._lengths.families.values()))
-    assert family.checked and not family.why and family.derived == 3, (family.checked, family.why, family.derived)
-    assert [h.startswith("derived at length") for h in hows] == [False, False, False, True, True, True], hows
+    assert family.checked and not family.why and family.derived == 4, (family.checked, family.why, family.derived)
+    assert [h.startswith("derived at length") for h in hows] == [False] * 3 + [True] * 4, hows
 
 
 @pytest.mark.slow
@@ -91,11 +114,20 @@ def test_a_size_that_does_not_follow_the_length_is_traced_at_every_length():
 
 
 def test_folded_constants_are_regenerated_only_when_they_follow_a_known_pattern():
+    """Position ids, causal masks and sliding-window masks (Mistral, Qwen2's sliding layers) are
+    regenerated at a new length; anything else is not."""
     fit = _Fit(8, 9, 12)
     positions = [torch.arange(n, dtype=torch.float32).reshape(1, n, 1) for n in (8, 9)]
     assert torch.equal(_constant("pos", *positions, fit), torch.arange(12, dtype=torch.float32).reshape(1, 12, 1))
     masks = [torch.ones(n, n, dtype=torch.bool).tril().expand(1, 1, n, n) for n in (8, 9)]
     assert torch.equal(_constant("mask", *masks, fit), torch.ones(12, 12, dtype=torch.bool).tril().expand(1, 1, 12, 12))
+    def sliding(n, window):  # transformers' sliding-window mask: key j within `window` positions before query i
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return ((j <= i) & (j > i - window)).expand(1, 1, n, n)
+
+    assert torch.equal(_constant("sliding", sliding(8, 4), sliding(9, 4), fit), sliding(12, 4))
+    with pytest.raises(NotDerivable, match="constant sliding .* no pattern"):  # a window that follows the length is no band
+        _constant("sliding", sliding(8, 4), sliding(9, 5), fit)
     noise = [torch.rand(1, n, generator=torch.Generator().manual_seed(n)) for n in (8, 9)]
     with pytest.raises(NotDerivable, match="constant noise .* no pattern nvtp regenerates"):
         _constant("noise", *noise, fit)
