@@ -21,7 +21,7 @@ from nvtp.dump import relative_error
 from nvtp.errors import InputError
 from nvtp.execute import spmd
 from nvtp.execute.collectives import ThreadComm, ThreadGroup
-from nvtp.frontend.lengths import NotDerivable, _constant, _Fit
+from nvtp.frontend.lengths import Lengths, NotDerivable, _constant, _Fit
 from nvtp.sharding.placements import DeviceMesh
 
 
@@ -133,6 +133,22 @@ def test_folded_constants_are_regenerated_only_when_they_follow_a_known_pattern(
         _constant("noise", *noise, fit)
 
 
+def test_no_length_past_the_models_window_is_derived_from_traces_within_it():
+    """Within a sliding window its mask equals a causal one, so traces at 2 and 3 of a model with a
+    window of 4 cannot tell it: a derived length 6 got a causal mask, and with verify=False a
+    Mistral generated other tokens than eager past the window, silently. A length past the window
+    the config declares is traced, and the family starts again from it."""
+    calls = []
+    lengths = Lengths(horizon=4)
+
+    def at(n):
+        return lengths.trace((torch.zeros(1, n, dtype=torch.long),), {}, "eval", lambda: calls.append(n) or f"traced at {n}")
+
+    assert [at(2), at(3), at(6)] == ["traced at 2", "traced at 3", "traced at 6"] and calls == [2, 3, 6]
+    family = next(iter(lengths.families.values()))
+    assert family.first == [(1, 6)] and len(family.traces) == 1  # the next trace past the window makes two
+
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
 
 
@@ -170,3 +186,28 @@ def test_transformers_generate_on_a_sharded_model_runs_the_models_own_loop():
     assert v(torch.zeros(1, 3, dtype=torch.long), use_cache=False) == "sharded" and len(calls) == 1
     with pytest.raises(InputError, match=r"returns no KV cache.*leave use_cache out"):
         nvtp.jit(build("llama"), plan="megatron").generate(torch.zeros(1, 3, dtype=torch.long), use_cache=True)
+
+
+def test_the_window_a_transformers_config_declares_bounds_derivation():
+    from nvtp.frontend.lengths import horizon
+
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    assert horizon(transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=4))) == 4
+    assert horizon(transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))) is None
+
+
+@pytest.mark.slow
+def test_a_mistral_generating_past_its_window_gives_eagers_tokens_without_the_guard():
+    """verify=False: nothing but the derivation stands between the program and eager's tokens."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8)  # sharp attention: the window decides the next tokens (a causal mask gave others from the 8th)
+    ids = torch.randint(1, 64, (1, 2), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = copy.deepcopy(model).generate(ids, max_new_tokens=10, do_sample=False)
+        got = nvtp.jit(model, mesh=1, verify=False).generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want), (got, want)

@@ -84,11 +84,23 @@ def _moved(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> frozenset:
     return frozenset((i, d) for i, (s, t) in enumerate(zip(a, b)) for d, (x, y) in enumerate(zip(s, t)) if x != y)
 
 
-class Lengths:
-    """Traces of a module's calls by structure; a new length derived from two (see the module docstring)."""
+def horizon(module: torch.nn.Module) -> int | None:
+    """The shortest attention window ``module``'s config declares (transformers' ``sliding_window``,
+    ``attention_chunk_size``), None if it declares none. Within it a sliding-window or chunked mask
+    equals a causal one, so two traces within it cannot tell them apart: no length past it is
+    derived from them (``Lengths.trace``)."""
+    config = getattr(module, "config", None)
+    found = [v for k in ("sliding_window", "attention_chunk_size") if isinstance(v := getattr(config, k, None), int) and v > 0]
+    return min(found) if found else None
 
-    def __init__(self):
+
+class Lengths:
+    """Traces of a module's calls by structure; a new length derived from two (see the module docstring).
+    ``horizon``: the model's shortest attention window (``horizon(module)``), if any."""
+
+    def __init__(self, horizon: int | None = None):
         self.families: dict[tuple, Family] = {}
+        self.horizon = horizon
 
     def trace(self, args: tuple, kwargs: dict, mode: Any, trace: Callable[[], Any]) -> Any:
         """The ``Traced`` of this call: derived when its family allows, else ``trace()``."""
@@ -100,6 +112,13 @@ class Lengths:
             family.add(shapes, traced)
             return traced
         (a, ta), (b, tb) = family.traces
+        if self.horizon is not None and n > self.horizon >= max(a, b):
+            # both traces are within the window, where its mask looks causal: past it they differ. This
+            # length is traced and the family starts again from it (two traces past the window show it)
+            traced = trace()
+            self.families[key] = Family()
+            self.families[key].add(shapes, traced)
+            return traced
         start = time.perf_counter()
         try:
             derived = derive(ta, tb, a, b, n)
@@ -262,8 +281,10 @@ def _causal(t: torch.Tensor) -> tuple | None:
     """("causal", kept, masked, window) when ``t``'s last two axes hold ``kept`` where ``_band``
     keeps a key and ``masked`` elsewhere: window None for a causal mask, else the sliding window
     (the keys the last query reads, fewer than S). A window as long as the traced sequences or
-    longer looks causal at those lengths: the check of the first derived program against a trace,
-    and nvtp.guard's check of each program against eager, are what stand behind that."""
+    longer looks causal at those lengths: a window the model's config declares is known
+    (``horizon``) and no length past it is derived from traces within it; for one only the code
+    knows, the check of the first derived program against a trace and nvtp.guard's check of each
+    program against eager stand behind it."""
     if t.ndim < 2:
         return None
     L, S = t.shape[-2:]
