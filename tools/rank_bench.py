@@ -87,15 +87,17 @@ def _check(name: str, got, want) -> None:
 @contextlib.contextmanager
 def _only_layer_norm_gelu_softmax(on: bool):
     """While lowering: the patterns main had before issue 37 (LayerNorm, tanh-GELU, softmax), none of kernels.py's."""
-    from nvtp.execute import kernels
+    from nvtp.execute import attention_kernel, kernels
 
-    saved = list(kernels.KERNELS)
+    saved, attention = list(kernels.KERNELS), list(attention_kernel.ATTENTION)
     if on:
         kernels.KERNELS.clear()
+        attention_kernel.ATTENTION.clear()
     try:
         yield
     finally:
         kernels.KERNELS[:] = saved
+        attention_kernel.ATTENTION[:] = attention
 
 
 def _gemm_share(step) -> float:
