@@ -257,7 +257,7 @@ def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[st
 
         from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
 
-        return tuple(args), fx.without_cache(module, kwargs)
+        return fx.without_cache(module, args, kwargs)
     if not kwargs:
         return tuple(args), {}
     try:

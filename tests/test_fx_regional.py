@@ -105,7 +105,7 @@ def recorded(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])  # bf16: 24 s
 def test_a_llama_spliced_from_one_traced_layer_computes_the_whole_trace_bit_for_bit(dtype, recorded):
     model = build("llama", dtype=dtype)
     spliced = trace(model)
@@ -298,7 +298,7 @@ def test_cli_plans_llama3_70b_shape_on_the_meta_device_spliced(capsys):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+@pytest.mark.parametrize("plan", [pytest.param("megatron", marks=pytest.mark.slow), "megatron-sp"])
 def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_probing_each(plan, monkeypatch):
     """The derived plans probe which projections pair (column-, then row-parallel) once for the
     first layer and take the same pairs in its renamed copies (``plans.pairing.Paired``): the program is
