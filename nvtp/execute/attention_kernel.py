@@ -7,17 +7,21 @@ the product with v::
 
     s = (q·√scale) @ (kᵀ·√scale)      p = softmax(where(row ≥ column, s, -inf))      y = p @ v
 
-The check reads the mask through the fusion's producers (folded constants included): it must be
-``broadcast_in_dim(ge(i + c, j + c))`` of a row iota and a column iota on a square [T, T], i.e. the
-lower triangle SDPA's ``is_causal=True`` keeps. Two table entries, by what the program reads:
+The check reads the mask through the fusion's producers (folded constants and ``set`` ops
+included): it must be ``broadcast_in_dim(ge(i + c, j + c))`` of a row iota and a column iota on a
+square [T, T], i.e. the lower triangle SDPA's ``is_causal=True`` keeps (a mask that is a fusion
+input, as transformers' models pass theirs, is not matched). Two table entries, by what the
+program reads:
 
 * ``causal_attention``: p read only by ``p @ v`` (a forward whose backward does not keep p, e.g.
   under ``torch.no_grad()``): ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
   scale=scale)``, torch's flash kernel on a CPU, which never writes p out and skips the masked half;
 * ``causal_attention_probs``: p read elsewhere too (the backward keeps the probabilities, as
-  Thunder's decomposition saves them): p must be written whole, so the kernel is SDPA's math in three calls (one product with the scale folded in, the
-  mask applied in place, softmax) and y = p @ v: the same arithmetic as the decomposition up to
-  rounding, without its scaled copies of q and kᵀ and its broadcast mask.
+  Thunder's decomposition saves them): p must be written whole, so the kernel is SDPA's math in
+  three calls (one product with the scale folded in, the mask applied in place, softmax) and
+  y = p @ v: the same arithmetic as the decomposition up to rounding, without its scaled copies of
+  q and kᵀ and its broadcast mask. A training step measured no faster with it than without
+  (docs/benchmarks.md): flash's gain needs a program that hands the backward (out, logsumexp).
 
 The group is fused only where the sequence and head axes of every value are whole on this rank
 (batch and heads may be split: attention is per head) and nothing is a partial sum.
