@@ -45,7 +45,7 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
-         collective_matmul: bool | str = "auto", memory: Any = None, **example_kwargs) -> ModelReport:
+         collective_matmul: bool | str = "auto", memory: Any = None, compile: str = "kernels", **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -60,13 +60,18 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it. ``plan="auto"``: the choice of
     ``nvtp.auto.search`` (an ``nvtp.auto.Choice``: the plan, and the candidates ranked) for
     ``mesh`` = N devices (or ``devices``), ``machine`` and a ``memory`` budget per device; the
-    example arguments are then the whole batch."""
+    example arguments are then the whole batch. ``compile``: as ``nvtp.jit`` takes it, checked by
+    the same rule; it says how each rank runs its fusions on the reference backend (torch's fused
+    kernels, or op by op), not what they compute or send, so the plan is the same for every value
+    (``plan="auto"`` takes it too)."""
     from nvtp import driver, options, precheck
     from nvtp.execute import backends
     from nvtp.frontend import user_code
 
     if isinstance(plan, str) and plan == "auto":
         from nvtp.auto.search import plan_auto
+
+        options.check("plan", compile=compile)  # the one option auto takes as given (it changes no layout)
 
         given = {k: v for k, v in locals().items() if k in _CHOSEN and v != _CHOSEN[k]}
         return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
@@ -76,7 +81,8 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
 
         raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
-                  machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
+                  machine=machine, collective_matmul=collective_matmul, compile=compile,
+                  **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
         from nvtp import pipeline
@@ -101,7 +107,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     return report
 
 
-_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "example_kwargs")
+_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "compile", "example_kwargs")
 _CHOSEN = {k: p.default for k, p in inspect.signature(plan).parameters.items() if k not in _AUTO_TAKES}  # what plan="auto" chooses
 
 def _machine(machine: Any):

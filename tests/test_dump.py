@@ -167,3 +167,23 @@ def test_gpt2_forward_dump_replays_within_bf16_tolerance():
     assert report.checks and report.ok, [(c.name, c.rel_error) for c in report.checks if not c.ok]
     masks = [c for c in report.checks if c.dtype.value == "Bool"]
     assert len(masks) == 2  # the two residual dropout masks agree exactly with the float64 run
+
+
+def test_random_inputs_give_a_count_of_one():
+    """A 0-d integer input is as often a count as an index (a loss's number of tokens, the divisor
+    of its gradient), so random inputs make it 1. A random 0 made every output of the GPT's backward
+    NaN, which compares equal to the NaN expected: the whole GPT's simulated backward checked nothing."""
+    from nvtp.execute import reference
+    from nvtp.ir.build import FusionBuilder
+    from nvtp.ir.dtypes import DType
+
+    b = FusionBuilder()
+    grad, count = b.define_tensor((4, 8), DType.Float), b.define_tensor((), DType.Int)
+    index = b.define_tensor((8,), DType.Int)
+    b.add_output(b.op("div", grad, count))
+    b.add_output(index)
+    fusion = b.build()
+    for seed in range(8):
+        inputs = dump.random_inputs(fusion, seed=seed)
+        assert inputs[1].item() == 1 and set(inputs[2].tolist()) <= {0, 1}
+        assert torch.isfinite(reference.run(fusion, inputs)[0]).all()

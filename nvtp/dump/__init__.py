@@ -112,7 +112,9 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
 
     Floats are standard normal, except matrices (weights), which are scaled by 1/sqrt(fan-in)
     as nn.Linear initialises them, so activations stay O(1) and the float64 check measures
-    rounding rather than the chaos of saturated softmaxes."""
+    rounding rather than the chaos of saturated softmaxes. Integer tensors are 0 or 1 (indices in
+    range of any axis), except 0-d ones, which are 1 as integer scalars are: a 0-d integer is
+    often a count (a loss's number of tokens, the divisor of its gradient)."""
     from nvtp.ir.printer import strides_for
 
     g = torch.Generator().manual_seed(seed)
@@ -130,6 +132,8 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
                 t = torch.rand(v.shape, generator=g) < 0.5
             else:
                 t = torch.randint(0, 2, v.shape, generator=g).to(dt)
+                if v.ndim == 0:  # a count (a mean's divisor) of 0 made every gradient NaN, and NaN == NaN checks nothing
+                    t = torch.ones_like(t)  # drawn all the same, so the later inputs stay as they were
             strides = strides_for(v.shape, op.arg("stride_order"))
             if strides != strides_for(v.shape, None) and v.numel:
                 t = torch.empty_strided(v.shape, strides, dtype=dt).copy_(t)
