@@ -108,6 +108,25 @@ def test_replay_check_fails_when_float32_loses_the_result(tmp_path, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+def test_replay_check_says_an_output_with_no_finite_value_is_not_compared(tmp_path, capsys):
+    """log(-(|x| + 1)) is NaN everywhere, in float32 and in float64: NaN against NaN counted as
+    equal, so such an output "passed" having compared nothing (a whole backward made NaN by a random
+    0 count passed test_sharding's check). It is reported as not compared, with why."""
+    path = tmp_path / "nan.py"
+    path.write_text(BAD_NUMERICS.replace("""    T1 = fd.ops.add(T0, 100000000.0)
+    T2 = fd.ops.sub(T1, 100000000.0)
+    fd.add_output(T2)""", """    T1 = fd.ops.abs(T0)
+    T2 = fd.ops.add(T1, 1.0)
+    T3 = fd.ops.neg(T2)
+    T4 = fd.ops.log(T3)
+    fd.add_output(T1)
+    fd.add_output(T4)"""))
+    assert cli.main(["replay", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not compared (no finite value in the evaluation)") == 1 and "T1     Float" in out, out
+    assert "passed; 1 of 2 outputs compared, 1 not compared (1 with no finite value in the evaluation)" in out, out
+
+
 def test_replay_on_nvfuser_says_it_needs_a_gpu(tiny_dumps, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
