@@ -45,8 +45,8 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
-         collective_matmul: bool | str = "auto", memory: Any = None, capacity_factor: float | None = None,
-         **example_kwargs) -> ModelReport:
+         collective_matmul: bool | str = "auto", memory: Any = None, compile: str = "kernels",
+         capacity_factor: float | None = None, **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -61,14 +61,19 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it. ``plan="auto"``: the choice of
     ``nvtp.auto.search`` (an ``nvtp.auto.Choice``: the plan, and the candidates ranked) for
     ``mesh`` = N devices (or ``devices``), ``machine`` and a ``memory`` budget per device; the
-    example arguments are then the whole batch. ``capacity_factor``: as ``nvtp.jit`` takes it (an
-    "ep" axis's; the all-to-all bytes are then the capped buffers')."""
+    example arguments are then the whole batch. ``compile``: as ``nvtp.jit`` takes it, checked by
+    the same rule; it says how each rank runs its fusions on the reference backend (torch's fused
+    kernels, or op by op), not what they compute or send, so the plan is the same for every value
+    (``plan="auto"`` takes it too). ``capacity_factor``: as ``nvtp.jit`` takes it (an "ep" axis's;
+    the all-to-all bytes are then the capped buffers')."""
     from nvtp import driver, options, precheck
     from nvtp.execute import backends
     from nvtp.frontend import user_code
 
     if isinstance(plan, str) and plan == "auto":
         from nvtp.auto.search import plan_auto
+
+        options.check("plan", compile=compile)  # the one option auto takes as given (it changes no layout)
 
         given = {k: v for k, v in locals().items() if k in _CHOSEN and v != _CHOSEN[k]}
         return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
@@ -78,7 +83,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
 
         raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
-                  machine=machine, collective_matmul=collective_matmul, capacity_factor=capacity_factor,
+                  machine=machine, collective_matmul=collective_matmul, compile=compile, capacity_factor=capacity_factor,
                   **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
@@ -127,7 +132,7 @@ def _count_expert_load(report: ModelReport, program: Any, model: torch.nn.Module
         report.expert_load_note = f"not counted: running the forward on the example batch failed ({type(e).__name__}: {e})"
 
 
-_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "example_kwargs")
+_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "compile", "example_kwargs")
 _CHOSEN = {k: p.default for k, p in inspect.signature(plan).parameters.items() if k not in _AUTO_TAKES}  # what plan="auto" chooses
 
 def _machine(machine: Any):

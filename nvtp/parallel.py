@@ -46,7 +46,7 @@ from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend import recompute as recomputation, user_code
-from nvtp.frontend.lengths import Lengths
+from nvtp.frontend.lengths import Lengths, horizon
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.parameters import full_tensor, gather, hold_part, replace_parameter, retarget
@@ -104,7 +104,7 @@ class ShardedModule(torch.nn.Module):
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, RankProgram] = {}
-        self._lengths = Lengths()  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
+        self._lengths = Lengths(horizon(module))  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
         self._ready = True  # from here on, setting an attribute only the model has sets it on the model
 
