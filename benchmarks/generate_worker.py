@@ -1,6 +1,8 @@
-"""One rank of the generation benchmark: transformers' ``model.generate`` (greedy) of a Llama
-built from a config, sharded by ``nvtp.jit(model, plan="megatron")`` on a gloo mesh, against the
-unsharded model's own ``generate`` in eager PyTorch on rank 0.
+"""One rank of the generation benchmark: a model's own ``generate`` (greedy), sharded by
+``nvtp.jit(model, plan="megatron")`` on a gloo mesh, against the unsharded model's ``generate`` in
+eager PyTorch on rank 0. Two models: a transformers Llama built from a config (transformers'
+``model.generate``), and karpathy's nanoGPT as Thunder ships it (``thunder.tests.nanogpt_model``,
+its ``generate`` with ``top_k=1``: greedy).
 
 Each new length of the growing sequence is a new program: the first three are traced, the rest
 derived from them (``nvtp.frontend.lengths``). The job records the whole call's time (what a
@@ -28,17 +30,29 @@ class Job:
     layers: int = 2
     vocab: int = 256
     threads: int = 1
+    model: str = "llama"  # or "nanogpt"
 
 
 def build(job: Job) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if job.model == "nanogpt":
+        from thunder.tests.nanogpt_model import GPT, GPTConfig
+
+        return GPT(GPTConfig(block_size=job.prompt + job.tokens, vocab_size=job.vocab, n_layer=job.layers, n_head=job.heads,
+                             n_embd=job.hidden, dropout=0.0, bias=True)).eval()
     import transformers as t
 
-    torch.manual_seed(0)
     cfg = t.LlamaConfig(hidden_size=job.hidden, num_attention_heads=job.heads, num_key_value_heads=job.heads // 2,
                         num_hidden_layers=job.layers, vocab_size=job.vocab, intermediate_size=2 * job.hidden,
                         max_position_embeddings=job.prompt + job.tokens, use_cache=False, bos_token_id=0, eos_token_id=0,
                         pad_token_id=0)
     return t.LlamaForCausalLM(cfg).eval()
+
+
+def _generate(model, ids: torch.Tensor, job: Job) -> torch.Tensor:
+    if job.model == "nanogpt":
+        return model.generate(ids, job.tokens, top_k=1)  # top_k=1: the sample is the argmax
+    return model.generate(ids, max_new_tokens=job.tokens, do_sample=False)
 
 
 def worker(rank: int, world: int, init_method: str, job: Job) -> int:
@@ -64,12 +78,12 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
 
     sharded.forward = timed
     start = time.perf_counter()
-    out = sharded.generate(ids, max_new_tokens=job.tokens, do_sample=False)
+    out = _generate(sharded, ids, job)
     total = time.perf_counter() - start
     result = {"job": asdict(job), "nvtp_seconds": total, "steps": steps}
     if rank == 0:
         start = time.perf_counter()
-        want = eager.generate(ids, max_new_tokens=job.tokens, do_sample=False)
+        want = _generate(eager, ids, job)
         result["eager_seconds"] = time.perf_counter() - start
         result["same_tokens"] = bool(torch.equal(out, want))
         family = next(iter(sharded._lengths.families.values()))

@@ -1,6 +1,8 @@
-"""Generation: transformers' ``model.generate`` (greedy, 32 new tokens) of a small Llama (hidden 64,
-4 heads, 2 layers, vocabulary 256, fp32) sharded by nvtp on a CPU gloo mesh of 2 processes,
-against the unsharded model's ``generate`` in eager PyTorch (``benchmarks/generate_worker.py``).
+"""Generation: a model's own ``generate`` (greedy, 32 new tokens after a prompt of 8) sharded by nvtp
+on a CPU gloo mesh of 2 processes, against the unsharded model's ``generate`` in eager PyTorch
+(``benchmarks/generate_worker.py``): transformers' ``model.generate`` of a small Llama (hidden 64,
+4 heads, 2 layers, vocabulary 256, fp32), and karpathy's nanoGPT (as Thunder ships it) of the same
+size with its ``generate(idx, 32, top_k=1)``.
 
 Reported: tokens per second of the whole call (tracing included: what a user waits for) and of
 the tokens after the first three lengths (each further length derived, not traced:
@@ -17,15 +19,16 @@ import pytest
 
 from benchmarks.harness import record
 
-pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
 
-
-def test_generate_tokens_per_second(benchmark, tmp_path, request):
+@pytest.mark.parametrize("model", ["llama", "nanogpt"])
+def test_generate_tokens_per_second(benchmark, tmp_path, request, model):
     from benchmarks.generate_worker import Job, worker
     from nvtp.execute.launch import spawn
 
-    benchmark.group = "generate: transformers Llama, 32 new tokens, CPU gloo mesh of 2"
-    job = Job(d=2, out=str(tmp_path / "generate.json"), threads=max(1, (os.cpu_count() or 1) // 2))
+    if model == "llama":
+        pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    benchmark.group = f"generate: {model}, 32 new tokens, CPU gloo mesh of 2"
+    job = Job(d=2, out=str(tmp_path / "generate.json"), threads=max(1, (os.cpu_count() or 1) // 2), model=model)
 
     def run():
         codes = spawn(worker, job.d, job)
@@ -36,7 +39,7 @@ def test_generate_tokens_per_second(benchmark, tmp_path, request):
     result = benchmark.pedantic(run, rounds=1, iterations=1)
     assert result["same_tokens"], "nvtp's generate gave other tokens than eager's"
     later = result["steps"][result["traced"]:]
-    data = record("generate llama d=2", nodeid=request.node.nodeid, kind="generate", d=job.d, config=result["job"],
+    data = record(f"generate {model} d=2", nodeid=request.node.nodeid, kind="generate", d=job.d, config=result["job"],
                   tokens_per_second={"nvtp_whole_call": round(job.tokens / result["nvtp_seconds"], 3),
                                      "nvtp_derived_lengths": round(len(later) / sum(later), 3) if later else None,
                                      "eager": round(job.tokens / result["eager_seconds"], 3)},

@@ -137,9 +137,14 @@ def cmd_explain(args) -> int:
 
         if not (args.model or args.module):
             raise Usage("--plan auto plans a whole model: give --model nanogpt [--config NAME --layers L --batch B] or --module pkg.mod:factory")
+        if args.capacity_factor is not None:
+            raise Usage(f"--capacity-factor {args.capacity_factor:g} is not one of the options --plan auto chooses; give --plan and --mesh with an ep axis")
         return explain_auto(args, vars(build_parser().parse_args(["explain", "--plan", "auto"])), _planning_backend(args), _load_factory)
     if args.memory is not None:
         raise Usage(f"--memory {args.memory} is the budget --plan auto plans for; with --plan {args.plan} leave it out")
+    if args.capacity_factor is not None and not args.module:
+        raise Usage(f"--capacity-factor {args.capacity_factor:g} applies to a model with mixture-of-experts layers on an ep axis: "
+                    "give it with --module pkg.mod:factory")
     if args.devices is None and args.mesh is None:
         raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
     if args.batch is not None and not args.model:
@@ -200,7 +205,8 @@ def _explain_model(args) -> int:
     if args.module:
         model, example, example_kwargs = _load_factory(args.module)
         result = explain.plan(model, *example, plan=args.plan, backend=None if args.backend == "auto" else backend, **where,
-                              machine=args.machine, collective_matmul=_ring_mode(args), **example_kwargs)
+                              machine=args.machine, collective_matmul=_ring_mode(args), capacity_factor=args.capacity_factor,
+                              **example_kwargs)
     else:
         from nvtp.models import gpt
 
@@ -357,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--machine", default=None, choices=["h100-nvlink", "h100-ib", "cpu-gloo"],
                            help="estimate, on this machine model, what the communication schedule hides per step "
                                 "(h100-nvlink: 8x H100 in one node; h100-ib: nodes of 8 over InfiniBand, the mesh's last axis fastest)")
+            c.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                           help="with an ep axis (--mesh ep=N): each expert takes at most ceil(C x a rank's routed tokens x top_k "
+                                "/ experts) of a rank's tokens, the later ones dropped (Megatron-Core's 'position' policy); "
+                                "default: dropless")
             c.add_argument("--memory", default=None, help="with --plan auto: the memory budget per device, e.g. 80GB or 24GiB "
                                                               "(default: the --machine's device memory)")
             c.add_argument("--backend", default="auto", choices=["auto", "reference", "nvfuser"],

@@ -257,7 +257,7 @@ def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[st
 
         from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
 
-        return tuple(args), fx.without_cache(module, kwargs)
+        return fx.without_cache(module, args, kwargs)
     if not kwargs:
         return tuple(args), {}
     try:
@@ -305,7 +305,8 @@ def trace_dump(dump: Any) -> Traced:
 
 def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backend: str | Target = "reference", *,
           fsdp: bool = False, placed: Mapping[str, Any] | None = None, overlap: bool = True,
-          collective_matmul: bool | str = "auto", machine: Any = None, recompute: str = "none") -> Program:
+          collective_matmul: bool | str = "auto", machine: Any = None, recompute: str = "none",
+          axis_options: Mapping[str, Any] | None = None) -> Program:
     """Shard ``traced`` over ``mesh`` by ``plan`` for ``backend``'s target: one loop over the
     mesh's axis strategies (``nvtp.sharding.axes``), in their order (the plan on "tp", the data
     plan on "dp", the sequence on "cp"), forward and backward alike, each pass sharding what the
@@ -319,6 +320,7 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
     (an ``cost.Machine`` or its name; by default the backend's: ``cost.default_machine``),
     True everywhere it applies, False nowhere. ``recompute`` ("none", "selective", "block"): the
     backward recomputes activations instead of reading them (``nvtp.frontend.recompute``).
+    ``axis_options``: the mesh axes' own options given (``Strategy.options``: ep's ``capacity_factor``).
     Raises ``ShardingError`` before any work when the plan or mesh does not fit."""
 
     traced = recomputed(traced, recompute)
@@ -330,7 +332,8 @@ def shard(traced: Traced, plan: str | Mapping[str, Any], mesh: DeviceMesh, backe
             s.check_traced(traced, mesh, axis, fsdp)
         out_hints, grad_hints = _boundary_hints(traced)
         plan_name = plan if isinstance(plan, str) else "explicit"
-        run = axes.AxisPass(traced, plan, mesh, target, fsdp, _annotations(traced, placed, mesh), out_hints, grad_hints)
+        run = axes.AxisPass(traced, plan, mesh, target, fsdp, _annotations(traced, placed, mesh), out_hints, grad_hints,
+                            options=dict(axis_options or {}))
         for s, axis in order:
             run.done.append((axis, s.forward(run, axis)))
         forward = compose(run.done, mesh, traced.forward, plan_name)
@@ -400,12 +403,13 @@ def _placed_inputs(forward) -> list[tuple[str, Any]]:
 
 def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, backend: str | Target = "reference",
             fsdp: bool = False, frontend: str = "auto", regional: bool = True, placed: Mapping[str, Any] | None = None,
-            overlap: bool = True, collective_matmul: bool | str = "auto", machine: Any = None, **kwargs: Any) -> Program:
+            overlap: bool = True, collective_matmul: bool | str = "auto", machine: Any = None,
+            axis_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Program:
     """``shard(trace(...))``: ``source`` a module called with ``args``/``kwargs`` (on a dp mesh one
     rank's batch, as ``nvtp.jit`` takes it), or a parsed dump. ``mesh``: anything ``make_mesh``
     takes. The plan is checked against the module's names before anything is traced. ``overlap``,
-    ``collective_matmul``, ``machine``: the schedule's, as ``shard`` takes them."""
-    schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine)
+    ``collective_matmul``, ``machine``: the schedule's, ``axis_options`` the axes', as ``shard`` takes them."""
+    schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine, axis_options=axis_options)
 
     mesh = make_mesh(mesh, fsdp=fsdp)
     if isinstance(source, Dump):

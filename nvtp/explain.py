@@ -45,7 +45,8 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
 
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
-         collective_matmul: bool | str = "auto", memory: Any = None, **example_kwargs) -> ModelReport:
+         collective_matmul: bool | str = "auto", memory: Any = None, compile: str = "kernels",
+         capacity_factor: float | None = None, **example_kwargs) -> ModelReport:
     """The program ``nvtp.jit(model, plan=plan, mesh=..., backend=backend)`` runs for these
     arguments, made by the same driver (``nvtp.driver.compile``) on meta tensors (nothing is
     computed, the parameters are not touched), and reported (``ModelReport``): every tensor's
@@ -60,13 +61,19 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     hides there; ``collective_matmul``: as ``nvtp.jit`` takes it. ``plan="auto"``: the choice of
     ``nvtp.auto.search`` (an ``nvtp.auto.Choice``: the plan, and the candidates ranked) for
     ``mesh`` = N devices (or ``devices``), ``machine`` and a ``memory`` budget per device; the
-    example arguments are then the whole batch."""
+    example arguments are then the whole batch. ``compile``: as ``nvtp.jit`` takes it, checked by
+    the same rule; it says how each rank runs its fusions on the reference backend (torch's fused
+    kernels, or op by op), not what they compute or send, so the plan is the same for every value
+    (``plan="auto"`` takes it too). ``capacity_factor``: as ``nvtp.jit`` takes it (an "ep" axis's;
+    the all-to-all bytes are then the capped buffers')."""
     from nvtp import driver, options, precheck
     from nvtp.execute import backends
     from nvtp.frontend import user_code
 
     if isinstance(plan, str) and plan == "auto":
         from nvtp.auto.search import plan_auto
+
+        options.check("plan", compile=compile)  # the one option auto takes as given (it changes no layout)
 
         given = {k: v for k, v in locals().items() if k in _CHOSEN and v != _CHOSEN[k]}
         return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
@@ -76,7 +83,8 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
 
         raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
-                  machine=machine, collective_matmul=collective_matmul, **options.pipeline_options(model, example_kwargs))
+                  machine=machine, collective_matmul=collective_matmul, compile=compile, capacity_factor=capacity_factor,
+                  **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
         from nvtp import pipeline
@@ -91,17 +99,40 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     args, kwargs = driver.bind_call(model, driver.route(model), example_args, example_kwargs)
     precheck.check_call(model, mesh, args, kwargs)  # what the arguments already tell, before tracing
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
-                             machine=machine, collective_matmul=collective_matmul, **kwargs)
+                             machine=machine, collective_matmul=collective_matmul,
+                             axis_options={} if capacity_factor is None else {"capacity_factor": capacity_factor}, **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
         batch = f"traced batch = dp x each rank's batch (the example arguments') = {axes.extent(mesh, 'splits_batch')} x {example_args[0].shape[0]}"
     t = axes.extent(mesh, "runs_plan")
     report = report_of(program, type(model).__name__, batch=batch, shape=_transformer_shape(model, args, kwargs, t))
     report.machine = _machine(machine)
+    _count_expert_load(report, program, model, args, kwargs)
     return report
 
 
-_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "example_kwargs")
+def _count_expert_load(report: ModelReport, program: Any, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The example batch's tokens per expert, per rank (``nvtp.execute.expert_load``), on a model
+    with MoE layers: one unsharded forward on the example arguments (on a dp mesh, every dp rank
+    passing them)."""
+    from nvtp.execute import expert_load
+    from nvtp.sharding.moe import moe_layers
+
+    if not moe_layers(program.source.forward):
+        return
+    why = expert_load.not_computed(model, args, kwargs)
+    if why:
+        report.expert_load_note = f"not counted: {why}"
+        return
+    if axes.batch_axis(program.mesh) is not None:  # the program is the whole step's: the dp ranks' batches
+        report.expert_load_note = "every data-parallel rank passing the example arguments"
+    try:
+        report.expert_load = expert_load.of_batch(program, model, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the plan stands without the counts; the report says why they are missing
+        report.expert_load_note = f"not counted: running the forward on the example batch failed ({type(e).__name__}: {e})"
+
+
+_AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "machine", "memory", "compile", "example_kwargs")
 _CHOSEN = {k: p.default for k, p in inspect.signature(plan).parameters.items() if k not in _AUTO_TAKES}  # what plan="auto" chooses
 
 def _machine(machine: Any):

@@ -97,7 +97,7 @@ def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool
         return
     seen.add(id(compiled))
     start = time.perf_counter()
-    outcome = Outcome(skipped=_unchecked(compiled.program.forward.source, sm))
+    outcome = Outcome(skipped=_unchecked(compiled.program.forward.source, sm) or _planned_apart(compiled.program))
     if not outcome.skipped:
         with torch.random.fork_rng(devices=_devices(sm.module)):
             _module_step(sm, compiled, args, kwargs, _rtol(verify), outcome)
@@ -385,6 +385,18 @@ def _unchecked(forward: Any, owner: Any) -> str:
     if drawn:
         return (f"the program draws random numbers ({', '.join(drawn)}: dropout in training mode), which eager PyTorch draws "
                 "otherwise; check it with the model in eval mode, or set the dropout to 0 (verify=False silences this)")
+    return ""
+
+
+def _planned_apart(program: Any) -> str:
+    """Why ``program`` computes, by design, something else than eager (an axis's option: ep's
+    capacity factor drops tokens), or ''."""
+    from nvtp.sharding import axes
+
+    for st, _ in axes.passes(program.mesh):
+        why = st.changes_result(program.forward.options)
+        if why:
+            return why
     return ""
 
 

@@ -152,6 +152,15 @@ def _verify(name: str, value: Any) -> str | None:
             "or a relative tolerance between 0 and 1 (e.g. 1e-2)")
 
 
+def _capacity_factor(name: str, value: Any) -> str | None:
+    """ep's capacity factor (``nvtp.sharding.axes.ep``): a finite number more than 0, or None (dropless)."""
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+        return None
+    return (f"{name}={value!r}: give each expert's capacity as a multiple of an even share of a rank's routed tokens, a "
+            f"number more than 0 (e.g. {name}=1.25: each expert takes at most ceil(1.25 x tokens x top_k / experts) of a "
+            "rank's tokens, the rest dropped), or leave it out to drop none")
+
+
 def _compile(name: str, value: Any) -> str | None:
     from nvtp.execute.kernels import mode_problem  # imports torch: only for a compile= that is given
 
@@ -181,6 +190,7 @@ RULES: dict[str, tuple[Callable[[str, Any], str | None], Any]] = dict(
     compile=(_compile, "kernels"),  # nvtp.execute.kernels.DEFAULT
     recompute=(_one_of(_recompute_modes), "none"),
     memory=(_memory, None),
+    capacity_factor=(_capacity_factor, None),
 )
 
 # Options no axis takes or refuses (a test holds it): a call giving only these needs no mesh strategy.
@@ -189,7 +199,7 @@ MESH_FREE = frozenset({"plan", "mesh", "devices", "backend", "timeout", "verify"
 # The flags each command of the command line takes (each sets the option of its name).
 COMMANDS: dict[str, tuple[str, ...]] = {
     "explain": ("--plan", "--mesh", "--devices", "--backend", "--fsdp", "--machine", "--collective-matmul", "--microbatches",
-                "--schedule", "--memory"),
+                "--schedule", "--memory", "--capacity-factor"),
     "shard": ("--plan", "--mesh", "--devices", "--fsdp"),
     "replay": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--backend"),
     "demo": ("--plan", "--mesh", "--devices", "--fsdp", "--timeout", "--microbatches", "--schedule"),

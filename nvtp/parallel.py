@@ -46,7 +46,7 @@ from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
 from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
 from nvtp.frontend import recompute as recomputation, user_code
-from nvtp.frontend.lengths import Lengths
+from nvtp.frontend.lengths import Lengths, horizon
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
 from nvtp.parameters import full_tensor, gather, hold_part, replace_parameter, retarget
@@ -66,7 +66,7 @@ class ShardedModule(torch.nn.Module):
                  comm: Comm | None = None, dynamic: bool = False, *, timeout: float | None = 60.0, check_replicas: bool = False,
                  frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
                  overlap: bool = True, collective_matmul: bool | str = "auto", verify: bool | float = True,
-                 compile: str = kernels.DEFAULT, recompute: str = "none"):
+                 compile: str = kernels.DEFAULT, recompute: str = "none", capacity_factor: float | None = None):
         super().__init__()
         # Everything a user can get wrong is refused here, before anything is traced: the route,
         # the mesh and its axis names, the plan's names, and a backend that cannot run here.
@@ -89,6 +89,7 @@ class ShardedModule(torch.nn.Module):
         from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), recomputation.check_mode(recompute)  # refused now
+        self.axis_options = {} if capacity_factor is None else {"capacity_factor": capacity_factor}  # the ep axis's (checked by nvtp.options)
         self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
         self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
@@ -103,7 +104,7 @@ class ShardedModule(torch.nn.Module):
         self._part_rows: dict[str, tuple[str, int, int]] = {}  # a part's label -> (its parameter, rows in this rank's tensor)
         self.notes: list[str] = []  # what the plan left whole, and why (e.g. fsdp on a bias tp splits)
         self._compiled: dict[tuple, RankProgram] = {}
-        self._lengths = Lengths()  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
+        self._lengths = Lengths(horizon(module))  # traces by call structure: a new sequence length derived from two (nvtp/frontend/lengths.py)
         self.last: Program | None = None  # the program of the latest compile() or call (nvtp.program)
         self._ready = True  # from here on, setting an attribute only the model has sets it on the model
 
@@ -233,7 +234,8 @@ class ShardedModule(torch.nn.Module):
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
             like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
-                               overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute)
+                               overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute,
+                               axis_options=self.axis_options)
         self.notes = list(program.notes)
         self._shard_parameters(program)
         run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
@@ -480,7 +482,7 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
         frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
         overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
         cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT, recompute: str = "none", machine: Any = None,
-        memory: Any = None) -> ShardedModule:
+        memory: Any = None, capacity_factor: float | None = None) -> ShardedModule:
     """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
     ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
     ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
@@ -521,14 +523,17 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
     each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
     first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
     ``plan="auto"`` (with a ``machine`` and a ``memory`` budget per device): nvtp chooses the
-    mesh's axes, FSDP, the plan and the pipeline's options (``nvtp.auto``).
+    mesh's axes, FSDP, the plan and the pipeline's options (``nvtp.auto``). ``capacity_factor``
+    (a mesh with an "ep" axis): each expert takes at most ceil(capacity_factor x tokens x top_k /
+    experts) of each rank's routed tokens, the later ones dropped (``nvtp.sharding.axes.ep``);
+    default None: dropless.
     Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
     if isinstance(plan, str) and plan == "auto" or machine is not None or memory is not None:  # the planner's (machine=, memory=)
         return AutoModule.of_jit(locals())
     options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
                   frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
                   collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify,
-                  compile=compile, recompute=recompute)
+                  compile=compile, recompute=recompute, capacity_factor=capacity_factor)
     user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
     if axes.pipelined(mesh):
         from nvtp.pipeline.runtime import PipelineModule
@@ -537,4 +542,4 @@ def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mes
                               backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile, recompute=recompute)
     return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
                          fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         verify=verify, compile=compile, recompute=recompute)
+                         verify=verify, compile=compile, recompute=recompute, capacity_factor=capacity_factor)

@@ -69,6 +69,8 @@ class ModelReport:
     machine: Any = None  # an nvtp.sharding.cost.Machine: estimate what the schedule hides on it
     tied: dict[str, str] = field(default_factory=dict)  # a tied parameter's other names -> its first (counted once)
     layers: dict[str, int] = field(default_factory=dict)  # a spliced program: each forward value a block's copy computes -> its block
+    expert_load: list[Any] = field(default_factory=list)  # per MoE layer, the example batch's tokens per expert (nvtp.execute.expert_load)
+    expert_load_note: str = ""  # how the example batch was counted, or why it was not
 
     # -- communications -------------------------------------------------------------------
 
@@ -233,6 +235,8 @@ class ModelReport:
             "activations_per_layer_korthikanti": self.korthikanti_per_layer(),
             "seconds": dict(self.seconds),
             **({"schedule": self.schedule_summary()} if self.machine is not None else {}),
+            **({"expert_load": [x.as_json() for x in self.expert_load], "expert_load_note": self.expert_load_note}
+               if self.expert_load or self.expert_load_note else {}),
         } | ({"traced": self.how} if self.how else {}) | ({} if self.mesh is None else {
             "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
             "data": self.data,
@@ -301,6 +305,11 @@ class ModelReport:
         if self.mesh is not None:
             for st, axis in axes.passes(self.mesh):
                 lines += st.report_lines(self, axis)
+        if self.expert_load or self.expert_load_note:
+            lines.append("expert load of the example batch (tokens routed to each expert; imbalance = max / mean)"
+                         + (f": {self.expert_load_note}" if self.expert_load_note else ":"))
+            for x in self.expert_load:
+                lines += x.lines()
         mem = self.memory_per_rank()
         lines.append("memory per rank:")
         for k in ("parameters", "gradients", "optimizer", "activations", "peak_activations", "total"):

@@ -161,6 +161,7 @@ class ShardingTransform(Transform):
         module = model._model
         check_plan(self.plan, driver.plan_names(module), type(module).__name__)
         user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
+        interpret.cache_off(module)  # a transformers model trains without its KV cache, as under nvtp.jit
         device = next((p.device.type for p in module.parameters()), "cpu")
         self.backend = backends.resolve(self.backend, device).name
         self._module = weakref.ref(model)

@@ -12,7 +12,8 @@ simulated ranks), a transformers model (the FX route, whose layers differ), and 
 "pp" axis, 2 gloo processes). The default tier runs the grouping of every kind (6 s) and one kind
 through ``nvtp.jit`` (35 s); the slow tier every kind on every route. On main's code (fff3152)
 the default tier's training test fails (the first loss 4.1373 against eager's 4.1455), and so
-does the pipeline's; the FX route traced the patched Llama whole already (its ``_alike``).
+does the pipeline's; the FX route traced the patched Llama whole already (its ``_alike``), and
+since 2026-11-26 splices it, and a Qwen2 with sliding-window odd layers, one traced layer per variant.
 """
 
 from __future__ import annotations
@@ -151,12 +152,13 @@ def _llama(layers: int = 3, **extra):
 
 
 def _qwen2_sliding():
+    """Qwen2 whose odd layers attend through a sliding window of 4 (``layer_types``): the model calls them with another mask."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+    cfg = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
                                    vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
-                                   use_sliding_window=True, sliding_window=4, max_window_layers=1, bos_token_id=0, eos_token_id=0,
-                                   pad_token_id=0)
+                                   use_sliding_window=True, sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                   layer_types=["full_attention", "sliding_attention"] * 2)
     return transformers.Qwen2ForCausalLM(cfg)
 
 
@@ -183,14 +185,18 @@ def _hf_train(model, batches):
     return losses
 
 
-@pytest.mark.slow  # a whole trace of a 3-layer model on 2 ranks: 60 s
-@pytest.mark.parametrize("build, why", [
-    (lambda: _scaled_layer(_llama()), "the blocks of model.layers are 2 variants (blocks 0, 1; 2: block 2 differs at its call "),
-    (_qwen2_sliding, "the model calls block 1 of model.layers with attention_mask ")],
+@pytest.mark.slow  # a trace per variant, on 2 ranks: 60 s
+@pytest.mark.parametrize("build, how", [
+    (lambda: _scaled_layer(_llama()), "spliced: 3 blocks of model.layers from 2 traced blocks, one per variant: 2 variants (blocks 0, 1; "
+                                      "2: block 2 differs at its call "),
+    (_qwen2_sliding, "spliced: 4 blocks of model.layers from 2 traced blocks, one per variant: 2 variants (blocks 0, 2; 1, 3: the "
+                     "model calls block 1 with attention_mask ")],
     ids=["llama-patched-scale", "qwen2-sliding-layers"])
-def test_a_transformers_model_whose_layers_differ_trains_like_one_process(build, why):
-    """The FX route splices one layer for all: layers of several variants, or called with several
-    masks, are traced whole, and ``how`` says why; tp=2 megatron (ranks as threads) trains like eager."""
+def test_a_transformers_model_whose_layers_differ_trains_like_one_process(build, how):
+    """The FX route traces one layer of each variant (layers that compute differently, or that the
+    model calls with another mask) and splices them, and ``how`` says which layers share which;
+    tp=2 megatron (ranks as threads) trains like eager. Before, it traced such models whole (and
+    before that, the Thunder route spliced block 0 for all: silently wrong)."""
     base = build()
     batches = _hf_batches()
     ref = copy.deepcopy(base)
@@ -199,7 +205,7 @@ def test_a_transformers_model_whose_layers_differ_trains_like_one_process(build,
     ranks = [nvtp.jit(copy.deepcopy(base), plan="megatron", mesh=DeviceMesh.of_size(2), comm=ThreadComm(group, r)) for r in range(2)]
     ranks[0].compile(batches[0], labels=batches[0], use_cache=False)
     ranks[1].share_compiled(ranks[0])
-    assert ranks[0].last.traced.how.startswith(f"whole trace: {why}"), ranks[0].last.traced.how
+    assert ranks[0].last.traced.how.startswith(how), ranks[0].last.traced.how
     losses = spmd.on_threads(lambda r: _hf_train(ranks[r], batches), group)
     weights = {}
     for name, p in ref.named_parameters():

@@ -108,6 +108,25 @@ def test_replay_check_fails_when_float32_loses_the_result(tmp_path, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
+def test_replay_check_says_an_output_with_no_finite_value_is_not_compared(tmp_path, capsys):
+    """log(-(|x| + 1)) is NaN everywhere, in float32 and in float64: NaN against NaN counted as
+    equal, so such an output "passed" having compared nothing (a whole backward made NaN by a random
+    0 count passed test_sharding's check). It is reported as not compared, with why."""
+    path = tmp_path / "nan.py"
+    path.write_text(BAD_NUMERICS.replace("""    T1 = fd.ops.add(T0, 100000000.0)
+    T2 = fd.ops.sub(T1, 100000000.0)
+    fd.add_output(T2)""", """    T1 = fd.ops.abs(T0)
+    T2 = fd.ops.add(T1, 1.0)
+    T3 = fd.ops.neg(T2)
+    T4 = fd.ops.log(T3)
+    fd.add_output(T1)
+    fd.add_output(T4)"""))
+    assert cli.main(["replay", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not compared (no finite value in the evaluation)") == 1 and "T1     Float" in out, out
+    assert "passed; 1 of 2 outputs compared, 1 not compared (1 with no finite value in the evaluation)" in out, out
+
+
 def test_replay_on_nvfuser_says_it_needs_a_gpu(tiny_dumps, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -167,3 +186,23 @@ def test_gpt2_forward_dump_replays_within_bf16_tolerance():
     assert report.checks and report.ok, [(c.name, c.rel_error) for c in report.checks if not c.ok]
     masks = [c for c in report.checks if c.dtype.value == "Bool"]
     assert len(masks) == 2  # the two residual dropout masks agree exactly with the float64 run
+
+
+def test_random_inputs_give_a_count_of_one():
+    """A 0-d integer input is as often a count as an index (a loss's number of tokens, the divisor
+    of its gradient), so random inputs make it 1. A random 0 made every output of the GPT's backward
+    NaN, which compares equal to the NaN expected: the whole GPT's simulated backward checked nothing."""
+    from nvtp.execute import reference
+    from nvtp.ir.build import FusionBuilder
+    from nvtp.ir.dtypes import DType
+
+    b = FusionBuilder()
+    grad, count = b.define_tensor((4, 8), DType.Float), b.define_tensor((), DType.Int)
+    index = b.define_tensor((8,), DType.Int)
+    b.add_output(b.op("div", grad, count))
+    b.add_output(index)
+    fusion = b.build()
+    for seed in range(8):
+        inputs = dump.random_inputs(fusion, seed=seed)
+        assert inputs[1].item() == 1 and set(inputs[2].tolist()) <= {0, 1}
+        assert torch.isfinite(reference.run(fusion, inputs)[0]).all()

@@ -13,6 +13,7 @@ and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI.
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 
@@ -46,6 +47,43 @@ def naive_experts(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     return y.reshape(n, k, e).sum(dim=1)
 
 
+def capped_experts(ranks: int, factor: float, dropped: list[int]):
+    """``naive_experts`` dropping what an ep axis of ``ranks`` ranks with capacity factor
+    ``factor`` drops (Megatron-Core's "position" policy, written out here): each rank routes its
+    1/ranks of the rows (token-major: token t's k choices are rows t*k .. t*k+k-1), and each
+    expert keeps the first ceil(factor * rows / experts) of a rank's rows, in row order; a dropped
+    row adds nothing. ``dropped`` receives each call's count of dropped rows."""
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, e = x.shape
+        k = index.shape[-1]
+        experts = self.w_fc.shape[0]
+        flat = index.reshape(n * k)
+        per = n * k // ranks
+        cap = min(per, math.ceil(factor * per / experts))
+        keep = torch.ones(n * k, dtype=torch.bool)
+        for r in range(ranks):
+            taken = [0] * experts
+            for s in range(r * per, (r + 1) * per):
+                keep[s] = taken[int(flat[s])] < cap
+                taken[int(flat[s])] += 1
+        dropped.append(int((~keep).sum()))
+        rows = x.unsqueeze(1).expand(n, k, e).reshape(n * k, 1, e)
+        h = F.gelu(torch.bmm(rows, self.w_fc[flat]), approximate="tanh")
+        y = torch.bmm(h, self.w_proj[flat]).squeeze(1) * weights.reshape(n * k, 1).to(h.dtype) * keep[:, None]
+        return y.reshape(n, k, e).sum(dim=1)
+
+    return forward
+
+
+def eager_capped(model: torch.nn.Module, ranks: int, factor: float) -> tuple[torch.nn.Module, list[int]]:
+    ref, dropped = copy.deepcopy(model), []
+    for m in ref.modules():
+        if isinstance(m, moe.Experts):
+            m.forward = capped_experts(ranks, factor, dropped).__get__(m)
+    return ref, dropped
+
+
 class WithLogits(torch.nn.Module):
     """nvtp's MoE GPT returning (logits, loss): ``MoEGPT.forward`` with its logits kept."""
 
@@ -68,7 +106,7 @@ class WithLogits(torch.nn.Module):
 def moe_gpt(idle: bool = True, **overrides) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The tiny MoE GPT (4 experts, top-2, batch 4) with its logits; with ``idle``, layer 0 routes
     every token to the same two experts (both on one ep rank: the other receives no row)."""
-    cfg = moe.config("tiny", batch=4, **overrides)
+    cfg = moe.config("tiny", **({"batch": 4} | overrides))
     torch.manual_seed(0)
     gpt = moe.MoEGPT(cfg)
     if idle:
@@ -123,15 +161,21 @@ def check_one_step(model, batch, mesh: DeviceMesh):
     return ranks, grads, sent
 
 
-def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans():
+@pytest.fixture(scope="module")
+def ep2_step():
+    """The MoE GPT's one step at ep=2 on simulated ranks (``check_one_step``), traced once for the tests below."""
+    model, batch = moe_gpt()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    return model, batch, mesh, *check_one_step(model, batch, mesh)
+
+
+def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans(ep2_step):
     """The MoE GPT at ep=2 (simulated ranks; each passes the whole batch): logits, loss and every
     gradient as eager; in layer 0 rank 0's two experts receive no row (zero gradients). Each expert
     weight is split along its experts, the router whole; the experts' gradients are not reduced
     over ep. The all-to-alls the run sends (every rank) are the Program's steps, byte for byte;
     ``nvtp explain`` prints the experts per rank and the dispatch and combine bytes."""
-    model, batch = moe_gpt()
-    mesh = DeviceMesh.of_shape((2,), ("ep",))
-    ranks, grads, sent = check_one_step(model, batch, mesh)
+    model, batch, mesh, ranks, grads, sent = ep2_step
     m = ranks[0]
     idle = grads[0]["gpt.h.0.moe.experts.w_fc"]  # rank 0's experts 0 and 1: layer 0 routes every token to 2 and 3
     assert idle.abs().max() == 0 and all(g.abs().max() > 0 for g in grads[1]["gpt.h.0.moe.experts.w_fc"])
@@ -160,6 +204,144 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans():
     assert plan.forward.sharding(idx) == (_StridedShard(0, split_factor=2), Shard(0))
     axes = {s.axis for s in tensor_steps("backward", plan.backward) if s.kind == "allreduce" and "experts" in s.tensor}
     assert axes == {"dp"}, axes
+
+
+def routed_counts(model: WithLogits, idx: torch.Tensor) -> list[list[int]]:
+    """Per layer, the rows each expert gets from the tokens of ``idx``, by the model's own routers
+    in eager PyTorch (a forward hook on each ``Router``: its top-k expert index)."""
+    seen = []
+    hooks = [b.moe.router.register_forward_hook(lambda m, i, out: seen.append(out[1])) for b in model.gpt.h]
+    try:
+        with torch.no_grad():
+            model(idx, idx)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.bincount(ix.reshape(-1), minlength=model.gpt.cfg.n_expert).tolist() for ix in seen]
+
+
+def test_expert_load_of_a_batch_is_what_each_ranks_router_sends(ep2_step):
+    """``nvtp.execute.expert_load.of_batch`` (what ``nvtp.plan`` / ``nvtp explain`` report) on the
+    ep=2 program: each rank's tokens per expert equal the eager routers' counts on the half of the
+    batch that rank holds, the whole batch's their sum, what each rank's experts receive the
+    routed rows of its two experts from both ranks, the imbalance max / mean; at (dp, ep) = (2, 2),
+    every dp rank passing the same 2 sequences, position (d, e) routes sequence e."""
+    from nvtp.execute import expert_load
+
+    model, (idx, targets), mesh, ranks, _, _ = ep2_step
+    program = ranks[0].last
+    load = expert_load.of_batch(program, model, (idx, targets), {})
+    halves = [routed_counts(model, idx[2 * r:2 * r + 2]) for r in range(2)]  # [rank][layer][expert]
+    assert [x.module for x in load] == ["gpt.h.0.moe.experts", "gpt.h.1.moe.experts"]
+    for layer, x in enumerate(load):
+        mine = [halves[r][layer] for r in range(2)]
+        assert [list(c) for c in x.per_rank] == mine
+        assert list(x.total) == [a + b for a, b in zip(*mine)] == routed_counts(model, idx)[layer]
+        assert x.axis == "ep" and list(x.received) == [sum(x.total[0:2]), sum(x.total[2:4])]  # rank r holds experts 2r, 2r+1
+        assert x.imbalance == pytest.approx(max(x.total) / (sum(x.total) / 4))
+        assert sum(x.total) == idx.numel() * 2  # top-2: every token twice
+    assert load[0].received[0] == 0 and load[0].received_imbalance == pytest.approx(2.0)  # layer 0's idle experts: rank 0 gets none
+    text = "\n".join(line for x in load for line in x.lines())
+    assert f"rank 0: routes {halves[0][1]}" in text and "on ep, each rank's experts receive rank 0 0, rank 1 128 rows (imbalance 2.00)" in text, text
+    dpep = DeviceMesh.of_shape((2, 2), ("dp", "ep"))
+    plan = driver.shard(program.source, "megatron", dpep)
+    load = expert_load.of_batch(plan, model, (idx[:2], targets[:2]), {})  # one dp rank's batch of 2, as nvtp.jit takes it
+    rows = [routed_counts(model, idx[e:e + 1]) for e in range(2)]
+    for layer, x in enumerate(load):
+        assert [list(c) for c in x.per_rank] == [rows[e][layer] for d in range(2) for e in range(2)]
+        assert list(x.total) == [2 * (a + b) for a, b in zip(rows[0][layer], rows[1][layer])]
+
+
+def test_capacity_factor_drops_the_rows_megatron_drops_and_shrinks_the_all_to_alls(ep2_step):
+    """The ep=2 program planned again with capacity_factor=1.0 (no new trace): each dispatch and
+    combine buffer is [P, E/P * ceil(c * rows / E), width] (half the dropless [P, rows, width]
+    here), its bytes (P-1)/P of it; run (forward, simulated ranks) it equals an eager model that
+    drops the same rows (``capped_experts``: layer 0 routes every token to experts 2 and 3, so
+    each rank drops 16 of each one's 32 rows). Planned without the option, nothing is dropped."""
+    model, batch, mesh, ranks, _, _ = ep2_step
+    dropless = ranks[0].last
+    factor, rows, experts, n = 1.0, 64, 4, 2  # each rank's routed rows: 2 sequences x 16 tokens x top-2
+    capped = driver.shard(dropless.source, "megatron", mesh, axis_options={"capacity_factor": factor})
+    assert capped.forward.options == {"capacity_factor": factor} and not dropless.forward.options
+    block = experts // n * math.ceil(factor * rows / experts)
+    assert block == 32
+    steps = [s for s in capped.steps() if s.kind == "alltoall"]
+    before = [s for s in dropless.steps() if s.kind == "alltoall"]
+    assert [(s.phase, s.value, s.tensor) for s in steps] == [(s.phase, s.value, s.tensor) for s in before]
+    assert len(steps) == 2 * 3 * (2 + 6)
+    for s, b in zip(steps, before):
+        if s.tensor == "counts":
+            assert s.shape == b.shape == (n, experts // n) and s.bytes == b.bytes == n * (experts // n) * 8 * (n - 1) // n
+            continue
+        assert s.shape == (n, block, b.shape[2]) and b.shape[:2] == (n, rows), (s, b)
+        assert s.bytes == n * block * s.shape[2] * 4 * (n - 1) // n == b.bytes // 2
+    f = capped.forward.source
+    params = dict(model.named_parameters())
+    inputs = [params[f.label(v.name)] if f.label(v.name) in params else dict(zip(("idx", "targets"), batch))[f.label(v.name)]
+              for v in f.inputs]
+    with torch.no_grad():
+        outs, _ = spmd.run_simulated(capped.forward, inputs)
+        ref, dropped = eager_capped(model, n, factor)
+        logits, loss = ref(*batch)
+    assert dropped == [2 * 32, dropped[1]] and dropped[1] > 0, dropped  # layer 0: each rank drops 32 rows (16 of each expert's 32)
+    from nvtp.execute import expert_load
+
+    load = expert_load.of_batch(capped, model, batch, {})  # the report's count of the drops: the eager reference's
+    assert [sum(x.dropped) for x in load] == dropped and load[0].dropped == (32, 32) and load[0].received == (0, 64)
+    user = [i for i, v in enumerate(f.outputs) if f.role(v.name) == "output"]
+    for got in outs:
+        got_logits, got_loss = (got[i] for i in user)
+        assert relative_error(got_loss, loss)[0] <= 1e-5 and relative_error(got_logits, logits)[0] <= 1e-5
+        assert relative_error(got_logits, eager(model)(*batch)[0].detach())[0] > 1e-2  # the drops show: not the dropless result
+
+
+@pytest.mark.parametrize("value, words", [
+    (0, "capacity_factor=0: give each expert's capacity as a multiple of an even share"),
+    (-1.5, "capacity_factor=-1.5: give"),
+    ("1.25", "capacity_factor='1.25': give"),
+    (True, "capacity_factor=True: give"),
+    (float("nan"), "capacity_factor=nan: give"),
+    (float("inf"), "capacity_factor=inf: give"),
+])
+def test_a_bad_capacity_factor_is_refused_before_any_work(monkeypatch, value, words):
+    """``nvtp.jit`` and ``nvtp.plan`` refuse a capacity factor that is not a finite number more than 0
+    (``OptionError``, an ``InputError``), and one on a mesh without an ep axis, before anything is traced."""
+    from nvtp.options import OptionError
+
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: pytest.fail("traced before refusing"))
+    model, (idx, targets) = moe_gpt()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    for call in (lambda: nvtp.jit(model, plan="megatron", mesh=mesh, capacity_factor=value),
+                 lambda: nvtp.plan(model, idx, targets, plan="megatron", mesh=mesh, capacity_factor=value)):
+        with pytest.raises(OptionError) as e:
+            call()
+        assert words in str(e.value), str(e.value)
+    with pytest.raises(OptionError) as e:
+        nvtp.plan(model, idx, targets, plan="megatron", mesh=DeviceMesh.of_shape((2,), ("tp",)), capacity_factor=1.25)
+    assert "capacity_factor=1.25 is an option of the 'ep' mesh axis" in str(e.value), str(e.value)
+
+
+def test_the_report_says_why_the_expert_load_is_missing(ep2_step, monkeypatch):
+    """``nvtp.plan``'s count of the example batch: meta arguments are not counted, and a forward that
+    fails leaves the plan standing; both say why in the report (text and JSON), nothing silently missing."""
+    from nvtp import explain
+    from nvtp.execute import expert_load
+    from nvtp.report import report_of
+
+    model, (idx, targets), _, ranks, _, _ = ep2_step
+    program = ranks[0].last
+    report = report_of(program, "MoE GPT")
+    explain._count_expert_load(report, program, model, (idx.to("meta"), targets.to("meta")), {})
+    assert report.expert_load == [] and "not counted: the example arguments are on the meta device" in report.as_text()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such op")
+
+    monkeypatch.setattr(expert_load, "of_batch", broken)
+    report = report_of(program, "MoE GPT")
+    explain._count_expert_load(report, program, model, (idx, targets), {})
+    assert report.as_json()["expert_load_note"] == ("not counted: running the forward on the example batch failed "
+                                                    "(RuntimeError: no such op)")
 
 
 def _moe_fusion(experts: int, dense: bool = False):
@@ -195,7 +377,7 @@ def test_an_ep_axis_nvtp_cannot_shard_is_refused_before_any_work(experts, ep, wo
 # -- slow tier: gloo processes, (ep, tp), the CLI ----------------------------------------------------
 
 
-def _gloo_worker(rank, world, init_method, out, shape, names):
+def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,7 +389,7 @@ def _gloo_worker(rank, world, init_method, out, shape, names):
     if "dp" in names:  # each dp rank its half of the batch; the ranks of an ep group pass the same
         d = mesh.get_local_rank("dp")
         idx, targets = idx[2 * d:2 * d + 2], targets[2 * d:2 * d + 2]
-    sharded = nvtp.jit(model, plan="megatron", mesh=mesh)
+    sharded = nvtp.jit(model, plan="megatron", mesh=mesh, capacity_factor=capacity_factor)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     losses = []
     with ep_run.recording() as sent:
@@ -230,19 +412,23 @@ def _gloo_worker(rank, world, init_method, out, shape, names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, names", [((2,), ("ep",)), ((2, 2), ("dp", "ep"))], ids=["ep2", "dp2xep2"])
-def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names):
+@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
+                                                  ((2, 2), ("dp", "ep"), 1.0)],
+                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1"])
+def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
     """2 gloo processes at ep=2, 4 at (dp, ep) = (2, 2) (all_to_all_single on gloo): 3 SGD steps,
     every loss and final weight as eager's on the whole batch; the experts split over ep (whole
-    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte."""
+    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte.
+    With capacity_factor=1.0, as an eager model that drops the same rows (``capped_experts``: each
+    of the dp x ep ranks routes one sequence of the batch and drops past its own capacity)."""
     out = tmp_path / "got.pt"
     world = 1
     for n in shape:
         world *= n
-    assert spawn(_gloo_worker, world, str(out), shape, names) == [0] * world
+    assert spawn(_gloo_worker, world, str(out), shape, names, factor) == [0] * world
     got = torch.load(out)
     model, batch = moe_gpt()
-    ref = eager(model)
+    ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
         _, loss = ref(*batch)
@@ -269,14 +455,89 @@ def test_moe_gpt_at_ep2_tp2_matches_eager():
 
 @pytest.mark.slow
 def test_nvtp_explain_with_an_ep_axis_prints_experts_per_rank_and_all_to_all_bytes():
-    """The CLI as typed: ``nvtp explain --module nvtp.models.moe:tiny --plan megatron --mesh ep=2``; and on a dense
+    """The CLI as typed: ``nvtp explain --module nvtp.models.moe:tiny --plan megatron --mesh ep=2``:
+    the experts per rank, the all-to-all bytes, and the example batch's tokens per expert per rank
+    (the counts of the model's routers in eager PyTorch on each rank's sequence); and on a dense
     model the refusal, one line and a non-zero exit."""
     run = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh", "ep=2"],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "h.0.moe.experts, h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in run.stdout
     assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 48.00 KiB, combine 48.00 KiB" in run.stdout
+    capped = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
+                             "ep=2", "--capacity-factor", "1"], capture_output=True, text=True, timeout=900)
+    assert capped.returncode == 0, capped.stderr[-3000:]
+    assert "capacity factor 1: each expert takes at most ceil(1 x a rank's routed rows / experts)" in capped.stdout, capped.stdout
+    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 24.00 KiB, combine 24.00 KiB" in capped.stdout
+    assert "    dropped past the experts' capacity: rank 0 " in capped.stdout, capped.stdout
+    bad = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
+                          "ep=2", "--capacity-factor", "0"], capture_output=True, text=True, timeout=900)
+    assert bad.returncode == 3 and "capacity_factor=0.0: give each expert's capacity" in bad.stderr and "Traceback" not in bad.stderr
     assert "expert weights w_fc ep S(0), w_proj ep S(0)" in run.stdout, run.stdout
+    gpt, (idx, _) = moe.tiny()  # the factory's model and batch: rank r routes sequence r
+    ranks = [routed_counts(WithLogits(gpt), idx[r:r + 1]) for r in range(2)]
+    whole = routed_counts(WithLogits(gpt), idx)
+    assert "expert load of the example batch (tokens routed to each expert; imbalance = max / mean):" in run.stdout, run.stdout
+    for layer in range(2):
+        got = [ranks[r][layer] for r in range(2)]
+        assert f"  h.{layer}.moe.experts: 4 experts, top-2: whole batch {whole[layer]} (imbalance " in run.stdout, run.stdout
+        for r in range(2):
+            assert f"    rank {r}: routes {got[r]} (imbalance {max(got[r]) / (sum(got[r]) / 4):.2f})" in run.stdout, run.stdout
+        received = [sum(whole[layer][0:2]), sum(whole[layer][2:4])]
+        assert (f"    on ep, each rank's experts receive rank 0 {received[0]}, rank 1 {received[1]} rows "
+                f"(imbalance {max(received) / (sum(received) / 2):.2f})") in run.stdout, run.stdout
     dense = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "tests.test_explain:tiny_gpt_model", "--plan", "megatron", "--mesh", "ep=2"],
                            capture_output=True, text=True, timeout=900)
     assert dense.returncode != 0 and "has no MoE layer" in dense.stderr and "Traceback" not in dense.stderr, dense.stderr
+
+
+@pytest.mark.slow
+def test_nvtp_plan_reports_the_expert_load_of_each_dp_ranks_batch():
+    """``nvtp.plan`` (the Python API) at (dp, ep) = (2, 2) on one dp rank's batch of 2 sequences,
+    as nvtp.jit takes it: the JSON's tokens per expert per rank are the eager routers' counts of
+    the sequence each rank routes (position (d, e): sequence e, every dp rank passing the batch)."""
+    model, (idx, targets) = moe_gpt(batch=2)
+    report = nvtp.plan(model, idx, targets, plan="megatron", mesh=DeviceMesh.of_shape((2, 2), ("dp", "ep")))
+    got = report.as_json()
+    assert got["expert_load_note"] == "every data-parallel rank passing the example arguments"
+    seq = [routed_counts(model, idx[e:e + 1]) for e in range(2)]
+    for layer, x in enumerate(got["expert_load"]):
+        assert x["per_rank"] == [seq[e][layer] for d in range(2) for e in range(2)], x
+        assert x["per_rank_imbalance"] == [max(c) / (sum(c) / 4) for c in x["per_rank"]]
+        assert x["axis"] == "ep" and x["received"][0] == sum(x["per_rank"][0][0:2]) + sum(x["per_rank"][1][0:2])
+    assert "expert load of the example batch" in report.as_text()
+
+
+@pytest.mark.slow
+def test_moe_gpt_with_a_capacity_factor_steps_like_an_eager_model_dropping_the_same_rows():
+    """nvtp.jit(..., capacity_factor=1.0) at ep=2 on simulated ranks, one forward and backward:
+    logits, loss and every gradient within 1e-5 of ``capped_experts``' eager model (layer 0 drops
+    half its rows); the first-call check is skipped, saying why; the all-to-alls sent are the
+    Program's (capped) steps."""
+    model, batch = moe_gpt()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    threads = spmd.ThreadMesh(mesh, timeout=300)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), capacity_factor=1.0) for r in range(2)]
+    ranks[0].compile(*batch)
+    for m in ranks[1:]:
+        m.share_compiled(ranks[0])
+
+    def step(m):
+        logits, loss = m(*batch)
+        loss.backward()
+        return logits.detach(), loss.detach()
+
+    with pytest.warns(UserWarning, match="capacity_factor=1.0: the ep axis drops each expert's rows past its capacity"):
+        with ep_run.recording() as sent:
+            outs = spmd.on_threads(lambda r: step(ranks[r]), threads)
+    ref, dropped = eager_capped(model, 2, 1.0)
+    logits, loss = ref(*batch)
+    loss.backward()
+    assert dropped[0] == 64
+    for got_logits, got_loss in outs:
+        assert relative_error(got_loss, loss.detach())[0] <= 1e-5 and relative_error(got_logits, logits.detach())[0] <= 1e-5
+    for name, p in ref.named_parameters():
+        got = spmd.assemble([dict(m.module.named_parameters())[name].grad for m in ranks], ranks[0].placement(name), p.shape, mesh)
+        assert relative_error(got, p.grad)[0] <= 1e-5, name
+    planned = [(s.tensor, s.bytes) for s in ranks[0].last.steps() if s.kind == "alltoall"]
+    assert sorted(sent) == sorted(planned * 2)

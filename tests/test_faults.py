@@ -490,7 +490,7 @@ def _loop_worker(rank, world, init_method, fault, timeout, out_dir):
     return 0
 
 
-@pytest.mark.parametrize("fault,world,stop_within", [("kill", 3, 4.0), ("raise", 2, 4.0), ("hang", 2, None)])
+@pytest.mark.parametrize("fault,world,stop_within", [("kill", 3, 4.0), ("raise", 2, 4.0), pytest.param("hang", 2, None, marks=pytest.mark.slow)])
 def test_a_failed_rank_stops_the_others_naming_it(tmp_path, capfd, fault, world, stop_within):
     timeout = 3.0
     codes = spawn(_loop_worker, world, (1, fault), timeout, str(tmp_path))
@@ -741,6 +741,7 @@ def test_divergent_replicated_inputs_are_named_with_the_ranks(capfd):
 # -- 6. a long run, killed and resumed: nothing lost (the short version of tools/long_run.py) ------------
 
 
+@pytest.mark.slow  # 46 s: 40 steps on 2 processes twice; the stop on a failed rank and checkpoints are default-tier tests
 def test_a_killed_training_run_resumes_exactly_from_its_last_checkpoint(tmp_path):
     report_path = tmp_path / "report.json"
     cmd = [sys.executable, str(ROOT / "tools/long_run.py"), "--steps", "40", "--kill-at", "20", "--save-every", "10",

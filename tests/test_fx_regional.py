@@ -105,7 +105,7 @@ def recorded(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])  # bf16: 24 s
 def test_a_llama_spliced_from_one_traced_layer_computes_the_whole_trace_bit_for_bit(dtype, recorded):
     model = build("llama", dtype=dtype)
     spliced = trace(model)
@@ -158,34 +158,62 @@ def test_a_padding_mask_every_layer_reads_is_computed_once_and_spliced_bit_for_b
     assert_bit_for_bit(model, spliced, trace(model, regional=False, attention_mask=mask), attention_mask=mask)
 
 
-def test_layers_of_different_kinds_are_traced_whole_and_the_route_says_why(recorded):
-    """Qwen2 with sliding-window attention from layer 1 on: the model calls its layers with two
-    masks (a sliding-window one from layer 1), which the run on fake tensors shows, so nothing is
-    spliced and ``how`` names the argument; the program is the whole trace's."""
-    model = build("qwen2", layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    traced = trace(model)
-    assert re.fullmatch(r"whole trace: the model calls block 1 of model.layers with attention_mask t\d+ before the blocks"
-                        r"\[2, 1, 16, 16\] where block 0 gets t\d+ before the blocks\[2, 1, 16, 16\]: it does not call every "
-                        r"block alike", traced.how), traced.how
-    assert [len(m.model.layers) for m in recorded["exported"]] == [2] and recorded["traced"] == []  # whole: fx.trace's own capture
+def _meta_call():
+    return (tokens().to("meta"),), {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in call_kwargs().items()}
 
 
-def test_blocks_that_differ_past_the_first_two_are_refused_by_what_they_compute():
-    """Block 2's attention scale unlike the others' (the export of blocks 0 and 1 cannot see it) stops
-    the splice before anything is traced, naming the block and the call that differs; a setting that
-    differs but changes no call (``layer_idx`` without a cache) does not."""
+SLIDING = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def test_layers_called_with_different_masks_are_variants_of_their_own():
+    """Qwen2 whose odd layers attend through a sliding window (``layer_types``): the layers' own code
+    is one, but the model calls the odd ones with another mask, so they are a variant of their own
+    (each variant is traced once, ``test_layers_of_different_kinds_are_spliced_one_traced_layer_per_variant``);
+    the export keeps 3 layers (layer 2 is compared with layer 0 to tell its carry). Block 0 the only
+    one of its kind (``max_window_layers=1``) is traced whole, saying why. On a run on fake tensors: no trace."""
+    with torch.device("meta"):
+        model = build("qwen2", layers=4, use_sliding_window=True, sliding_window=4, layer_types=SLIDING)
+    proof = fx_regional.prove(model, find_repeated(model), *_meta_call())
+    assert proof.variant_of == [0, 1, 0, 1] and proof.keep == 3, proof
+    assert re.fullmatch(r"the model calls block 1 with attention_mask t\d+ before the blocks\[2, 1, 16, 16\] where block 0 gets "
+                        r"t\d+ before the blocks\[2, 1, 16, 16\]", proof.why[0]), proof.why
+    with torch.device("meta"):
+        model = build("qwen2", layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(NotRepeatable, match=r"block 0 of model.layers is the only block of its variant \(2 variants \(blocks 0; 1, 2: "):
+        fx_regional.prove(model, find_repeated(model), *_meta_call())
+
+
+@pytest.mark.slow  # a spliced and a whole trace: 70 s
+def test_layers_of_different_kinds_are_spliced_one_traced_layer_per_variant(recorded):
+    """The spliced program of that Qwen2 computes the whole trace's, bit for bit (loss, logits and
+    every gradient); ``how`` names the variants; dynamo exported the model cut to 3 layers, Thunder
+    traced the skeleton and one layer of each variant."""
+    model = build("qwen2", layers=4, use_sliding_window=True, sliding_window=4, layer_types=SLIDING)
+    spliced = trace(model)
+    assert spliced.how.startswith("spliced: 4 blocks of model.layers from 2 traced blocks, one per variant: 2 variants (blocks 0, 2; "
+                                  "1, 3: the model calls block 1 with attention_mask "), spliced.how
+    assert [len(m.model.layers) for m in recorded["exported"]] == [3] and len(recorded["traced"]) == 3
+    assert_bit_for_bit(model, spliced, trace(model, regional=False))
+
+
+def test_blocks_that_differ_past_the_first_two_are_told_apart_by_what_they_compute():
+    """Block 2's attention scale unlike the others' (an export of blocks 0 and 1 alone cannot see
+    it) makes block 2 a variant of its own before anything is traced, naming the call that differs,
+    and the export keeps 3 blocks so that it is traced; a setting that differs but changes no call
+    (``layer_idx`` without a cache) does not."""
     with torch.device("meta"):
         model = build("llama", layers=4)
     model.model.layers[2].self_attn.scaling = 0.5
-    args, kwargs = (tokens().to("meta"),), {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in call_kwargs().items()}
+    args, kwargs = _meta_call()
     rep = find_repeated(model)
-    with pytest.raises(NotRepeatable, match=r"the blocks of model.layers are 2 variants \(blocks 0, 1, 3; 2: block 2 differs at its "
-                                            r"call \d+: `scaled_dot_product_attention\(.*scale=0.5.*\)` where block 0 has "
-                                            r"`scaled_dot_product_attention\(.*scale=0.25.*\)`\)"):
-        fx_regional.prove(model, rep, args, kwargs)
+    proof = fx_regional.prove(model, rep, args, kwargs)
+    assert proof.variant_of == [0, 0, 1, 0] and proof.keep == 3, proof
+    assert re.fullmatch(r"block 2 differs at its call \d+: `scaled_dot_product_attention\(.*scale=0.5.*\)` where block 0 has "
+                        r"`scaled_dot_product_attention\(.*scale=0.25.*\)`", proof.why[0]), proof.why
     model.model.layers[2].self_attn.scaling = 0.25
     model.model.layers[1].self_attn.layer_idx = 7  # read only by a cache: the same program
-    fx_regional.prove(model, rep, args, kwargs)
+    proof = fx_regional.prove(model, rep, args, kwargs)
+    assert proof.variant_of == [0, 0, 0, 0] and proof.keep == 2, proof
 
 
 def _stablelm(layers: int = LAYERS) -> torch.nn.Module:
@@ -298,7 +326,7 @@ def test_cli_plans_llama3_70b_shape_on_the_meta_device_spliced(capsys):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+@pytest.mark.parametrize("plan", [pytest.param("megatron", marks=pytest.mark.slow), "megatron-sp"])
 def test_the_plan_pairs_each_spliced_layer_as_the_first_and_shards_exactly_as_probing_each(plan, monkeypatch):
     """The derived plans probe which projections pair (column-, then row-parallel) once for the
     first layer and take the same pairs in its renamed copies (``plans.pairing.Paired``): the program is

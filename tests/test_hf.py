@@ -244,7 +244,7 @@ def test_a_config_with_the_kv_cache_on_trains_without_it_and_an_explicit_use_cac
 # -- more families and mesh sizes (a trace each: 6-9 s on an idle 2-core machine, up to a minute loaded) --
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma"])
+@pytest.mark.parametrize("family", [pytest.param("mistral", marks=pytest.mark.slow), "qwen2", pytest.param("gemma", marks=pytest.mark.slow)])  # test_hf_families runs every family
 def test_family_megatron_d2_matches_eager(family):
     model = build(family)
     worst = check_parity(model, Mesh(model, 2, "megatron", tokens(), labels=tokens()), tokens())

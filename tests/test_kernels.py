@@ -20,7 +20,7 @@ from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 
 # what each model's forward and backward must run as kernels
-GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "gelu": 2, "softmax": 2},
+GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "gelu": 2, "causal_attention_probs": 2, "softmax": 0},
                "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
                             "layer_norm_backward": 5, "gelu_backward": 2, "softmax_backward": 2}}
 LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "softmax": 2},
@@ -121,3 +121,55 @@ def test_a_bad_compile_option_is_refused_before_tracing(bad):
     model = gpt.GPT(gpt.config("tiny"))
     with pytest.raises(InputError, match=r"compile=.* is not a way nvtp runs a rank's program; choose one of 'kernels': .*'none': "):
         nvtp.jit(model, compile=bad)
+
+
+def _no_grad_three_ways(module, x):
+    """(eager, kernels, interpreter) outputs of ``module(x)`` under torch.no_grad(), and the kernels' fusion counts."""
+    with torch.no_grad():
+        want = copy.deepcopy(module)(x)
+        sm = nvtp.jit(copy.deepcopy(module), mesh=DeviceMesh.of_size(1))
+        got = sm(x)
+        none = nvtp.jit(copy.deepcopy(module), mesh=DeviceMesh.of_size(1), compile="none").share_compiled(sm)(x)
+    return want, got, none, _fused(sm)["forward"]
+
+
+def _same(got, want, what: str, tol: float = 2e-5) -> None:
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err <= tol, f"{what}: differs by {err:.2e} of the largest entry"
+
+
+def test_causal_attention_whose_probabilities_nothing_keeps_runs_as_torchs_sdpa():
+    """Under torch.no_grad() no backward keeps the attention's probabilities, so a GPT block's
+    causal attention runs as F.scaled_dot_product_attention (torch's flash kernel on a CPU);
+    in training (the GPT test above) the backward keeps them and it runs as causal_attention_probs."""
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny")
+    want, got, none, fused = _no_grad_three_ways(gpt.Block(cfg), gpt.example_input(cfg, requires_grad=False))
+    assert fused.get("causal_attention") == 1 and "softmax" not in fused and "causal_attention_probs" not in fused, fused
+    _same(got, want, "kernels vs eager")
+    _same(got, none, "kernels vs the interpreter")
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention with the mask ``row + offset >= column``: causal at offset 0, not at 1."""
+
+    def __init__(self, offset: int):
+        super().__init__()
+        self.qkv, self.offset = torch.nn.Linear(32, 96), offset
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 4, 8).permute(2, 0, 3, 1, 4)  # each (B, h, T, hs)
+        i = torch.arange(T, device=x.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=i[:, None] + self.offset >= i[None, :])
+
+
+@pytest.mark.parametrize("offset,kernel", [(0, "causal_attention"), (1, "softmax")])
+def test_only_a_causal_mask_is_taken_for_causal_attention(offset, kernel):
+    """The check reads the mask through the iotas it is built from: row >= column fuses as causal
+    attention, row + 1 >= column (one more key per row) stays a masked softmax."""
+    torch.manual_seed(0)
+    want, got, none, fused = _no_grad_three_ways(_MaskedAttention(offset), torch.randn(2, 8, 32))
+    assert fused == {kernel: 1}, fused
+    _same(got, want, "kernels vs eager")
+    _same(got, none, "kernels vs the interpreter")

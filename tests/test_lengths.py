@@ -16,11 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nvtp
+from nvtp import driver
 from nvtp.dump import relative_error
 from nvtp.errors import InputError
 from nvtp.execute import spmd
 from nvtp.execute.collectives import ThreadComm, ThreadGroup
-from nvtp.frontend.lengths import NotDerivable, _constant, _Fit
+from nvtp.frontend.lengths import Lengths, NotDerivable, _constant, _Fit
 from nvtp.sharding.placements import DeviceMesh
 
 
@@ -59,22 +60,44 @@ def _infer(module, *args):
         return module(*args)
 
 
+def _greedy(step, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy generation as nanoGPT's ``generate`` with ``top_k=1``: the model on the whole sequence, one token longer each step."""
+    for _ in range(tokens):
+        ids = torch.cat([ids, step(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
 @torch.no_grad()
-def test_new_lengths_are_derived_from_two_traces_and_match_eager_on_2_ranks():
+def test_generation_traces_three_lengths_derives_the_rest_and_gives_eagers_tokens_on_2_ranks(monkeypatch):
+    """Greedy generation of 6 tokens from a prompt of 8 on 2 simulated ranks gives the tokens eager
+    generation gives, with 3 traces a rank for its 6 lengths (two to derive from, one to check the
+    first derived program against), counted at the driver; a later jump to length 31 is derived too, and
+    every output is eager's within 1e-5."""
     torch.manual_seed(0)
     model = TinyLM().eval()
     group, ranks = _ranks(model)
+    traces = []
+    real = driver.trace
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: traces.append(a[1][0].shape[1]) or real(*a, **k))
+    prompt = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(8))
+    want = _greedy(model, prompt, 6)
     hows = []
-    for T in (8, 9, 10, 11, 14, 31):
-        idx = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
-        outs = spmd.on_threads(lambda r: _infer(ranks[r], idx), group)
-        want = model(idx)
+
+    def step(ids):
+        outs = spmd.on_threads(lambda r: _infer(ranks[r], ids), group)
         for out in outs:
-            assert relative_error(out, want)[0] <= 1e-5, T
+            assert relative_error(out, model(ids))[0] <= 1e-5, ids.shape
         hows.append(ranks[0].last.traced.how)
+        return outs[0]
+
+    got = _greedy(step, prompt, 6)
+    assert torch.equal(got, want), (got, want)
+    idx = torch.randint(0, 64, (2, 31), generator=torch.Generator().manual_seed(31))
+    assert relative_error(step(idx), model(idx))[0] <= 1e-5
+    assert sorted(traces) == [8, 8, 9, 9, 10, 10], traces  # each rank (a thread here, a process in use) traces its own
     family = next(iter(ranks[0]._lengths.families.values()))
-    assert family.checked and not family.why and family.derived == 3, (family.checked, family.why, family.derived)
-    assert [h.startswith("derived at length") for h in hows] == [False, False, False, True, True, True], hows
+    assert family.checked and not family.why and family.derived == 4, (family.checked, family.why, family.derived)
+    assert [h.startswith("derived at length") for h in hows] == [False] * 3 + [True] * 4, hows
 
 
 @pytest.mark.slow
@@ -91,14 +114,39 @@ def test_a_size_that_does_not_follow_the_length_is_traced_at_every_length():
 
 
 def test_folded_constants_are_regenerated_only_when_they_follow_a_known_pattern():
+    """Position ids, causal masks and sliding-window masks (Mistral, Qwen2's sliding layers) are
+    regenerated at a new length; anything else is not."""
     fit = _Fit(8, 9, 12)
     positions = [torch.arange(n, dtype=torch.float32).reshape(1, n, 1) for n in (8, 9)]
     assert torch.equal(_constant("pos", *positions, fit), torch.arange(12, dtype=torch.float32).reshape(1, 12, 1))
     masks = [torch.ones(n, n, dtype=torch.bool).tril().expand(1, 1, n, n) for n in (8, 9)]
     assert torch.equal(_constant("mask", *masks, fit), torch.ones(12, 12, dtype=torch.bool).tril().expand(1, 1, 12, 12))
+    def sliding(n, window):  # transformers' sliding-window mask: key j within `window` positions before query i
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return ((j <= i) & (j > i - window)).expand(1, 1, n, n)
+
+    assert torch.equal(_constant("sliding", sliding(8, 4), sliding(9, 4), fit), sliding(12, 4))
+    with pytest.raises(NotDerivable, match="constant sliding .* no pattern"):  # a window that follows the length is no band
+        _constant("sliding", sliding(8, 4), sliding(9, 5), fit)
     noise = [torch.rand(1, n, generator=torch.Generator().manual_seed(n)) for n in (8, 9)]
     with pytest.raises(NotDerivable, match="constant noise .* no pattern nvtp regenerates"):
         _constant("noise", *noise, fit)
+
+
+def test_no_length_past_the_models_window_is_derived_from_traces_within_it():
+    """Within a sliding window its mask equals a causal one, so traces at 2 and 3 of a model with a
+    window of 4 cannot tell it: a derived length 6 got a causal mask, and with verify=False a
+    Mistral generated other tokens than eager past the window, silently. A length past the window
+    the config declares is traced, and the family starts again from it."""
+    calls = []
+    lengths = Lengths(horizon=4)
+
+    def at(n):
+        return lengths.trace((torch.zeros(1, n, dtype=torch.long),), {}, "eval", lambda: calls.append(n) or f"traced at {n}")
+
+    assert [at(2), at(3), at(6)] == ["traced at 2", "traced at 3", "traced at 6"] and calls == [2, 3, 6]
+    family = next(iter(lengths.families.values()))
+    assert family.first == [(1, 6)] and len(family.traces) == 1  # the next trace past the window makes two
 
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
@@ -138,3 +186,28 @@ def test_transformers_generate_on_a_sharded_model_runs_the_models_own_loop():
     assert v(torch.zeros(1, 3, dtype=torch.long), use_cache=False) == "sharded" and len(calls) == 1
     with pytest.raises(InputError, match=r"returns no KV cache.*leave use_cache out"):
         nvtp.jit(build("llama"), plan="megatron").generate(torch.zeros(1, 3, dtype=torch.long), use_cache=True)
+
+
+def test_the_window_a_transformers_config_declares_bounds_derivation():
+    from nvtp.frontend.lengths import horizon
+
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    assert horizon(transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=4))) == 4
+    assert horizon(transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))) is None
+
+
+@pytest.mark.slow
+def test_a_mistral_generating_past_its_window_gives_eagers_tokens_without_the_guard():
+    """verify=False: nothing but the derivation stands between the program and eager's tokens."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, sliding_window=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8)  # sharp attention: the window decides the next tokens (a causal mask gave others from the 8th)
+    ids = torch.randint(1, 64, (1, 2), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = copy.deepcopy(model).generate(ids, max_new_tokens=10, do_sample=False)
+        got = nvtp.jit(model, mesh=1, verify=False).generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want), (got, want)

@@ -94,8 +94,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("kind,plan,fsdp", [  # four processes each: one in the default tier (the simulated tests below cover every plan)
-    ("gpt", "megatron-sp", True),
+@pytest.mark.parametrize("kind,plan,fsdp", [  # four processes each, 20 s: slow (the simulated tests below cover every plan)
+    pytest.param("gpt", "megatron-sp", True, marks=pytest.mark.slow),
     pytest.param("gpt", "megatron", False, marks=pytest.mark.slow),
     pytest.param("llama", "megatron", True, marks=pytest.mark.slow),
     pytest.param("llama", "megatron-sp", False, marks=pytest.mark.slow)])
@@ -150,9 +150,12 @@ def spmd_assemble(parts, sharding, shape, mesh):
     return spmd.assemble(parts, sharding, shape, mesh)
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+# Each model, plan and dp kind in the default tier; the other four combinations (4-6 s each) in the slow tier.
+@pytest.mark.parametrize("kind,plan,fsdp", [
+    pytest.param(kind, plan, fsdp, id=f"{kind}-{plan}-{'fsdp' if fsdp else 'ddp'}",
+                 marks=[] if (kind, plan, fsdp) in {("gpt", "megatron-sp", True), ("gpt", "megatron", False),
+                                                    ("llama", "megatron", True), ("llama", "megatron-sp", False)} else [pytest.mark.slow])
+    for kind in ("gpt", "llama") for plan in ("megatron", "megatron-sp") for fsdp in (False, True)])
 def test_simulated_2d_mesh_trains_like_one_process(kind, plan, fsdp):
     from nvtp.sharding.placements import axis_split
 

@@ -67,6 +67,7 @@ BAD = [
     (2, {"collective_matmul": 1}, r"collective_matmul=1: pass True"),
     (2, {"regional": "no"}, r"regional='no': pass True or False"),
     (2, {"backend": "cuda"}, r"unknown backend 'cuda'; choose one of 'auto', 'reference', 'nvfuser'"),
+    (2, {"compile": "inductor"}, r"compile='inductor' is not a way nvtp runs a rank's program; choose one of 'kernels': "),
 ]
 JIT_ONLY = [
     ("2x1x1", {"dynamic": True}, r"dynamic=True is not honoured on a mesh with a 'pp' axis: a pipeline is compiled for one batch "
@@ -100,6 +101,28 @@ def test_nvtp_plan_refuses_the_same_options_with_the_same_words(no_trace, mesh, 
     model, tokens = _gpt()
     with pytest.raises(ValueError, match=message):
         nvtp.plan(model, *tokens, plan="megatron", mesh=mesh, **options)
+
+
+def test_nvtp_plan_takes_compile_as_nvtp_jit_does(no_trace, monkeypatch):
+    """compile= is an option of nvtp.plan, as of nvtp.jit (it was handed to the model's forward:
+    "GPT.forward: got an unexpected keyword argument 'compile'"); it says how a rank runs its
+    fusions, not what they compute or send, so the driver plans what it plans by default."""
+    from nvtp import driver
+
+    model, tokens = _gpt(layers=1)
+    seen = []
+
+    def planned(module, *args, **kwargs):
+        seen.append(kwargs)
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(driver, "compile", planned)
+    for mode in ("none", "kernels"):
+        with pytest.raises(RuntimeError, match="planned"):
+            nvtp.plan(model, *tokens, plan="megatron", mesh=2, compile=mode)
+    assert seen[0] == seen[1] and "compile" not in seen[0]  # the model's forward is not given it
+    with pytest.raises(ValueError, match=r"compile='inductor' is not a way nvtp runs a rank's program"):
+        nvtp.plan(model, *tokens, plan="auto", mesh=2, compile="inductor")
 
 
 def test_the_thunder_transform_checks_its_options_too():

@@ -123,7 +123,8 @@ def _run(model, mesh, args, steps=2, **options):
     return losses, [[p.detach().clone() for p in m.module.parameters()] for m in ranks], ranks[0].last
 
 
-@pytest.mark.parametrize("mesh, fsdp", [(DeviceMesh.of_size(4), False), (MESH_2X2, True)], ids=["tp4", "fsdp2x2"])
+@pytest.mark.parametrize("mesh, fsdp", [(DeviceMesh.of_size(4), False), pytest.param(MESH_2X2, True, marks=pytest.mark.slow)],
+                         ids=["tp4", "fsdp2x2"])  # fsdp2x2: 15 s; test_steps runs FSDP scheduled
 def test_the_scheduled_program_computes_the_unscheduled_ones_results_bit_for_bit(mesh, fsdp):
     idx, tgt = gpt.example_tokens(CFG)
     args = (idx, tgt) if mesh.ndim == 1 else (idx[:1], tgt[:1])
@@ -196,7 +197,7 @@ def _train_ring(mesh, collective_matmul, args, steps=2):
     return losses[0], params[0], program, len(sent) // (mesh.size * steps), sent
 
 
-@pytest.mark.parametrize("mesh", [DeviceMesh.of_size(4), MESH_2X2], ids=["tp4", "dp2xtp2"])
+@pytest.mark.parametrize("mesh", [DeviceMesh.of_size(4), pytest.param(MESH_2X2, marks=pytest.mark.slow)], ids=["tp4", "dp2xtp2"])  # dp2xtp2: 14 s
 def test_collective_matmul_computes_what_the_collectives_compute(mesh):
     """Every gather before a projection and reduce-scatter after one, run as ring steps
     (collective_matmul=True), trains as the program with the collectives does, within rounding

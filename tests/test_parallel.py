@@ -22,7 +22,7 @@ from nvtp.sharding.propagate import ShardingError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("d,plan", [(2, "megatron"), (4, "megatron"), (2, "megatron-sp")])
+@pytest.mark.parametrize("d,plan", [(2, "megatron"), pytest.param(4, "megatron", marks=pytest.mark.slow), (2, "megatron-sp")])  # 4 processes: 34 s
 def test_training_on_a_mesh_matches_one_process(d, plan, tmp_path):
     """20 SGD steps of a 2-layer GPT: every loss within 1e-4 of single-process PyTorch; a wrong
     gradient anywhere would move the losses and the final parameters."""
@@ -77,6 +77,7 @@ def test_a_llama_block_through_nvtp_jit_matches_one_device(tmp_path):
     assert got["comms"] == ["allreduce", "allreduce"]
 
 
+@pytest.mark.slow  # 5 processes runs, 50 s: test_checkpoint_files, test_torch_native and test_mesh2d resume in the default tier
 def test_checkpoint_resumes_exactly_and_on_another_mesh(tmp_path):
     ckpt = tmp_path / "ckpt"
     full = TrainJob("tiny", "megatron", 8, 0.1, str(tmp_path / "full.pt"), verbose=False, save_at=4, save_dir=str(ckpt))

@@ -14,6 +14,7 @@ train a tiny Llama on gloo processes at pp = 2 and (pp, tp) = (2, 2).
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -109,6 +110,26 @@ def test_a_forward_of_several_tensors_none_named_the_loss_is_refused_saying_how_
         loss_only(replace(traced, call=None), "Pair")
 
 
+def test_a_pipelines_call_binds_a_transformers_models_keywords_with_the_cache_off():
+    """A pipeline binds ``model(ids, labels=ids)`` to positions, defaults included (``use_cache=None``
+    among them); the FX route then turned the cache off by adding ``use_cache=False`` as a keyword
+    too: "TypeError: multiple values for argument 'use_cache'" from deep inside torch.export, for
+    any transformers model whose config keeps transformers' default (the cache on). Now the cache
+    is turned off where the call gives it, by position or keyword; ``use_cache=True`` is refused."""
+    from nvtp.errors import InputError
+
+    model, ids = _llama(), torch.zeros(2, 8, dtype=torch.long)
+    assert model.config.use_cache
+    names = list(inspect.signature(model.forward).parameters)
+    args, kwargs = driver.bind_call(model, "fx", *driver.bind_call(model, "thunder", (ids,), {"labels": ids}))  # as a pipeline does
+    assert args[names.index("use_cache")] is False and "use_cache" not in kwargs and args[names.index("labels")] is ids
+    args, kwargs = driver.bind_call(model, "fx", (ids,), {"labels": ids})  # as nvtp.jit does
+    assert args == (ids,) and kwargs == {"labels": ids, "use_cache": False}
+    for call in [((ids,), {"use_cache": True}), driver.bind_call(model, "thunder", (ids,), {"use_cache": True})]:
+        with pytest.raises(InputError, match="call it with use_cache=False"):
+            driver.bind_call(model, "fx", *call)
+
+
 # -- a transformers Llama on gloo processes ---------------------------------------------------------
 
 STEPS = 3
@@ -119,7 +140,7 @@ def _llama():
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=256,
-                                   intermediate_size=128, use_cache=False, bos_token_id=0, eos_token_id=0)
+                                   intermediate_size=128, bos_token_id=0, eos_token_id=0)  # use_cache: transformers' default, on
     return transformers.LlamaForCausalLM(cfg)
 
 

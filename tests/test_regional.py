@@ -80,7 +80,7 @@ def test_spliced_fusions_equal_a_whole_trace(tiny):
     assert _kinds(spliced.forward)["uniform"] == 1 + 3 * LAYERS  # the embedding's dropout, and 3 per block
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])  # bf16: 25 s
 def test_fusions_spliced_from_one_traced_block_compute_the_whole_trace_bit_for_bit(tiny, dtype, monkeypatch):
     """The template splice: the model without its blocks and block 0 alone are the only traces, at
     any depth; the L-layer fusions give the whole trace's loss and every gradient bit for bit, with

@@ -271,6 +271,8 @@ def test_a_captured_backward_records_its_gradients_forward_inputs(tiny_capture):
 def check_simulated(sharded, seed=0, tol=1e-5):
     inputs = dump.random_inputs(sharded.source, seed=seed)
     single = reference.run(sharded.source, inputs, seed=seed)
+    # NaN compares equal to NaN: a non-finite single-device output would check nothing
+    assert all(torch.isfinite(x).all() for x in single if isinstance(x, torch.Tensor)), "the inputs make a non-finite output"
     per_rank, logs = spmd.run_simulated(sharded, inputs, seed=seed)
     whole = spmd.assemble_outputs(sharded, per_rank)
     checks = dump.check_outputs(sharded.source, whole, single)
@@ -288,8 +290,10 @@ def test_gpt_block_sharded_equals_single_device(tiny_capture, plan, d):
     check_simulated(bwd)
 
 
-@pytest.mark.parametrize("name", sorted(BLOCKS))
-@pytest.mark.parametrize("target", ["nvfuser", "reference"])
+# The nvfuser target of every block but one in the slow tier (3-4 s each): the reference target runs them all.
+@pytest.mark.parametrize("name,target", [
+    pytest.param(name, target, id=f"{target}-{name}", marks=[pytest.mark.slow] if target == "nvfuser" and name != "llama_gqa_bias" else [])
+    for target in ("nvfuser", "reference") for name in sorted(BLOCKS)])
 def test_other_blocks_sharded_equal_single_device(name, target):
     torch.manual_seed(0)
     c = capture(BLOCKS[name](), torch.randn(2, 16, 64, requires_grad=True))
@@ -498,9 +502,7 @@ def whole_gpt_capture():
     return capture(gpt.GPT(cfg), *gpt.example_tokens(cfg))
 
 
-@pytest.mark.parametrize("plan", ["megatron", pytest.param("megatron-sp", marks=pytest.mark.xfail(
-    reason="since the compile branch's patterns.py (2026-11-26), T478 of the megatron-sp backward differs on 2 simulated ranks "
-           "(relative error inf: an expected zero?); not yet understood, see the stop note of 2026-11-26", strict=False))])
+@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
 def test_a_whole_gpt_shards_for_nvfuser_with_replicated_embeddings(whole_gpt_capture, plan):
     """nvFuser keeps partial sums only on reduction axes, so for the nvFuser target the plan
     leaves the embedding table whole (the reference target splits it along the vocabulary); the

@@ -58,6 +58,7 @@ def _batches(cfg, steps=STEPS):
     return [gpt.example_tokens(cfg, seed=s) for s in range(steps)]
 
 
+@pytest.mark.slow  # 20 s: the two-rank test below trains through the transform against eager in the default tier
 def test_one_process_trains_like_eager_through_thunders_autograd():
     """A mesh of 1: the computation is nvtp's program (``nvtp_forward_N`` in Thunder's forward
     trace, ``nvtp_backward_N`` in its backward trace), an optimizer made from the module's own

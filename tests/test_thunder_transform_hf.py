@@ -27,10 +27,15 @@ STEPS, LR = 3, 0.1
 
 
 def test_a_transformers_llama_through_the_thunder_transform_gives_eagers_loss_and_gradients():
-    """One process: the program nvtp.jit would run (the FX route), in Thunder's autograd."""
+    """One process: the program nvtp.jit would run (the FX route), in Thunder's autograd. The config
+    keeps transformers' default KV cache on: Thunder's interpreter failed on the DynamicCache the
+    forward built ("'_PerLayerConfigView' object has no attribute '_config'"); the transform turns
+    the cache off as nvtp.jit does, and a call asking for it is refused in one line."""
+    from nvtp.errors import InputError
     from nvtp.models.hf import batch, build
 
     model = build("llama")
+    model.config.use_cache = True  # transformers' default
     ref = copy.deepcopy(model)
     want = ref(batch(0), labels=batch(0))
     want.loss.backward()
@@ -44,6 +49,8 @@ def test_a_transformers_llama_through_the_thunder_transform_gives_eagers_loss_an
     for name, p in ref.named_parameters():
         assert (grads[name] - p.grad).abs().max().item() <= 1e-5, name
     assert transform.last.traced.route == "fx", transform.last.traced.how
+    with pytest.raises(InputError, match=r"nvtp does not return KV caches \(past_key_values\) under thunder.jit; call the model with use_cache=False"):
+        jm(batch(0), labels=batch(0), use_cache=True)
 
 
 @pytest.mark.slow

@@ -182,7 +182,7 @@ def test_a_head_tied_to_the_embedding_gets_the_sum_of_both_gradients_and_stays_t
     assert inner.lm_head.weight is inner.transformer.wte.weight
 
 
-@pytest.mark.parametrize("plan", ["megatron", "megatron-sp"])
+@pytest.mark.parametrize("plan", [pytest.param("megatron", marks=pytest.mark.slow), "megatron-sp"])
 def test_a_tied_head_trains_sharded_as_eager_and_is_placed_once(plan):
     cfg = GPTConfig(tie=True, n_layer=2)
     torch.manual_seed(0)
@@ -249,7 +249,7 @@ def test_one_block_shared_by_every_layer_gets_the_sum_of_its_gradients():
 
 # -- 3. any pytree of outputs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("tie,regional", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("tie,regional", [pytest.param(False, True, marks=pytest.mark.slow), (True, True), (False, False)])
 def test_logits_and_loss_returned_together_train_as_eager(tie, regional):
     """nanoGPT's ``(logits, loss)``: the loss's gradient goes to the loss, none to the logits (torch
     passes None for an output the loss does not use), on the spliced and the whole trace."""
@@ -430,6 +430,7 @@ def test_the_fx_route_takes_a_tied_head_logits_and_loss_and_equal_gradients():
 
 # -- 4. attributes reassigned in forward; cross entropy's ignore_index ------------------------------
 
+@pytest.mark.slow  # 9 s: the sharded test below runs the same model on 2 ranks against eager
 def test_a_llama_reassigning_its_rotary_table_in_forward_matches_eager():
     """``self.freqs = self.freqs.to(h.device)`` in forward: a plain tensor attribute, not a buffer.
     nvtp traces it as module state and passes the module's tensor at each call."""
@@ -485,6 +486,7 @@ def test_tensor_attributes_set_up_before_the_call_train_sharded_as_eager():
     assert ranks[0].placement("layers.0.attention.wq.weight") != ranks[0].placement("norm.weight")  # it did split
 
 
+@pytest.mark.slow  # 20 s: nvtp.jit runs these attributes in the default tier, the transform runs a tied model there
 def test_tensor_attributes_set_up_before_the_call_train_under_the_thunder_transform():
     import thunder
 

@@ -1,6 +1,7 @@
 """One rank's forward + backward against eager PyTorch, interleaved in one process: nvtp on a
 mesh of one with ``compile="kernels"`` (the default), with only the LayerNorm, GELU and softmax
-patterns (``ln-gelu``: the reference backend before issue 37), and ``compile="none"`` (the
+patterns (``ln-gelu``: the reference backend before issue 37), the kernels without the causal
+attention entry (``no-attn``), and ``compile="none"`` (the
 interpreter).
 
     .venv/bin/python tools/rank_bench.py                    # nvtp's GPT and a transformers Llama
@@ -85,17 +86,27 @@ def _check(name: str, got, want) -> None:
 
 
 @contextlib.contextmanager
-def _only_layer_norm_gelu_softmax(on: bool):
-    """While lowering: the patterns main had before issue 37 (LayerNorm, tanh-GELU, softmax), none of kernels.py's."""
-    from nvtp.execute import kernels
+def _without(tables: str):
+    """While lowering, the kernels pass without some of its tables: "attention" (``no-attn``:
+    kernels as before the causal-attention entry), "all but patterns.py" (``ln-gelu``: the
+    LayerNorm, GELU and softmax patterns main had before issue 37), or "" (nothing left out)."""
+    from nvtp.execute import attention_kernel, kernels
 
-    saved = list(kernels.KERNELS)
-    if on:
+    saved, attention = list(kernels.KERNELS), list(attention_kernel.ATTENTION)
+    if tables:
+        attention_kernel.ATTENTION.clear()
+    if tables == "all but patterns.py":
         kernels.KERNELS.clear()
     try:
         yield
     finally:
         kernels.KERNELS[:] = saved
+        attention_kernel.ATTENTION[:] = attention
+
+
+# name -> (compile=, the kernels' tables left out while lowering)
+MODES = {"eager": (None, ""), "kernels": ("kernels", ""), "no-attn": ("kernels", "attention"),
+         "ln-gelu": ("kernels", "all but patterns.py"), "none": ("none", "")}
 
 
 def _gemm_share(step) -> float:
@@ -113,13 +124,13 @@ def run(case: str, rounds: int, warmup: int) -> None:
 
     model, args, kwargs, loss_of = CASES[case]()
     steps, first = {}, {}
-    for name, compile_mode in (("eager", None), ("kernels", "kernels"), ("ln-gelu", "kernels"), ("none", "none")):
+    for name, (compile_mode, left_out) in MODES.items():
         m = copy.deepcopy(model)
         if compile_mode is not None:
             m = nvtp.jit(m, mesh=DeviceMesh.of_size(1), compile=compile_mode)
         steps[name] = _step(m, args, kwargs, loss_of)
         start = time.perf_counter()
-        with _only_layer_norm_gelu_softmax(name == "ln-gelu"):
+        with _without(left_out):
             result = steps[name]()  # lowered on the first call
         first[name] = time.perf_counter() - start
         if name == "eager":
@@ -140,6 +151,8 @@ def run(case: str, rounds: int, warmup: int) -> None:
             r = paired_ratio(samples, "eager", of=name)
             line += f"  / eager {r.value:.3f} ± {r.noise:.3f}"
         print(line)
+    r = paired_ratio(samples, "no-attn", of="kernels")
+    print(f"kernels / no-attn {r.value:.3f} ± {r.noise:.3f} (the causal-attention entry's own effect, paired per round)")
     print(f"GEMM floor: {share:.2f} of eager's aten time = {share * eager.median_ms:.1f} ms ({share:.2f}x eager)")
 
 

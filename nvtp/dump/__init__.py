@@ -112,7 +112,9 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
 
     Floats are standard normal, except matrices (weights), which are scaled by 1/sqrt(fan-in)
     as nn.Linear initialises them, so activations stay O(1) and the float64 check measures
-    rounding rather than the chaos of saturated softmaxes."""
+    rounding rather than the chaos of saturated softmaxes. Integer tensors are 0 or 1 (indices in
+    range of any axis), except 0-d ones, which are 1 as integer scalars are: a 0-d integer is
+    often a count (a loss's number of tokens, the divisor of its gradient)."""
     from nvtp.ir.printer import strides_for
 
     g = torch.Generator().manual_seed(seed)
@@ -130,6 +132,8 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
                 t = torch.rand(v.shape, generator=g) < 0.5
             else:
                 t = torch.randint(0, 2, v.shape, generator=g).to(dt)
+                if v.ndim == 0:  # a count (a mean's divisor) of 0 made every gradient NaN, and NaN == NaN checks nothing
+                    t = torch.ones_like(t)  # drawn all the same, so the later inputs stay as they were
             strides = strides_for(v.shape, op.arg("stride_order"))
             if strides != strides_for(v.shape, None) and v.numel:
                 t = torch.empty_strided(v.shape, strides, dtype=dt).copy_(t)
@@ -143,6 +147,9 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
 # Why an output is not compared: it is not a number a CPU can recompute (nvFuser's run only).
 RNG_STATE = "RNG state"
 RANDOM = "depends on nvFuser's random numbers"
+# ... or its independent evaluation holds no finite number: NaN against NaN compares nothing (a
+# random 0 count dividing a gradient made a whole backward NaN on both sides, and a check passed)
+NOT_FINITE = "no finite value in the evaluation"
 
 
 @dataclass
@@ -153,7 +160,7 @@ class OutputCheck:
     rel_error: float
     max_abs: float
     tolerance: float
-    not_compared: str = ""  # why the output was left out of the check (RNG_STATE, RANDOM); "" if compared
+    not_compared: str = ""  # why the output was left out of the check (RNG_STATE, RANDOM, NOT_FINITE); "" if compared
 
     @property
     def compared(self) -> bool:
@@ -251,6 +258,9 @@ def check_outputs(fusion: Fusion, actual: Sequence[Any], expected: Sequence[Any]
         if why:
             checks.append(OutputCheck(v.name, v.dtype, tuple(v.shape), math.nan, math.nan, math.nan, why))
             continue
+        if v.dtype.is_float and isinstance(e, torch.Tensor) and e.numel() and not bool(torch.isfinite(e).any()):
+            checks.append(OutputCheck(v.name, v.dtype, tuple(v.shape), math.nan, math.nan, math.nan, NOT_FINITE))
+            continue
         if v.dtype.is_float:
             rel, mx = relative_error(a, e)
             tol = tol_float
@@ -323,8 +333,8 @@ def verdict(fusion: Fusion, report: ReplayReport) -> list[str]:
     if not left:
         return [head + word]
     compared = len(report.checks) - len(left)
-    plural = {RNG_STATE: RNG_STATE, RANDOM: "depend on nvFuser's random numbers"}
-    counts = [f"{n} {plural[why]}" for why in (RNG_STATE, RANDOM) if (n := sum(c.not_compared == why for c in left))]
+    plural = {RNG_STATE: RNG_STATE, RANDOM: "depend on nvFuser's random numbers", NOT_FINITE: "with no finite value in the evaluation"}
+    counts = [f"{n} {plural[why]}" for why in (RNG_STATE, RANDOM, NOT_FINITE) if (n := sum(c.not_compared == why for c in left))]
     lines = [head + f"{word if compared else 'nothing compared'}; {compared} of {len(report.checks)} outputs compared, "
              f"{len(left)} not compared ({', '.join(counts)})"]
     if any(c.not_compared == RANDOM for c in left):

@@ -67,7 +67,7 @@ class ReferenceBackend(Backend):
             sharded = phases[phase]
             return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
                                  log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase),
-                                 compiled=kernels)
+                                 compiled=kernels, axis_options=sharded.options)
 
         return run
 

@@ -14,6 +14,11 @@ global expert of each) and a contiguous block of E/P experts: rank r holds exper
    on the device (padding rows belong to none: zero, adding nothing to a gradient);
 4. ``alltoall`` back (the combine) and the inverse of step 1.
 
+With a capacity factor (``nvtp.sharding.axes.ep.capacity``: ``capacity`` rows per expert per
+source rank), step 1 gives each destination block E/P slots of ``capacity`` rows, one per local
+expert; an expert's rows past its capacity (the later ones in the rank's row order) are dropped:
+not sent, and their result is zero. The counts sent are the rows kept.
+
 ``gather_mm_wgrad`` dispatches its two row operands the same way and returns its experts' weight
 gradient ``[E/P, K, N]`` (no combine): every row routed to them, from every rank. Each exchange
 is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
@@ -30,6 +35,7 @@ import torch
 
 from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
 from nvtp.execute.grouped import gather_mm, gather_mm_wgrad
+from nvtp.sharding.axes.ep import CAPACITY_FACTOR, capacity
 
 _RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
 
@@ -71,28 +77,56 @@ def all_to_all(t: torch.Tensor, comm: Any, what: str, log: list | None = None, v
 
 class _Route:
     """Where this rank's rows go: their order sorted by expert, each sorted row's slot in the
-    send buffer ``[P * capacity]``, and the per-(destination, local expert) counts."""
+    send buffer ``[P * block]``, and the per-(destination, local expert) counts sent. Dropless
+    (``per_expert`` None): a block of every row the rank holds, each destination's rows in a
+    run; else each expert ``per_expert`` slots (a block of E/P of them), its rows past them dropped."""
 
-    def __init__(self, index: torch.Tensor, experts: int, ranks: int):
-        self.ranks, self.local = ranks, experts // ranks
-        self.capacity = max(1, index.shape[0])  # every row could go to one rank: dropless
+    def __init__(self, index: torch.Tensor, experts: int, ranks: int, per_expert: int | None = None):
+        self.ranks, self.local, self.per_expert = ranks, experts // ranks, per_expert
+        rows = torch.arange(index.shape[0], device=index.device)
         self.order = torch.argsort(index, stable=True)
         sorted_index = index.index_select(0, self.order)
-        dest = torch.div(sorted_index, self.local, rounding_mode="floor")
-        self.counts = torch.bincount(index, minlength=experts).reshape(ranks, self.local)  # [P, E/P]
-        per_rank = self.counts.sum(1)
-        start = torch.cumsum(per_rank, 0) - per_rank  # where each destination's rows begin, sorted
-        self.slot = dest * self.capacity + torch.arange(index.shape[0], device=index.device) - start[dest]
+        counts = torch.bincount(index, minlength=experts)
+        if per_expert is None:
+            self.capacity = max(1, index.shape[0])  # every row could go to one rank: dropless
+            dest = torch.div(sorted_index, self.local, rounding_mode="floor")
+            self.counts = counts.reshape(ranks, self.local)  # [P, E/P]
+            per_rank = self.counts.sum(1)
+            start = torch.cumsum(per_rank, 0) - per_rank  # where each destination's rows begin, sorted
+            self.slot = dest * self.capacity + rows - start[dest]
+            self.kept = None
+        else:
+            self.capacity = self.local * per_expert  # a destination's block: its experts' slots
+            start = torch.cumsum(counts, 0) - counts  # where each expert's rows begin, sorted
+            position = rows - start[sorted_index]  # a row's place among its expert's (in the rank's order: a stable sort)
+            self.kept = position < per_expert
+            self.slot = torch.where(self.kept, sorted_index * per_expert + position, 0)  # experts contiguous: block, then slot
+            self.counts = counts.clamp(max=per_expert).reshape(ranks, self.local)
 
     def send(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (this rank's, in their order) placed in the send buffer ``[P * capacity, ...]``."""
         buf = rows.new_zeros((self.ranks * self.capacity, *rows.shape[1:]))
-        return buf.index_copy_(0, self.slot, rows.index_select(0, self.order))
+        if self.kept is None:
+            return buf.index_copy_(0, self.slot, rows.index_select(0, self.order))
+        return buf.index_copy_(0, self.slot[self.kept], rows.index_select(0, self.order[self.kept]))
 
     def back(self, buf: torch.Tensor) -> torch.Tensor:
-        """The rows of a combined buffer ``[P * capacity, ...]`` put back in this rank's order."""
+        """The rows of a combined buffer ``[P * capacity, ...]`` put back in this rank's order
+        (a dropped row: zero)."""
         picked = buf.index_select(0, self.slot)
+        if self.kept is not None:
+            picked = torch.where(self.kept.reshape(-1, *[1] * (picked.ndim - 1)), picked, 0)
         return torch.empty_like(picked).index_copy_(0, self.order, picked)
+
+    def received_experts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Each received row's local expert from the counts each rank sent (``[P, E/P]``); a
+        padding row's is E/P (none)."""
+        if self.per_expert is None:
+            return _received_experts(counts, self.capacity)
+        j = torch.arange(self.capacity, device=counts.device)
+        expert, place = torch.div(j, self.per_expert, rounding_mode="floor"), j % self.per_expert  # [block]
+        filled = place[None, :] < counts[:, expert]  # [P, block]: slot j of block p holds a row
+        return torch.where(filled, expert[None, :], self.local).reshape(-1)
 
 
 def _received_experts(counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -106,9 +140,10 @@ def _received_experts(counts: torch.Tensor, capacity: int) -> torch.Tensor:
 
 def _exchange_route(ctx: Any, op: Any, axis: int, index: torch.Tensor, experts: int) -> tuple[Any, _Route, torch.Tensor]:
     comm = on_axis(ctx.comm, axis)
-    route = _Route(index, experts, comm.size)
+    factor = ctx.options.get(CAPACITY_FACTOR)  # as planned (ShardedFusion.options)
+    route = _Route(index, experts, comm.size, None if factor is None else capacity(factor, index.shape[0], experts))
     counts = all_to_all(route.counts.reshape(-1).contiguous(), comm, "counts", ctx.log, op.outputs[0].name, axis)
-    return comm, route, _received_experts(counts.reshape(comm.size, route.local), route.capacity)
+    return comm, route, route.received_experts(counts.reshape(comm.size, route.local))
 
 
 def dispatched_gather_mm(ctx: Any, op: Any, axis: int, x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ class Context:
     held: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)  # indices(v) by value name, as asked
     steps: Mapping[str, Any] | None = None  # a set's result -> its ReshardStep (nvtp.sharding.reshard), as planned
     rings: Mapping[str, int] = field(default_factory=dict)  # an attention run by ring (its first result) -> its mesh axis, as planned
+    options: Mapping[str, Any] = field(default_factory=dict)  # the axis options the program was planned with (ShardedFusion.options)
 
     # -- placements -----------------------------------------------------------------------
     def sharding(self, v: Value) -> tuple[Placement, ...] | None:

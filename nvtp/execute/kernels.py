@@ -20,6 +20,9 @@ silu_backward          neg, exp, add, div, sub, mul, add, mul, mul          ``at
 gelu                   tanh-GELU with ``pow(x, 3.0)`` (transformers'        ``aten.gelu(approximate="tanh")``
                        ``gelu_new``; patterns.py has ``x * x * x``)
 gelu_backward          its backward, with ``pow(x, 2.0)``                   ``aten.gelu_backward``
+causal_attention       √scale muls, matmul, iota ``ge`` mask, where,        ``F.scaled_dot_product_attention``
+                       softmax, matmul (``attention_kernel.py``)             (is_causal), or its math when the
+                                                                            backward keeps the probabilities
 =====================  ===================================================  ==================================
 
 together with the LayerNorm, tanh-GELU and softmax patterns of ``patterns.py`` (which also
@@ -43,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from nvtp.execute import patterns
+from nvtp.execute.attention_kernel import ATTENTION
 from nvtp.execute.lower import kind_target
 from nvtp.execute.patterns import Builder, Match, Pattern, pattern, reduced, same_float
 from nvtp.ir.graph import Op, TensorValue, Value
@@ -51,7 +55,7 @@ from nvtp.sharding.placements import axis_split, is_partial
 # The values of ``nvtp.jit(..., compile=...)``: what runs each rank's fusions on the reference backend.
 MODES = {
     "kernels": "each group of ops that eager PyTorch runs as one kernel (cross-entropy, the embedding's gradient, layer and "
-               "RMS norm, softmax, GELU, SiLU) runs as that kernel, the other ops one by one",
+               "RMS norm, softmax, causal attention, GELU, SiLU) runs as that kernel, the other ops one by one",
     "none": "every op one by one, by its own implementation (the interpreter, slower)",
 }
 DEFAULT = "kernels"
@@ -83,7 +87,8 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
          producer: Callable[[Value], Op | None]) -> dict[str, int]:
     """The pass: ``graph`` (``lower.lower``'s matching form) with its local ``set`` ops taken out
     (``local_set(op)``: the set moves nothing) and every group of ``patterns.PATTERNS`` and
-    ``KERNELS`` replaced by its kernel. ``sharding(v)``: ``v``'s placements; on a mesh of one
+    ``KERNELS`` (after ``ATTENTION``'s, which hold a softmax) replaced by its kernel.
+    ``sharding(v)``: ``v``'s placements; on a mesh of one
     (``ranks`` 1) every placement holds the whole value, a partial sum of one part included.
     ``producer(v)``: the fusion's op that makes ``v`` (constants folded while lowering included).
     Returns how many times each pattern fused (and ``"set"``: the sets taken out, when any)."""
@@ -96,7 +101,7 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
             removed += 1
     if ranks == 1:
         sharding = _whole
-    counts = patterns.fuse(graph, local_shape, sharding, dtype, patterns.PATTERNS + KERNELS, producer)
+    counts = patterns.fuse(graph, local_shape, sharding, dtype, ATTENTION + patterns.PATTERNS + KERNELS, producer)
     return counts | ({"set": removed} if removed else {})
 
 

@@ -268,6 +268,7 @@ def run(
     steps: Mapping[str, Any] | None = None,
     schedule: Any = None,
     rings: Mapping[str, int] | None = None,
+    axis_options: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -285,6 +286,7 @@ def run(
     ``steps`` (a ``ShardedFusion``'s ``set_steps``) say what each ``set`` does: run as planned.
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.
     ``rings``: the attentions the program runs by ring (first result -> mesh axis; its steps).
+    ``axis_options``: the axis options the program was planned with (``ShardedFusion.options``).
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -296,7 +298,7 @@ def run(
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
     ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, held=lowered.held, steps=steps,
-                  rings=dict(rings or {}))
+                  rings=dict(rings or {}), options=dict(axis_options or {}))
     if log is not None:
         ctx.log = log
     try:

@@ -96,16 +96,18 @@ def local_inputs(sharded: ShardedFusion, inputs: Sequence[Any], position: int) -
     return out
 
 
-def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed: int = 0, log: list | None = None) -> list[Any]:
+def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed: int = 0, log: list | None = None,
+             values: dict[str, Any] | None = None) -> list[Any]:
     """Run this rank's part of a bare sharded fusion (no Program: its own steps, unscheduled):
-    ``inputs`` are this rank's shards; returns this rank's outputs."""
+    ``inputs`` are this rank's shards; returns this rank's outputs (``values``, if given,
+    receives every value this rank holds, as ``reference.run`` gives them)."""
     from nvtp.execute.backends import ring_attentions
     from nvtp.steps import tensor_steps
 
     phase = "backward" if sharded.source.attrs.get("role") == "backward" else "forward"
     rings = ring_attentions(tensor_steps(phase, sharded), sharded.mesh).get(phase)
     return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log,
-                         steps=sharded.set_steps, rings=rings)
+                         steps=sharded.set_steps, rings=rings, axis_options=sharded.options, values=values)
 
 
 def run_simulated(sharded: ShardedFusion, inputs: Sequence[Any], *, seed: int = 0, timeout: float = 120.0) -> tuple[list[list[Any]], list[list]]:

@@ -17,20 +17,27 @@ import torch.utils._pytree as pytree
 from nvtp.errors import InputError
 
 
-def without_cache(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The call's keyword arguments with ``use_cache=False`` added when the model's config asks for
-    a KV cache (transformers' default) and the call does not say: nvtp trains, and a cache is an
-    output nvtp would return and feed back (``past_key_values``), as transformers itself turns the
-    cache off for gradient checkpointing. ``use_cache=True`` passed explicitly is refused."""
-    kwargs = dict(kwargs)
-    if "use_cache" not in inspect.signature(module.forward).parameters:
-        return kwargs
-    if kwargs.get("use_cache"):
+def without_cache(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments with the KV cache off: ``use_cache=False`` when the model's config asks
+    for a KV cache (transformers' default) and the call does not say, whether the call gives it by
+    keyword or by position (a pipeline binds keywords to positions, defaults included): nvtp trains,
+    and a cache is an output nvtp would return and feed back (``past_key_values``), as transformers
+    itself turns the cache off for gradient checkpointing. ``use_cache=True`` passed is refused."""
+    args, kwargs = tuple(args), dict(kwargs)
+    names = list(inspect.signature(module.forward).parameters)
+    if "use_cache" not in names:
+        return args, kwargs
+    at = names.index("use_cache")
+    given = args[at] if at < len(args) else kwargs.get("use_cache")
+    if given:
         raise InputError(f"{type(module).__name__}: nvtp.jit does not return KV caches (past_key_values); "
                          "call it with use_cache=False (training does not use the cache)")
-    if "use_cache" not in kwargs and getattr(getattr(module, "config", None), "use_cache", False):
-        kwargs["use_cache"] = False
-    return kwargs
+    if given is None and getattr(getattr(module, "config", None), "use_cache", False):
+        if at < len(args):
+            args = args[:at] + (False,) + args[at + 1:]
+        else:
+            kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def call_structure(args: tuple, kwargs: dict) -> tuple:

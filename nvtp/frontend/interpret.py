@@ -21,6 +21,24 @@ from typing import Any, Callable
 
 import torch
 
+from nvtp.errors import InputError
+
+
+def cache_off(module: torch.nn.Module) -> bool:
+    """Turn a transformers model's KV cache off (``config.use_cache = False``); True if it was on.
+
+    nvtp trains and returns no cache: ``nvtp.jit`` calls such a model with ``use_cache=False``
+    (``nvtp.frontend.fx_calls.without_cache``). Thunder interprets the call as the user makes it,
+    so with transformers' default config its forward builds a ``DynamicCache``, which Thunder's
+    interpreter fails on deep inside transformers ("'_PerLayerConfigView' object has no attribute
+    '_config'"). The module ``nvtp.ShardingTransform`` takes is the one it consumes (its weights
+    are released after the first call), so its config is where the cache is turned off."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "use_cache", False):
+        return False
+    config.use_cache = False
+    return True
+
 
 def lookasides() -> dict[Callable, Callable]:
     """torch or transformers function -> what Thunder's interpreter runs in its place."""
@@ -33,7 +51,18 @@ def lookasides() -> dict[Callable, Callable]:
         return found
     var = output_capturing.CompileableContextVar
     found.update({var.set: _collector_set, var.get: _collector_get, var.reset: _collector_reset})
+    try:
+        from transformers.cache_utils import DynamicCache
+    except ImportError:
+        return found
+    found[DynamicCache.__init__] = _no_cache
     return found
+
+
+def _no_cache(self: Any, *args: Any, **kwargs: Any) -> None:
+    """A call that asks for a KV cache (``use_cache=True``): refused, as ``nvtp.jit`` refuses it."""
+    raise InputError("nvtp does not return KV caches (past_key_values) under thunder.jit; call the model with "
+                     "use_cache=False (training does not use the cache)")
 
 
 def _minimum(a: Any, b: Any) -> Any:

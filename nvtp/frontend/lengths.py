@@ -16,7 +16,7 @@ iota of length ``n``. ``Lengths`` keeps the traces of each call structure and, f
   same affine function of ``n`` as in the two traces, or nothing is derived;
 * the FX route's folded constants (position ids, causal masks) are regenerated at ``c`` when both
   traces' are the same known pattern (``_PATTERNS``: unchanged, an arange along one axis, a causal
-  comparison), else nothing is derived.
+  comparison, within a sliding window or not), else nothing is derived.
 
 Before anything derived is used, it is checked once against a real trace: the first new length
 after the two is traced too and must equal what was derived, op for op and constant for
@@ -84,11 +84,23 @@ def _moved(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> frozenset:
     return frozenset((i, d) for i, (s, t) in enumerate(zip(a, b)) for d, (x, y) in enumerate(zip(s, t)) if x != y)
 
 
-class Lengths:
-    """Traces of a module's calls by structure; a new length derived from two (see the module docstring)."""
+def horizon(module: torch.nn.Module) -> int | None:
+    """The shortest attention window ``module``'s config declares (transformers' ``sliding_window``,
+    ``attention_chunk_size``), None if it declares none. Within it a sliding-window or chunked mask
+    equals a causal one, so two traces within it cannot tell them apart: no length past it is
+    derived from them (``Lengths.trace``)."""
+    config = getattr(module, "config", None)
+    found = [v for k in ("sliding_window", "attention_chunk_size") if isinstance(v := getattr(config, k, None), int) and v > 0]
+    return min(found) if found else None
 
-    def __init__(self):
+
+class Lengths:
+    """Traces of a module's calls by structure; a new length derived from two (see the module docstring).
+    ``horizon``: the model's shortest attention window (``horizon(module)``), if any."""
+
+    def __init__(self, horizon: int | None = None):
         self.families: dict[tuple, Family] = {}
+        self.horizon = horizon
 
     def trace(self, args: tuple, kwargs: dict, mode: Any, trace: Callable[[], Any]) -> Any:
         """The ``Traced`` of this call: derived when its family allows, else ``trace()``."""
@@ -100,6 +112,13 @@ class Lengths:
             family.add(shapes, traced)
             return traced
         (a, ta), (b, tb) = family.traces
+        if self.horizon is not None and n > self.horizon >= max(a, b):
+            # both traces are within the window, where its mask looks causal: past it they differ. This
+            # length is traced and the family starts again from it (two traces past the window show it)
+            traced = trace()
+            self.families[key] = Family()
+            self.families[key].add(shapes, traced)
+            return traced
         start = time.perf_counter()
         try:
             derived = derive(ta, tb, a, b, n)
@@ -251,19 +270,36 @@ def _arange(t: torch.Tensor) -> tuple | None:
     return ("arange", d, start, step) if torch.equal(line.double(), want) else None
 
 
+def _band(L: int, S: int, window: int | None) -> torch.Tensor:
+    """Where query i (of L, the last L of S positions) reads key j: j <= i + (S - L), and within
+    ``window`` positions of it when one is given (a sliding-window mask)."""
+    j, i = torch.arange(S)[None, :], torch.arange(L)[:, None] + (S - L)
+    return (j <= i) & (j > i - window) if window is not None else j <= i
+
+
 def _causal(t: torch.Tensor) -> tuple | None:
-    """("causal", kept, masked) when ``t``'s last two axes hold ``kept`` where key j <= query i + (S - L), else ``masked``."""
+    """("causal", kept, masked, window) when ``t``'s last two axes hold ``kept`` where ``_band``
+    keeps a key and ``masked`` elsewhere: window None for a causal mask, else the sliding window
+    (the keys the last query reads, fewer than S). A window as long as the traced sequences or
+    longer looks causal at those lengths: a window the model's config declares is known
+    (``horizon``) and no length past it is derived from traces within it; for one only the code
+    knows, the check of the first derived program against a trace and nvtp.guard's check of each
+    program against eager stand behind it."""
     if t.ndim < 2:
         return None
     L, S = t.shape[-2:]
-    keep = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
     flat = t.reshape(-1, L, S)
-    kept, masked = flat[0][keep], flat[0][~keep]
-    if kept.numel() == 0 or masked.numel() == 0 or not (kept == kept[0]).all() or not (masked == masked[0]).all():
-        return None
     if not (flat == flat[0]).all():
         return None
-    return ("causal", kept[0].item(), masked[0].item())
+    m = flat[0]
+    kept_value = m[-1, -1]
+    width = int((m[-1] == kept_value).sum())
+    window = width if width < S else None
+    keep = _band(L, S, window)
+    kept, masked = m[keep], m[~keep]
+    if kept.numel() == 0 or masked.numel() == 0 or not (kept == kept[0]).all() or not (masked == masked[0]).all():
+        return None
+    return ("causal", kept[0].item(), masked[0].item(), window)
 
 
 _PATTERNS = (_arange, _causal)
@@ -277,10 +313,9 @@ def _make(pattern: Callable, p: tuple, shape: tuple[int, ...], dtype: torch.dtyp
         view = [1] * len(shape)
         view[d] = n
         return line.reshape(view).expand(shape).contiguous()
-    _, kept, masked = p
+    _, kept, masked, window = p
     L, S = shape[-2:]
-    keep = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
-    out = torch.where(keep, torch.tensor(kept, dtype=dtype), torch.tensor(masked, dtype=dtype))
+    out = torch.where(_band(L, S, window), torch.tensor(kept, dtype=dtype), torch.tensor(masked, dtype=dtype))
     return out.expand(shape).contiguous()
 
 

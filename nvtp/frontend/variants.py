@@ -25,8 +25,11 @@ with their arguments and the tensors' metadata: all in the record. So two blocks
 are equal trace to one program up to renaming, and:
 
 * ``Recording.variants``: the blocks grouped by their segment, each group traced once;
+* ``Recording.call_variants``: as ``variants``, but blocks the model calls with different values
+  (a sliding-window mask for some layers) are variants of their own too (the FX route);
 * ``Recording.uniform``: the code between blocks is the same for every block (the model treats
-  each alike: no scale by the block's index, no block-dependent argument);
+  each alike: no scale by the block's index, no block-dependent argument); ``between_alike`` the
+  same less the calls;
 * ``Recording.outside_differs``: the head and tail equal those of the model the splice traces
   instead of the whole (the model without its blocks, or cut to 2 or 3): a forward that reads
   ``len(self.h)`` or does extra work per block is not spliced.
@@ -100,6 +103,38 @@ class Recording:
             of.append(first[seg])
         return of, why
 
+    def call_variants(self) -> tuple[list[int], list[str]]:
+        """As ``variants``, but two blocks are one variant only when the model also calls them alike
+        (the same values of the head, the same numbers; the carry aside): a layer called with a
+        sliding-window mask where block 0 gets the causal one is a variant of its own, even when the
+        blocks' own code is one. For a splice whose copies read what the model passes each (the FX
+        route's *invariants*): every copy of a variant reads what its first block reads."""
+        calls = [self.before[i].calls[-1] for i in range(self.count)]
+        firsts: list[int] = []
+        of, why = [], []
+        for i, seg in enumerate(self.blocks):
+            k = next((k for k, j in enumerate(firsts) if seg == self.blocks[j] and _unlike_calls(calls[j], calls[i], "") is None), None)
+            if k is None:
+                k = len(firsts)
+                firsts.append(i)
+                if i and seg != self.blocks[0]:
+                    why.append(f"block {i} {_differ(seg, self.blocks[0], 'block 0')}")
+                elif i:
+                    where, a, b = _unlike_calls(calls[0], calls[i], "")
+                    why.append(f"the model calls block {i} with {where or 'its arguments'} {_show(b)} where block 0 gets {_show(a)}")
+            of.append(k)
+        return of, why
+
+    def between_alike(self) -> str:
+        """'' when the code between consecutive blocks, but for the call of the next block, is the
+        same for every block (what ``uniform`` asks, less the calls: ``call_variants`` tells those apart)."""
+        for i in range(2, self.count):
+            if self.before[i].calls[:-1] != self.before[1].calls[:-1]:
+                return (f"the model's code before block {i} of {self.prefix} "
+                        f"{_differ(Segment(self.before[i].calls[:-1]), Segment(self.before[1].calls[:-1]), 'before block 1')}: "
+                        "it does not treat every block alike")
+        return ""
+
     def uniform(self) -> str:
         """'' when the model calls every block alike (block 0 with what it passes block 1, but the
         carry) and the code between consecutive blocks is the same for every block, else where not."""
@@ -120,7 +155,7 @@ class Recording:
         """'' when ``other`` (``what``: the model the splice traces instead) runs the same head, tail and
         code between blocks as this model, else where it does not."""
         pairs = [("before the blocks", self.before[0], other.before[0]), ("after the blocks", self.before[-1], other.before[-1])]
-        pairs += [(f"before block {i}", self.before[1], other.before[i]) for i in range(1, other.count)]
+        pairs += [(f"before block {i}", self.before[i], other.before[i]) for i in range(1, other.count)]
         for where, mine, theirs in pairs:
             if mine != theirs:
                 return f"{what} {_differ(theirs, mine, 'the whole model')} {where}"

@@ -136,4 +136,4 @@ def combine(passes: Sequence[tuple[int, ShardedFusion]], mesh: DeviceMesh, sourc
     seconds = {f"{mesh.names[a]}:{k}": t for a, s in passes for k, t in s.seconds.items()}
     axes = {a: s for a, s in passes}
     return ShardedFusion(fusion, source, mesh, frozen, set_steps, first.annotations, plan, first.propagation, seconds,
-                         axes=tuple(axes[a] for a in range(mesh.ndim)))
+                         axes=tuple(axes[a] for a in range(mesh.ndim)), options={k: v for _, s in passes for k, v in s.options.items()})

@@ -4,6 +4,7 @@ consumer (the printer, the executors, ``nvtp explain``, ``nvtp.jit``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nvtp.ir.graph import Fusion
 from nvtp.sharding.placements import DeviceMesh, Placement
@@ -29,6 +30,7 @@ class ShardedFusion:
     propagation: Propagation
     seconds: dict[str, float] = field(default_factory=dict)
     axes: tuple["ShardedFusion", ...] = ()  # on a mesh of several axes: each axis's own pass (nvtp.sharding.compose)
+    options: dict[str, Any] = field(default_factory=dict)  # axis options the passes planned with (ep's capacity_factor), as run
 
     @property
     def communications(self) -> list[ReshardStep]:

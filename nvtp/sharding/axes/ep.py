@@ -23,10 +23,21 @@ all-to-all of the per-expert counts, one of the rows (the dispatch) and one of t
 combine); per ``gather_mm_wgrad`` the counts and its two row operands. The exchanges are of
 equal blocks of a static capacity (every row a rank holds: dropless, no host synchronisation),
 so the planned bytes are the bytes a run sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
+
+``capacity_factor=c`` (the axis's option: ``nvtp.jit(..., capacity_factor=1.25)``): each expert
+takes at most ``capacity(c, rows, E) = ceil(c * rows / E)`` of a rank's ``rows`` routed rows
+(rows = tokens x top_k: Switch's, GShard's and Megatron-Core's ``moe_expert_capacity_factor``),
+the first in the rank's row order (Megatron-Core's ``moe_token_drop_policy="position"``); a
+dropped row's expert output is zero (the token keeps its other experts' and the residual). The
+send buffer is then ``[P, E/P * capacity, width]``: each destination block holds E/P experts'
+slots of ``capacity`` rows. The option is kept in the program (``ShardedFusion.options``), so the
+planned bytes and the run agree.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 from nvtp.ir.graph import Fusion, TensorValue
@@ -42,6 +53,18 @@ from nvtp.sharding.sharded import ShardedFusion
 NAME = "ep"
 BATCH_DIM = 0  # of each module argument: [B, ...]
 COUNT_BYTES = 8  # the per-expert counts travel as int64
+CAPACITY_FACTOR = "capacity_factor"  # the axis's option (nvtp.options checks its value)
+
+
+def capacity(factor: float, rows: int, experts: int) -> int:
+    """Rows each expert takes from one rank's ``rows`` routed rows under capacity factor
+    ``factor``: ``ceil(factor * rows / experts)``, at most ``rows`` (no expert gets more)."""
+    return min(rows, math.ceil(factor * rows / experts))
+
+
+def capacity_factor(sharded: ShardedFusion) -> float | None:
+    """The capacity factor ``sharded`` was planned with (None: dropless)."""
+    return sharded.options.get(CAPACITY_FACTOR)
 
 
 class ExpertError(ShardingError):
@@ -76,6 +99,7 @@ class ExpertParallel(Strategy):
     summary = "expert parallel: each MoE layer's experts split, tokens dispatched to them and combined back by all-to-all"
     order = 15  # after tp (which splits inside experts), before dp (which splits each ep rank's tokens again)
     backends = frozenset({"reference"})  # nvFuser has no all-to-all inside a fusion: the dispatch would be host-driven
+    options = frozenset({CAPACITY_FACTOR})  # each expert's capacity per rank; without it, dropless
 
     def refuse(self, extent: int, facts: Any) -> str | None:
         """The planner's question (``nvtp.auto``): a dense model, or expert counts ``extent`` does not divide."""
@@ -115,16 +139,25 @@ class ExpertParallel(Strategy):
         for n, p in run.placed_on(axis).items():  # parameters already placed stay where they are
             annotations[n] = p
         with _experts_split():
-            return shard(run.current(f), "replicate", run.sub(axis), annotations=annotations,
-                         output_hints=run.remap(run.output_hints, f), target=run.target, hoist=False, keep_splits=True)
+            out = shard(run.current(f), "replicate", run.sub(axis), annotations=annotations,
+                        output_hints=run.remap(run.output_hints, f), target=run.target, hoist=False, keep_splits=True)
+        return _with_options(out, run)
 
     def backward(self, run: AxisPass, axis: int, forward: ShardedFusion) -> ShardedFusion:
         b = run.traced.backward
         inputs, hints = backward_annotations(b, forward.view(axis))  # experts' gradients split as they are; the rest summed over ep
         hints.update(run.grad_hints)  # each rank passed the whole arguments: their gradients whole
         with _experts_split():
-            return shard(run.current(b), "replicate", run.sub(axis), annotations=inputs, output_hints=run.remap(hints, b),
-                         target=run.target, hoist=False, keep_splits=True)
+            out = shard(run.current(b), "replicate", run.sub(axis), annotations=inputs, output_hints=run.remap(hints, b),
+                        target=run.target, hoist=False, keep_splits=True)
+        return _with_options(out, run)
+
+    def changes_result(self, options: Any) -> str:
+        factor = options.get(CAPACITY_FACTOR)
+        if factor is None:
+            return ""
+        return (f"capacity_factor={factor!r}: the ep axis drops each expert's rows past its capacity, which the model run "
+                "eagerly does not (compare with an eager model that drops the same rows: docs/moe.md)")
 
     def extra_steps(self, phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
         return exchanges(phase, sharded, axis)
@@ -134,6 +167,12 @@ class ExpertParallel(Strategy):
 
     def report_lines(self, report: Any, axis: int) -> list[str]:
         return expert_lines(report, axis)
+
+
+def _with_options(sharded: ShardedFusion, run: AxisPass) -> ShardedFusion:
+    """``sharded`` holding the axis's options given (the capacity factor), for its steps and its run."""
+    given = {k: v for k, v in run.options.items() if k in ExpertParallel.options}
+    return replace(sharded, options={**sharded.options, **given}) if given else sharded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,22 +201,25 @@ def exchanges(phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, A
     """The all-to-alls of ``sharded``'s dispatched experts, in the order a rank runs them
     (``nvtp.execute.ep``), as the report's communication records: per op the counts (``[P, E/P]``
     int64), then the dispatch of each row operand and, for ``gather_mm``, the combine of its
-    result; each a send buffer of P blocks of ``capacity`` (= the rank's rows) rows, of which a
-    rank sends the P - 1 blocks for the others."""
+    result; each a send buffer of P blocks of the rank's rows (dropless) or, with a capacity
+    factor, of E/P experts' ``capacity`` rows each, of which a rank sends the P - 1 blocks for
+    the others."""
     mesh, out = sharded.mesh, []
     n = mesh.shape[axis]
+    factor = capacity_factor(sharded)
     for i, op in dispatched(sharded, axis):
         rows = op.arg("arg1")
         local_rows = local_shape(rows.shape, sharded.shardings[rows.name], mesh)[0]
         experts = op.arg("arg2").shape[0] if op.kind == "gather_mm" else op.arg("groups")
+        block = local_rows if factor is None else experts // n * capacity(factor, local_rows, experts)  # a destination's rows
         moved = [("counts", (n, experts // n), "int64", COUNT_BYTES)]
         sent = [rows, op.arg("arg2")] if op.kind == "gather_mm_wgrad" else [rows]
         for v in sent:
             width = local_shape(v.shape, sharded.shardings[v.name], mesh)[1]
-            moved.append(("dispatch", (n, local_rows, width), v.dtype.value, v.dtype.itemsize))
+            moved.append(("dispatch", (n, block, width), v.dtype.value, v.dtype.itemsize))
         if op.kind == "gather_mm":
             y = op.outputs[0]
-            moved.append(("combine", (n, local_rows, local_shape(y.shape, sharded.shardings[y.name], mesh)[1]), y.dtype.value,
+            moved.append(("combine", (n, block, local_shape(y.shape, sharded.shardings[y.name], mesh)[1]), y.dtype.value,
                           y.dtype.itemsize))
         for what, shape, dtype, itemsize in moved:
             total = _numel(shape) * itemsize
@@ -197,8 +239,12 @@ def expert_lines(report: Any, axis: int) -> list[str]:
     data = [(s.name, a) for s, a in passes(mesh) if s.splits_batch]
     layout = (f"; with {data[0][0]}, the batch is split over {data[0][0]} x ep ({data[0][0]} splits each ep rank's part again), "
               f"the experts' gradients reduced over {data[0][0]} only" if data else "")
+    factor = capacity_factor(report.regions[0].forward) if report.regions else None
+    held_rows = ("every row a rank holds: dropless" if factor is None else
+                 f"capacity factor {factor:g}: each expert takes at most ceil({factor:g} x a rank's routed rows / experts) of a "
+                 "rank's rows, the later ones in the rank's order dropped (Megatron-Core's 'position' drop policy)")
     lines = [f"ep: {n} ranks; each routes its own 1/{n} of the tokens and holds a contiguous block of every MoE layer's "
-             f"experts; all-to-alls of {n} equal blocks of a static capacity (every row a rank holds: dropless, no host "
+             f"experts; all-to-alls of {n} equal blocks of a static capacity ({held_rows}; no host "
              f"synchronisation){layout}"]
     for r in report.regions:
         f = r.forward.source
@@ -215,9 +261,10 @@ def expert_lines(report: Any, axis: int) -> list[str]:
                 sent[rec["part"]] = sent.get(rec["part"], 0) + r.count * rec["bytes"]
             if sent:
                 rows = sum(b for k, b in sent.items() if k != "counts")
+                uniform = rows // n if factor is None else round(rows / factor)  # capped: each expert c times its even share
+                rest = "the rest pads the static capacity" if factor is None else f"the capacity factor {factor:g} sizes the buffers"
                 lines.append(f"  {phase} all-to-all bytes per rank per step: " + ", ".join(f"{k} {size_text(b)}" for k, b in sent.items())
-                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(rows // n)}; "
-                             "the rest pads the static capacity)")
+                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(uniform)}; {rest})")
     return lines
 
 

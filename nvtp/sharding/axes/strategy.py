@@ -45,6 +45,7 @@ class AxisPass:
     done: list[tuple[int, ShardedFusion]] = field(default_factory=list)
     at_rest: dict[int, dict[str, Placement]] = field(default_factory=dict)  # mesh axis -> weights split at rest on it (forward)
     notes: list[str] = field(default_factory=list)  # what a pass left undone, and why (weights FSDP leaves whole)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the axes' own options given (Strategy.options), e.g. ep's capacity_factor
 
     def current(self, source: Fusion) -> Fusion:
         """The fusion the next pass shards: the last pass's result, or ``source`` before any."""
@@ -118,6 +119,12 @@ class Strategy:
         raise NotImplementedError(f"the {self.name!r} axis has no backward pass")
 
     # -- what it adds to the program and the report -----------------------------------------
+
+    def changes_result(self, options: Mapping[str, Any]) -> str:
+        """Why a program planned with ``options`` (``ShardedFusion.options``) computes, by design,
+        something else than the model run eagerly ('' when it does not): ``nvtp.guard`` says so
+        instead of comparing."""
+        return ""
 
     def extra_steps(self, phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
         """Communication this axis runs beside the ``set`` ops (a ring's point-to-point steps), as
