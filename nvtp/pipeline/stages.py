@@ -497,11 +497,9 @@ def _cost_by_stage(f: Fusion, b: Fusion | None, a: _Assignment, stages: int) -> 
 
 def balance(costs: Sequence[Cost], stages: int) -> tuple[int, ...]:
     """Cut points (block indices where stages 1.. start) of the contiguous split minimising the
-    largest stage's (flops, bytes); of several such splits, the one whose cuts come first.
-
-    By dynamic programming (``least[s][i]``: the least largest stage splitting blocks i.. into s
-    stages), O(stages * blocks^2): the planner cuts GPT-3's 96 blocks into up to 64 stages (the
-    search over every split it replaced did not finish)."""
+    largest stage's (flops, bytes); of several such splits, the one whose cuts come first. By dynamic
+    programming (``least[s][i]``: the least largest stage splitting blocks i.. into s stages),
+    O(stages * blocks^2): the planner cuts GPT-3's 96 blocks into up to 64 stages."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"{n} blocks cannot be cut into {stages} stages of at least one block each")
@@ -512,8 +510,7 @@ def balance(costs: Sequence[Cost], stages: int) -> tuple[int, ...]:
             c = c + costs[j - 1]
             seg[i][j] = (c.flops, c.bytes)
     least = [[None] * (n + 1) for _ in range(stages + 1)]
-    for i in range(n):
-        least[1][i] = seg[i][n]
+    least[1][:n] = [seg[i][n] for i in range(n)]
     for s in range(2, stages + 1):
         for i in range(n - s + 1):
             least[s][i] = min(max(seg[i][e], least[s - 1][e]) for e in range(i + 1, n - s + 2))
