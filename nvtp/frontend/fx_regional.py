@@ -66,6 +66,7 @@ from nvtp.frontend.blocks import NotRepeatable, Repeated, find_repeated, truncat
 from nvtp.frontend.template import splice_template
 from nvtp.frontend.regional import described
 from nvtp.frontend.variants import record, variants_text
+from nvtp.frontend.moe import gather_mm_experts
 from nvtp.gcpause import paused
 from nvtp.ir.verify import verify
 
@@ -440,7 +441,8 @@ def prove(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> 
     as the whole does outside them (a run of each on fake tensors, ``nvtp.frontend.variants``).
     ``keep``: up to the first block of every variant and the second of block 0's (whose comparison
     with block 0 tells block 0's carry from its invariants). ``NotRepeatable`` where that fails."""
-    rec = record(module, rep, args, kwargs)
+    with gather_mm_experts(module):  # MoE experts as they are exported (transformers' grouped_mm fails on fake fp32, logging it)
+        rec = record(module, rep, args, kwargs)
     variant_of, why = rec.call_variants()
     differs = rec.between_alike()
     if differs:
@@ -451,7 +453,8 @@ def prove(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict) -> 
                             "carry cannot be told from what it reads besides")
     keep = max(second, *(variant_of.index(v) for v in range(max(variant_of) + 1))) + 1
     cut = f"the model cut to {keep} blocks of {rep.prefix}"
-    differs = rec.outside_differs(record(truncated(module, rep.prefix, keep), Repeated(rep.prefix, keep), args, kwargs, cut), cut)
+    with gather_mm_experts(module):
+        differs = rec.outside_differs(record(truncated(module, rep.prefix, keep), Repeated(rep.prefix, keep), args, kwargs, cut), cut)
     if differs:
         raise NotRepeatable(differs)
     return Proof(variant_of, why, keep)
