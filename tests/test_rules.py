@@ -306,6 +306,7 @@ class OneOpSharded:
     mesh: DeviceMesh
     shardings: dict[str, tuple[Placement, ...]]
     set_steps = {}
+    options = {}  # the axis options the passes planned with (ShardedFusion.options): none
 
     @property
     def source(self) -> Fusion:
