@@ -188,7 +188,6 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
         seen.add(ring.kind)
         n = ring.steps + 1
         devices = tuple(range(n))
-        chain = ring.chains[0]
         product = f.ops[ring.linears[0]]
         w = product.operands[1]
         axis = ring.axis
