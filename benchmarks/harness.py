@@ -10,6 +10,7 @@ docs/benchmarks.md and its plot.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import statistics
@@ -18,6 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
 
 import torch
+
+from nvtp.execute.launch import spawn
 
 RESULTS: dict[str, dict] = {}  # case id -> what the case recorded, in the order the cases ran
 
@@ -149,3 +152,12 @@ _LOAD_AT_START: dict[str, float] = {}
 def note_load() -> None:
     """Remember the 1-minute load average when a case starts (``check_target`` reads it)."""
     _LOAD_AT_START["load"] = os.getloadavg()[0]
+
+
+def run_ranks(worker: Callable[..., int], ranks: int, job) -> dict:
+    """Run ``worker`` on ``ranks`` gloo processes (``nvtp.execute.launch.spawn``) and return the JSON
+    its rank 0 wrote to ``job.out``; a rank that fails fails the benchmark."""
+    codes = spawn(worker, ranks, job)
+    assert codes == [0] * ranks, f"a rank failed: exit codes {codes}"
+    with open(job.out) as f:
+        return json.load(f)

@@ -9,25 +9,17 @@ the routed rows. Every implementation must train like the unsharded model (losse
 
 from __future__ import annotations
 
-import json
 
-from benchmarks.harness import Estimate, Timing, record
+from benchmarks.harness import Estimate, Timing, record, run_ranks
 
 
 def test_ep_step_time_and_alltoall_bytes_against_a_hand_written_ep(benchmark, tmp_path, request):
     from benchmarks.ep_worker import IMPLS, Job, worker
-    from nvtp.execute.launch import spawn
 
     benchmark.group = "expert parallelism, MoE GPT training step at ep=2 on 2 CPU gloo processes"
     job = Job(out=str(tmp_path / "ep.json"))
 
-    def run():
-        codes = spawn(worker, 2, job)
-        assert codes == [0] * 2, f"a rank failed: exit codes {codes}"
-        with open(job.out) as f:
-            return json.load(f)
-
-    result = benchmark.pedantic(run, rounds=1, iterations=1)
+    result = benchmark.pedantic(run_ranks, args=(worker, 2, job), rounds=1, iterations=1)
     want = result["losses"]["unsharded"]
     for name in IMPLS:  # a wrong result is no benchmark
         got = result["losses"][name]

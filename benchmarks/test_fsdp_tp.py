@@ -11,28 +11,20 @@ Target: nvtp / PyTorch at most 0.8; memory held per rank at or below PyTorch's.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from benchmarks.harness import Timing, check_target, paired_ratio, record
+from benchmarks.harness import Timing, check_target, paired_ratio, record, run_ranks
 
 
 @pytest.mark.slow
 def test_fsdp_tp_step_against_pytorch(benchmark, tmp_path, request):
     from benchmarks.fsdp_tp_worker import Job, eager_losses, worker
-    from nvtp.execute.launch import spawn
 
     benchmark.group = "FSDP + TP: Llama-style training step on (dp, tp) = (2, 2), 4 CPU gloo processes"
     job = Job(out=str(tmp_path / "fsdp_tp.json"))
 
-    def run():
-        codes = spawn(worker, job.dp * job.tp, job)
-        assert codes == [0] * (job.dp * job.tp), f"a rank failed: exit codes {codes}"
-        with open(job.out) as f:
-            return json.load(f)
-
-    result = benchmark.pedantic(run, rounds=1, iterations=1)
+    result = benchmark.pedantic(run_ranks, args=(worker, job.dp * job.tp, job), rounds=1, iterations=1)
     want = eager_losses(job, 1 + job.warmup + job.rounds + 1)
     for name, losses in result["losses"].items():  # a wrong result is no benchmark
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want))

@@ -12,31 +12,23 @@ that a token costs a fraction of a second rather than a trace."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from benchmarks.harness import record
+from benchmarks.harness import record, run_ranks
 
 
 @pytest.mark.parametrize("model", ["llama", "nanogpt"])
 def test_generate_tokens_per_second(benchmark, tmp_path, request, model):
     from benchmarks.generate_worker import Job, worker
-    from nvtp.execute.launch import spawn
 
     if model == "llama":
         pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
     benchmark.group = f"generate: {model}, 32 new tokens, CPU gloo mesh of 2"
     job = Job(d=2, out=str(tmp_path / "generate.json"), threads=max(1, (os.cpu_count() or 1) // 2), model=model)
 
-    def run():
-        codes = spawn(worker, job.d, job)
-        assert codes == [0] * job.d, f"a rank failed: exit codes {codes}"
-        with open(job.out) as f:
-            return json.load(f)
-
-    result = benchmark.pedantic(run, rounds=1, iterations=1)
+    result = benchmark.pedantic(run_ranks, args=(worker, job.d, job), rounds=1, iterations=1)
     assert result["same_tokens"], "nvtp's generate gave other tokens than eager's"
     later = result["steps"][result["traced"]:]
     data = record(f"generate {model} d=2", nodeid=request.node.nodeid, kind="generate", d=job.d, config=result["job"],

@@ -6,12 +6,11 @@ The target: nvtp's step time at most DTensor's (ratio ≤ 1.0)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from benchmarks.harness import Timing, check_target, paired_ratio, record
+from benchmarks.harness import Timing, check_target, paired_ratio, record, run_ranks
 
 pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
 
@@ -19,18 +18,11 @@ pytest.importorskip("transformers", reason="transformers is not installed (uv sy
 @pytest.mark.parametrize("d", [2, 4], ids=lambda d: f"d{d}")
 def test_llama_tensor_parallel_step(benchmark, d, tmp_path, request):
     from benchmarks.hf_worker import Job, worker
-    from nvtp.execute.launch import spawn
 
     benchmark.group = "sharded transformers Llama, forward+backward step, CPU gloo mesh"
     job = Job(d=d, out=str(tmp_path / f"llama{d}.json"), threads=max(1, (os.cpu_count() or 1) // d))
 
-    def run():
-        codes = spawn(worker, d, job)
-        assert codes == [0] * d, f"a rank failed: exit codes {codes}"
-        with open(job.out) as f:
-            return json.load(f)
-
-    result = benchmark.pedantic(run, rounds=1, iterations=1)
+    result = benchmark.pedantic(run_ranks, args=(worker, d, job), rounds=1, iterations=1)
     timings = {n: Timing.of(s) for n, s in result["seconds"].items()}
     data = record(f"hf llama d={d}", nodeid=request.node.nodeid, kind="hf", d=d,
                   config={k: v for k, v in result["job"].items() if k not in ("d", "out")},

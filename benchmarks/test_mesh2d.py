@@ -14,27 +14,19 @@ vocabulary-parallel embedding's and the loss's); dp all-reduces every weight gra
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from benchmarks.harness import Estimate, Timing, record
+from benchmarks.harness import Estimate, Timing, record, run_ranks
 
 
 def test_2d_mesh_step_time_and_bytes(benchmark, tmp_path, request, fsdp=False):
     from benchmarks.mesh2d_worker import Job, eager_losses, worker
-    from nvtp.execute.launch import spawn
 
     benchmark.group = "2-D meshes, GPT training step on 4 CPU gloo processes"
     job = Job(out=str(tmp_path / "mesh2d.json"), fsdp=fsdp)
 
-    def run():
-        codes = spawn(worker, 4, job)
-        assert codes == [0] * 4, f"a rank failed: exit codes {codes}"
-        with open(job.out) as f:
-            return json.load(f)
-
-    result = benchmark.pedantic(run, rounds=1, iterations=1)
+    result = benchmark.pedantic(run_ranks, args=(worker, 4, job), rounds=1, iterations=1)
     want = eager_losses(job, job.warmup + job.rounds)
     for name, losses in result["losses"].items():  # a wrong result is no benchmark
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want))

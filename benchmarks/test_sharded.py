@@ -10,25 +10,19 @@ Each process gets max(1, cores // d) threads (both frameworks alike); on a 2-cor
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 
 import pytest
 
-from benchmarks.harness import Timing, check_target, paired_ratio, record
+from benchmarks.harness import Timing, check_target, paired_ratio, record, run_ranks
 from benchmarks.tp_worker import Job, worker
 
 MESHES = [1, 2, 4]
 
 
 def _run(job: Job) -> dict:
-    from nvtp.execute.launch import spawn
-
-    codes = spawn(worker, job.d, job)
-    assert codes == [0] * job.d, f"a rank failed: exit codes {codes}"
-    with open(job.out) as f:
-        return json.load(f)
+    return run_ranks(worker, job.d, job)
 
 
 @pytest.mark.parametrize("d", MESHES, ids=lambda d: f"d{d}")
