@@ -84,11 +84,10 @@ class HandExperts(torch.nn.Module):
         other = 1 - self.rank
         self.sent[0] += 2 * (send[other] * e + recv[other] * e) * 4 + 2 * counts.nbytes // self.ranks  # fwd + bwd, and the counts
         mine = all_to_all_single(torch.empty(sum(recv), e), rows, recv, send, group=self.group)  # dispatch
-        local = torch.cat([torch.repeat_interleave(torch.arange(self.local), c) for c in recv_counts])  # each row's local expert
         parts = []
         for p in range(self.ranks):  # rows of source p, grouped by local expert
             start = sum(recv[:p])
-            block, experts = mine[start:start + recv[p]], local[start:start + recv[p]]
+            block = mine[start:start + recv[p]]
             ys, at = [], 0
             for j, c in enumerate(recv_counts[p].tolist()):
                 h = F.gelu(block[at:at + c] @ self.w_fc[j], approximate="tanh")
