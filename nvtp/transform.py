@@ -30,10 +30,15 @@ nvtp's compile driver made for the same call:
   (``nvtp.execute.backends``) through ``nvtp.execute.step.RankProgram``, the step ``nvtp.jit``
   runs.
 
-Parameters are plain tensors holding this rank's part (as with Thunder's own transforms; not
-DTensors): ``nvtp.full_tensor(p)`` gathers one whole, ``jm.original_state_dict()`` gives whole
-weights. One process with a mesh of 1, one process per rank after ``init_process_group``, or a
-simulated mesh (``comm=``, ranks as threads; ``share`` lets ranks compile once).
+On a mesh of processes (after ``init_process_group``) each ThunderModule parameter becomes a
+``torch.distributed.tensor.DTensor`` on torch's ``DeviceMesh`` holding this rank's part, as under
+``nvtp.jit``: ``torch.nn.utils.clip_grad_norm_(jm.parameters(), ...)`` clips by the whole model's
+norm, ``jm.state_dict()`` holds DTensors, ``jm.original_state_dict()`` whole tensors. Thunder's
+interpreter never sees them: it reads the module's own (meta) parameters, the prologue unpacks the
+DTensors and checks their whole shapes, and the program's symbols take their local parts and give
+DTensor gradients. On a simulated mesh (``comm=``, ranks as threads, no process group) and on one
+process parameters are plain tensors holding this rank's part (``nvtp.full_tensor`` gathers one);
+``share`` lets simulated ranks compile once.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from thunder.core.transforms import get_grad, put_grad
 from thunder.extend import OperatorExecutor
 
 from nvtp import driver, guard, options
+from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, spmd
 from nvtp.execute.launch import start_watchdog
@@ -62,6 +68,7 @@ from nvtp.execute.step import RankProgram, part_rows
 from nvtp.frontend import interpret, user_code
 from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
+from nvtp.parameters import gather, hold_part, retarget
 from nvtp.program import Program
 from nvtp.sharding.placements import FusedParts, Placement, is_replicate, local_shape
 from nvtp.sharding.plans import check_plan
@@ -130,6 +137,7 @@ class ShardingTransform(Transform):
         self._part_rows: dict[str, tuple[str, int, int]] = {}
         self._whole_shapes: dict[str, tuple[int, ...]] = {}
         self._released = False
+        self._torch_mesh = None  # torch's DeviceMesh of the DTensor parameters, made at the first sharding
         self._count = 0
         self.last: Program | None = None  # the Program of the latest compile (what nvtp.plan reports for it)
 
@@ -240,15 +248,20 @@ class ShardingTransform(Transform):
         """Make each ThunderModule parameter in ``placed`` this rank's part, then release the
         module's own (whole) parameters: they become meta tensors of their shapes, which is all
         Thunder's interpreter needs to trace a later call shape."""
-        from nvtp.parameters import hold_part, retarget
-
         for label, placement in placed.items():
             self._placements[label] = placement
             p = model._overrides_parameters[label]
-            if not is_replicate(placement):
+            part = p.data if is_replicate(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.comm.rank)
+            if self._uses_dtensor():
+                new = torch.nn.Parameter(self._as_dtensor(part, label), requires_grad=p.requires_grad)
+                for alias, q in list(model._overrides_parameters.items()):  # every name of a tied parameter
+                    if q is p:
+                        model._overrides_parameters[alias] = new
+                retarget(p, new)  # an optimizer made from jm.parameters() before the first call
+            else:
                 with torch.no_grad():
-                    p.data = spmd.shard_tensor(p.data, placement, self.mesh, self.comm.rank)
-            hold_part(p, placement, self._whole_shapes[label], self.comm)
+                    p.data = part
+                hold_part(p, placement, self._whole_shapes[label], self.comm)
         if self._released:
             return
         self._released = True
@@ -263,6 +276,19 @@ class ShardingTransform(Transform):
                     metas[id(q)] = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=q.requires_grad)
                     retarget(q, model._overrides_parameters[names[id(q)]])  # an optimizer made from model.parameters()
                 owner._parameters[attr] = metas[id(q)]
+
+    def _uses_dtensor(self) -> bool:
+        """Whether parameters become DTensors: on torch.distributed's default group (not a simulated
+        ``comm``, not one process)."""
+        import torch.distributed as dist
+
+        return (self.mesh.size > 1 and isinstance(self.comm, DistComm) and dist.is_available() and dist.is_initialized())
+
+    def _as_dtensor(self, part: torch.Tensor, label: str) -> torch.Tensor:
+        """``part`` (this rank's part of parameter ``label``) as the DTensor placed as the Program places it."""
+        if self._torch_mesh is None:
+            self._torch_mesh = _dt.torch_mesh(self.mesh, part.device.type)
+        return _dt.as_dtensor(part, self._placements[label], self._torch_mesh, self._whole_shapes[label])
 
     def _rewrite_checks(self, model, prologue_trace, computation_trace, call: _Call) -> None:
         """The prologue checks each parameter against what the ThunderModule holds now (this
@@ -370,17 +396,20 @@ class ShardingTransform(Transform):
 
         constants = rp.call.constants if rp.call is not None else {}
 
-        def run_program(*tensors):
+        def run_program(*given):
+            tensors = tuple(_dt.local(t) for t in given)  # a DTensor parameter: this rank's part
             guard.check_transform(self, rp, labels, tensors, model._model, train=False)  # once: raises MiscompileError
             outs, _ = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(outs)
 
-        def run_forward(*tensors):
+        def run_forward(*given):
+            tensors = tuple(_dt.local(t) for t in given)
             guard.check_transform(self, rp, labels, tensors, model._model, train=True)  # once: raises MiscompileError
             _, values = rp.forward(dict(zip(labels, tensors)) | constants, seed())
             return tuple(values[v.name] for v in f.outputs)
 
-        def run_backward(*tensors):
+        def run_backward(*given):
+            tensors = tuple(_dt.local(t) for t in given)
             k = len(labels)
             named = dict(zip(labels, tensors[:k])) | constants
             values = {v.name: t for v, t in zip(f.inputs, rp.inputs(named))}
@@ -389,7 +418,7 @@ class ShardingTransform(Transform):
             grads = [incoming.pop(0) if j in user_float else None for j in range(len(user))]
             params = {label: t.detach() for label, t in named.items() if label not in rp.arg_names}  # and buffers
             by_grad = rp.backward(values, params, grads, device=device.device_str())
-            return tuple(_grad_or_zeros(by_grad.get(labels[i]), tensors[i]) for i in differentiable)
+            return tuple(_grad_like(by_grad.get(labels[i]), given[i]) for i in differentiable)
 
         program_sym = ex.register_operator(f"nvtp_program_{n}", meta=program_meta, fn=run_program)
         forward_sym = ex.register_operator(f"nvtp_forward_{n}", meta=forward_meta, fn=run_forward)
@@ -419,18 +448,18 @@ class ShardingTransform(Transform):
             placement = self._placements.get(prefix + k)
             if placement is not None and not is_replicate(placement):
                 v = spmd.shard_tensor(v, placement, self.mesh, self.comm.rank)
+            if placement is not None and self._uses_dtensor():
+                v = self._as_dtensor(v, prefix + k)
             out[k] = v
         return out
 
     def reverse_transform_state_dict_for_submodule(self, model, submodule_name: str, state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's parts -> whole tensors (``jm.original_state_dict()``; a collective: every rank calls it)."""
-        from nvtp.parameters import gather
-
         prefix = f"{submodule_name}." if submodule_name else ""
         out = {}
         for k, v in state_dict.items():
             placement = self._placements.get(prefix + k)
-            out[k] = v if placement is None else gather(v, placement, self._whole_shapes[prefix + k], self.comm)
+            out[k] = v if placement is None else gather(_dt.local(v), placement, self._whole_shapes[prefix + k], self.comm)
         return out
 
 
@@ -538,8 +567,11 @@ def _reshape(proxy: TensorProxy, t: torch.Tensor) -> None:
     proxy._device = devices.to_device(t.device)
 
 
-def _grad_or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g
+def _grad_like(g: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    """Gradient ``g`` (this rank's part; None: zeros) as ``param`` holds it: a DTensor placed like a DTensor parameter."""
+    if g is None:
+        g = torch.zeros_like(_dt.local(param))
+    return _dt.grad_like(param, g) if isinstance(param, _dt.DTensor) else g
 
 
 def _world() -> int:

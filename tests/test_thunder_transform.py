@@ -5,7 +5,7 @@ replaces Thunder's computation with the program nvtp's compile driver made (nvtp
 Each test trains nvtp's tiny GPT with SGD and checks, against the same steps of the unsharded
 model in eager PyTorch: every loss within 1e-5 (relative), the final weights within 1e-4, and
 that Thunder hit its cache (a prologue that rejected the shards would retrace every call). On a
-mesh of 2 (ranks as threads, and in the slow tier two gloo processes) each rank holds half of
+mesh of 2 (two gloo processes under torchrun, and in the slow tier ranks as threads) each rank holds half of
 every split weight (bytes counted), the module's own whole weights are released, and the
 collectives each step issues are the ones the Program plans.
 """
@@ -31,14 +31,18 @@ LR = 0.1
 STEPS = 3
 
 
-def _eager(model: torch.nn.Module, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final weights of SGD on ``model`` in eager PyTorch, one step per batch."""
+def _eager(model: torch.nn.Module, batches, norms: list[float] | None = None,
+           max_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of SGD on ``model`` in eager PyTorch, one step per batch; with
+    ``max_norm``, gradients clipped by ``clip_grad_norm_`` (each step's norm appended to ``norms``)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for idx, targets in batches:
         loss = model(idx, targets)
         opt.zero_grad()
         loss.backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach() for n, p in model.named_parameters()}
@@ -125,6 +129,7 @@ def _simulated(cfg, batches, d: int = 2):
     return model, jms, spmd.on_threads(train, threads)
 
 
+@pytest.mark.slow  # 45 s: the default tier trains two gloo processes through torchrun (below), a second length included
 def test_two_simulated_ranks_train_like_eager_with_half_the_bytes_and_the_planned_collectives():
     """Two ranks as threads, SGD on the tiny GPT, then a call of another sequence length (Thunder
     retraces with the module's weights released and the shards in place; nvtp compiles again,
@@ -204,11 +209,13 @@ def test_a_module_nvtp_cannot_run_is_refused_with_the_reason_and_left_as_it_was(
 # -- two gloo processes ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_torchrun_two_gloo_processes_train_like_eager(tmp_path):
     """``torchrun --nproc-per-node 2 tools/thunder_train.py`` (thunder.jit with
-    ``nvtp.ShardingTransform(plan="megatron")`` after ``init_process_group``): eager's losses and
-    weights on both ranks, half of every split weight each, one Thunder compile."""
+    ``nvtp.ShardingTransform(plan="megatron")`` after ``init_process_group``, gradients clipped by
+    ``torch.nn.utils.clip_grad_norm_(jm.parameters(), 1.0)``): the parameters are DTensors, so
+    each step's norm is the whole model's (eager's, not a rank's own: 2.89 / 3.00 against 3.50 when
+    they were plain parts); eager's losses and weights on both ranks, half of every split weight
+    each, one Thunder compile."""
     import os
     import subprocess
     import sys
@@ -219,7 +226,7 @@ def test_torchrun_two_gloo_processes_train_like_eager(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(get_free_port()),
-           str(root / "tools/thunder_train.py"), "--steps", str(STEPS), "--lr", str(LR), "--out", str(out)]
+           str(root / "tools/thunder_train.py"), "--steps", str(STEPS), "--lr", str(LR), "--max-norm", "1.0", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root, env=dict(os.environ))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "on 2 process(es)" in result.stdout and ": PASSED" in result.stdout, result.stdout
@@ -227,10 +234,14 @@ def test_torchrun_two_gloo_processes_train_like_eager(tmp_path):
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     whole_bytes = sum(p.nbytes for p in model.parameters())
-    want = _eager(model, _batches(cfg))
+    want_norms: list[float] = []
+    want = _eager(model, _batches(cfg), want_norms, max_norm=1.0)
+    assert min(want_norms) > 1.0  # the clip changes the step: a wrong norm moves the weights
     for rank in range(2):
         got = torch.load(f"{out}.{rank}", weights_only=False)
+        assert "DTensor" in got["types"], got["types"]
+        assert got["norms"] == pytest.approx(want_norms, rel=1e-5)
         _assert_like_eager(got["losses"], got["weights"], *want)
-        assert got["misses"] == 1
+        assert got["misses"] == 2  # the training steps, and the last call of half the length
         assert got["shapes"]["h.0.attn.c_attn.weight"] == (96, 64) and got["shapes"]["lm_head.weight"] == (128, 64)
         assert got["bytes"] < 0.55 * whole_bytes

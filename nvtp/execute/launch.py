@@ -116,6 +116,8 @@ def start_watchdog(timeout_s: float, init_method: str | None = None) -> Watchdog
     host, port, hosts_store, desc = address
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, 30.0)))
     _WATCHDOG = Watchdog(store, rank, world, timeout_s, hosts_store=hosts_store and rank == 0, store_desc=desc).start()
+    if hosts_store and rank == 0:  # the group's store serves the peers' watchdogs until they are done, even
+        _WATCHDOG.hosted = dist.distributed_c10d._get_default_store()  # after a destroy_process_group (the peers'd see a broken pipe)
     _install_exit_hooks()
     return _WATCHDOG
 

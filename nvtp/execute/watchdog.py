@@ -139,6 +139,7 @@ class Watchdog:
         self._last_beat_check = 0.0
         self._wakeup: tuple[int, int] | None = None
         self._sigterm = False
+        self.hosted = None  # the store this rank hosts, held until the peers are done (nvtp.execute.launch.start_watchdog)
         self._thread = threading.Thread(target=self._loop, name="nvtp-watchdog", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -169,6 +170,9 @@ class Watchdog:
         ``tcp://`` init), wait until every rank is done or failed so nobody loses the store."""
         if self._failed_self or self._exiting:
             return
+        self._stop.set()  # no heartbeat after "done": the store's host may exit as soon as it reads it
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2 * HEARTBEAT_S + 1)
         with contextlib.suppress(Exception):
             self.store.set(self._key("done", self.rank), "1")
         if self.hosts_store:
