@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from thunder.core import devices, dtypes, prims
+from thunder.core import devices, dtypes
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
