@@ -486,6 +486,71 @@ def test_tensor_attributes_set_up_before_the_call_train_sharded_as_eager():
     assert ranks[0].placement("layers.0.attention.wq.weight") != ranks[0].placement("norm.weight")  # it did split
 
 
+def _reassigns_its_state():
+    """gpt-fast's tensor attributes, and a buffer that ``forward`` reassigns as CTRL does
+    (``self.pos_encoding = self.pos_encoding.to(device, dtype)``: the same tensor)."""
+    from tests.written import TinyGptFast
+
+    class ReassignsItsState(TinyGptFast):
+        def forward(self, tokens):
+            self.scale = self.scale.to(device=tokens.device, dtype=torch.float32)
+            return super().forward(tokens) * self.scale
+
+    model, args = _gpt_fast_like()
+    model.__class__ = ReassignsItsState
+    model.register_buffer("scale", torch.linspace(0.5, 1.5, args.vocab_size), persistent=False)
+    return model, args
+
+
+class _Table(nn.Module):
+    """A sinusoid table kept as a plain attribute and a scale buffer that forward reassigns (CTRL)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.table = torch.sin(torch.arange(32.0)).reshape(4, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)
+
+    def forward(self, x):
+        self.scale = self.scale.to(device=x.device, dtype=x.dtype)
+        return self.proj(x + self.table) * self.scale
+
+
+def test_a_tensor_attribute_and_a_reassigned_buffer_through_the_fx_route_match_eager():
+    torch.manual_seed(0)
+    model = _Table()
+    ref, scale = copy.deepcopy(model), model.scale
+    x = torch.randn(4, 8)
+    jitted = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")
+    out = jitted(x)
+    out.pow(2).sum().backward()
+    want = ref(x)
+    want.pow(2).sum().backward()
+    assert relative_error(out, want)[0] <= 1e-6
+    _check_like_eager(_grads(model), _grads(ref))
+    f = jitted.last.traced.forward
+    assert {"table", "scale"} <= {f.label(v.name) for v in f.inputs}
+    assert model.scale is scale
+
+
+@pytest.mark.slow  # 56 s on the shared machine: the test above runs both through the FX route in seconds
+def test_tensor_attributes_and_a_reassigned_buffer_train_sharded_as_eager_through_the_fx_route():
+    """The same attributes through TorchDynamo's graph (the route transformers models take): dynamo
+    reads them as attributes of the model, which nvtp names by their paths and passes whole (before:
+    ``CaptureError ... neither a parameter nor a buffer of the model (L__self___freqs_cis, ...)``).
+    A buffer reassigned in forward stays the module's (before: dynamo's export left a FakeTensor in
+    its place, and CTRL failed with the same error)."""
+    model, args = _reassigns_its_state()
+    scale = model.scale
+    idx, targets = tokens(args)
+    ranks = _train_on_simulated_mesh(model, (idx,), 2, "megatron", frontend="fx",
+                                     loss_of=lambda logits: nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    f = ranks[0].last.traced.forward
+    assert {"freqs_cis", "causal_mask", "scale"} <= {f.label(v.name) for v in f.inputs}
+    assert ranks[0].last.traced.route == "fx"
+    assert all(type(m.module.scale) is torch.Tensor for m in ranks) and model.scale is scale
+
+
 @pytest.mark.slow  # 20 s: nvtp.jit runs these attributes in the default tier, the transform runs a tied model there
 def test_tensor_attributes_set_up_before_the_call_train_under_the_thunder_transform():
     import thunder

@@ -9,9 +9,11 @@ like any small function. ``export_program`` does the capture and makes the graph
    break allowed: a break is a ``GraphBreakError`` naming it and its source line). It also gives
    the pytree specs of the arguments (``(args, kwargs)``) and of the output (e.g. a
    ``CausalLMOutputWithPast``), so calls take keyword arguments and return the model's own object.
-2. Parameters and buffers are ``get_attr`` nodes under dynamo's mangled names; each is renamed to
-   the model's own name (``model.layers.0.self_attn.q_proj.weight``; a tied weight under the
-   first name ``named_parameters`` gives), so plans and parameter sharding see the model's names.
+2. Parameters, buffers and plain tensor attributes are ``get_attr`` nodes under dynamo's mangled
+   names; each is renamed to the model's own name (``model.layers.0.self_attn.q_proj.weight``; a
+   tied weight under the first name ``named_parameters`` gives), so plans and parameter sharding
+   see the model's names. State that ``forward`` reassigns (CTRL's ``self.pos_encoding =
+   self.pos_encoding.to(...)``) is put back after the export, which would leave its fake tensor.
 3. Nodes that depend on no argument and no parameter (position ids, causal masks, the packed-
    sequence check of transformers' masking code) are computed once here (``nvtp.frontend.fx_constants``):
    constant tensors become inputs labelled ``nvtp_constant_N`` (replicated), constant numbers are
@@ -147,7 +149,7 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         # One export at a time: the ranks of a simulated mesh (threads) trace each on its own, and
         # TorchDynamo is not thread-safe (two exports at once crashed the process). transformers'
         # experts run as nvtp's gather_mm (nvtp/frontend/moe.py), whichever implementation the config names.
-        with _EXPORTING, _quiet_torch_logs(), gather_mm_experts(module):  # dynamo logs failures with tracebacks; nvtp raises one line
+        with _EXPORTING, _quiet_torch_logs(), gather_mm_experts(module), _state_kept(module):  # dynamo logs failures with tracebacks; nvtp raises one line
             dynamo.reset()
             return dynamo.export(module, assume_static_by_default=True)(*args, **kwargs)
     except dynamo.exc.TorchRuntimeError as e:  # an op failed on the (fake) arguments: they do not fit the model
@@ -159,6 +161,23 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
                          "of the shapes and dtypes the model expects") from None
     except (dynamo.exc.Unsupported, dynamo.exc.UserError, dynamo.exc.InternalTorchDynamoError, NotImplementedError) as e:
         raise GraphBreakError(_graph_break_message(module, e)) from None
+
+
+@contextlib.contextmanager
+def _state_kept(module: torch.nn.Module):
+    """``module``'s buffers and plain tensor attributes as they were before the block, put back
+    after it. A forward that reassigns its state (CTRL's ``self.pos_encoding =
+    self.pos_encoding.to(device, dtype)``, the same tensor when nothing changes) has dynamo's export
+    replay the assignment with its fake tensor, so afterwards the module would hold a
+    ``FakeTensor`` the exported graph does not read, and neither would be known by its name."""
+    kept = [(m, k, v) for m in module.modules() for k, v in [*m._buffers.items(), *vars(m).items()]
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+    try:
+        yield
+    finally:
+        for m, k, v in kept:
+            if getattr(m, k, None) is not v:
+                setattr(m, k, v)
 
 
 @contextlib.contextmanager
@@ -229,6 +248,10 @@ def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported
         names.setdefault(id(p), n)
     for n, b in module.named_buffers(remove_duplicate=True):
         names.setdefault(id(b), n)
+    for prefix, m in module.named_modules():  # plain tensor attributes (gpt-fast's freqs_cis): module state, passed whole
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                names.setdefault(id(v), f"{prefix}.{k}" if prefix else k)
     g = gm.graph
     attrs: dict[str, Any] = {}  # new get_attr target -> tensor (meta) for the new graph module
     for node in g.nodes:
@@ -241,8 +264,9 @@ def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported
         elif isinstance(value, torch.nn.Module):  # a higher-order op's subgraph: kept as it is
             attrs[node.target] = value
         else:
-            raise CaptureError(f"{type(module).__name__}: the exported graph reads a tensor that is neither a parameter "
-                               f"nor a buffer of the model ({node.target}, {tuple(value.shape)}); nvtp cannot place it")
+            raise CaptureError(f"{type(module).__name__}: the exported graph reads a tensor that is neither a parameter, "
+                               f"a buffer nor a tensor attribute of the model ({node.target}, {tuple(value.shape)}), such as a "
+                               "tensor in a list, a dict or a global; nvtp cannot place it: register it with self.register_buffer")
 
     # Placeholders: one per leaf of (args, kwargs), named after the argument.
     leaves = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
