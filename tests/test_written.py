@@ -533,6 +533,33 @@ def test_a_tensor_attribute_and_a_reassigned_buffer_through_the_fx_route_match_e
     assert model.scale is scale
 
 
+class _MakesTensorsLikeItsInput(nn.Module):
+    """``x.new_zeros`` and its kin, which Thunder runs only opaquely (DeepSeek-V4's compressor: an
+    empty ``new_zeros((batch, 0, head_dim))`` concatenated to its keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = torch.cat([h, h.new_zeros((x.shape[0], 0, 8))], dim=1)
+        return h * h.new_full((8,), 2.0) + h.new_ones(x.shape[-1]) - h.new_zeros(x.shape[0], 1, 8) + h.new_empty(0).sum()
+
+
+def test_new_zeros_and_its_kin_through_the_fx_route_match_eager():
+    torch.manual_seed(0)
+    model = _MakesTensorsLikeItsInput()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8)
+    out = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
+    out.pow(2).sum().backward()
+    want = ref(x)
+    want.pow(2).sum().backward()
+    assert relative_error(out, want)[0] <= 1e-6
+    _check_like_eager(_grads(model), _grads(ref))
+
+
 @pytest.mark.slow  # 56 s on the shared machine: the test above runs both through the FX route in seconds
 def test_tensor_attributes_and_a_reassigned_buffer_train_sharded_as_eager_through_the_fx_route():
     """The same attributes through TorchDynamo's graph (the route transformers models take): dynamo

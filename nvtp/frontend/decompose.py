@@ -1,6 +1,6 @@
 """torch calls Thunder runs only opaquely, written as the torch ops they compute, for the FX
 route's table (``nvtp.frontend.fx.DECOMPOSITIONS``): ``torch.histc`` (an MoE load-balancing loss
-counts tokens per expert with it) and ``x.bool()`` and its kin."""
+counts tokens per expert with it), ``x.bool()`` and its kin, and ``x.new_zeros(shape)`` and its kin."""
 
 from __future__ import annotations
 
@@ -31,3 +31,22 @@ def as_dtype(dtype: torch.dtype):
 
 CONVERSIONS = {"bool": as_dtype(torch.bool), "int": as_dtype(torch.int32), "double": as_dtype(torch.float64),
                "bfloat16": as_dtype(torch.bfloat16), "byte": as_dtype(torch.uint8), "char": as_dtype(torch.int8)}
+
+
+def new_filled(fill: float):
+    """``x.new_zeros(shape)``, ``x.new_ones`` and ``x.new_empty`` (zeros: its values are
+    unspecified), which Thunder runs only opaquely (DeepSeek-V4's compressor makes an empty
+    ``new_zeros((batch, 0, head_dim))``), as ``torch.full`` with ``x``'s dtype and device unless given."""
+    def new(x, *size, dtype=None, device=None, **_):  # requires_grad, layout, pin_memory: as torch.full's defaults
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        return torch.full(tuple(shape), fill, dtype=dtype or x.dtype, device=device or x.device)
+
+    return new
+
+
+def new_full(x, size, fill_value, *, dtype=None, device=None, **_):
+    """``x.new_full(size, value)`` as ``torch.full`` with ``x``'s dtype and device unless given."""
+    return torch.full(tuple(size), fill_value, dtype=dtype or x.dtype, device=device or x.device)
+
+
+CREATIONS = {"new_zeros": new_filled(0), "new_ones": new_filled(1), "new_empty": new_filled(0), "new_full": new_full}

@@ -56,7 +56,8 @@ DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, 
                                   torch.histc: decompositions.histc,  # the load-balancing loss's count (nvtp/frontend/decompose.py)
                                   **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum,
-                          "histc": decompositions.histc, **decompositions.CONVERSIONS}  # MoE code's (nvtp/frontend/decompose.py)
+                          "histc": decompositions.histc, **decompositions.CONVERSIONS,  # MoE code's (nvtp/frontend/decompose.py)
+                          **decompositions.CREATIONS}  # x.new_zeros(shape) and its kin
 
 
 _MATMULS = (operator.matmul, torch.matmul)
