@@ -6,8 +6,9 @@
 
 A family is built from a tiny config (hidden 64, 4 heads, 2 KV heads, 2 layers, vocabulary 256,
 fp32, seeded, dropout 0; every size the config's constructor names, nothing downloaded) with the
-model class ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` gives; one that does not build on the CPU is
-recorded as ``no tiny build``. Then ``nvtp.jit(model, plan="megatron")`` on a simulated mesh of 2
+model class ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` gives; one that does not build on the CPU, or
+whose tiny config still builds more than ``MAX_PARAMETERS`` (sub-configs, such as Fuyu's
+``text_config``, keep their full sizes), is recorded as ``no tiny build``. Then ``nvtp.jit(model, plan="megatron")`` on a simulated mesh of 2
 (ranks as threads), called ``model(input_ids, labels=input_ids)``, is checked against the eager
 model on one process as ``tests/test_hf.py`` checks it (loss and logits within 1e-5, every
 gradient within 1e-4). One process per family: TorchDynamo's recompile limit makes later models
@@ -37,6 +38,11 @@ SIZES = {  # constructor argument -> its tiny value, for whichever names a confi
     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "tie_word_embeddings": False,
 }
+
+
+# Tiny builds have under 30M parameters but Gemma 4 text (135M: per-layer embeddings) and GIT (86M); Fuyu, BLT and
+# Mllama keep full-size sub-configs (4.6G-9.8G: the process was killed for memory), Phi-4 multimodal 870M.
+MAX_PARAMETERS = 300_000_000
 
 
 def families() -> list[tuple[str, str]]:
@@ -81,8 +87,18 @@ def build(model_type: str, class_name: str):
         if k not in params and hasattr(config, k) and isinstance(getattr(config, k), type(v)) and k not in ("dim",) \
                 and not isinstance(getattr(type(config), k, None), property):  # a derived size (Falcon's head_dim)
             setattr(config, k, v)
+    model_cls = getattr(transformers, class_name)
+    try:
+        with torch.device("meta"):  # nothing allocated: a config that stays large is refused, not run out of memory
+            count = sum(p.numel() for p in model_cls(config).parameters())
+    except Exception:  # noqa: BLE001 - a model that does not build on meta: the real build says
+        count = 0
+    if count > MAX_PARAMETERS:
+        subs = [k for k, v in vars(config).items() if hasattr(v, "to_dict") and not k.startswith("_")]
+        raise ValueError(f"the tiny config still builds {count / 1e6:.0f}M parameters (sub-configs the tool does not shrink: "
+                         f"{', '.join(subs) or 'none'})")
     torch.manual_seed(0)
-    return getattr(transformers, class_name)(config)
+    return model_cls(config)
 
 
 def check(model_type: str, class_name: str) -> dict:
