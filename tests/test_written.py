@@ -560,6 +560,24 @@ def test_new_zeros_and_its_kin_through_the_fx_route_match_eager():
     _check_like_eager(_grads(model), _grads(ref))
 
 
+class _CausalConv(nn.Module):
+    """A depthwise causal conv1d, as Mamba-like models (Bamba, Falcon-H1, Falcon-Mamba) mix tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+
+def test_a_convolution_on_the_fx_route_is_refused_before_thunder_traces_naming_its_line():
+    from nvtp.frontend.failures import MissingOpError
+
+    with pytest.raises(MissingOpError, match=r"convolution at .*test_written.py:\d+ `return self.conv"):
+        nvtp.jit(_CausalConv(), plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(torch.randn(2, 5, 8))
+
+
 @pytest.mark.slow  # 56 s on the shared machine: the test above runs both through the FX route in seconds
 def test_tensor_attributes_and_a_reassigned_buffer_train_sharded_as_eager_through_the_fx_route():
     """The same attributes through TorchDynamo's graph (the route transformers models take): dynamo

@@ -60,7 +60,7 @@ from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.frontend.fused import split_fused_projections
 from nvtp.frontend.fx_calls import call_structure, check_call, without_cache  # noqa: F401 - the route's call API
 from nvtp.frontend.fx_constants import causal_masks, fold_constants
-from nvtp.frontend.fx_forms import decompose, linears
+from nvtp.frontend.fx_forms import decompose, linears, refuse_lacking
 from nvtp.frontend.fx_inplace import functionalize
 from nvtp.frontend.moe import gather_mm_experts, install_output_hooks
 
@@ -289,6 +289,7 @@ def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported
     functionalize(g, type(module).__name__)
     linears(g, attrs)
     decompose(g)
+    refuse_lacking(g, type(module).__name__)
     if ring_claim_active():  # traced for a cp axis: attention masks that are causal, read as is_causal=True
         causal_masks(g)
     return Exported(g, attrs, in_spec, out_spec, leaf_names)

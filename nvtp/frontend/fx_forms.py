@@ -1,10 +1,12 @@
 """dynamo's graph in the forms Thunder traces and nvtp's plans read (the FX route, ``nvtp.frontend.fx``):
 torch calls Thunder runs only opaquely written as the calls they compute (``DECOMPOSITIONS``), and
-``x @ W.T`` of a 2-D parameter as ``F.linear(x, W)`` (``linears``)."""
+``x @ W.T`` of a 2-D parameter as ``F.linear(x, W)`` (``linears``); torch calls nvtp has no op for
+refused before Thunder traces anything (``refuse_lacking``)."""
 
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -12,7 +14,8 @@ import torch.fx as fx
 
 from nvtp.frontend import decompose as decompositions
 from nvtp.frontend import mha
-from nvtp.frontend.executor import one_index_as_slice
+from nvtp.frontend.executor import Unclaimed, one_index_as_slice
+from nvtp.frontend.failures import MissingOpError, missing_ops_message
 from nvtp.frontend.fx_inplace import example
 
 
@@ -112,3 +115,22 @@ def decompose(g: fx.Graph) -> None:
             node.target = DECOMPOSITIONS[node.target]
         elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
             node.op, node.target = "call_function", _METHOD_DECOMPOSITIONS[node.target]
+
+
+# -- torch calls nvtp has no op for, refused at once -------------------------------------------------
+# capture would name them too (MissingOpError), but only after Thunder has traced the whole graph,
+# which took 10 minutes and more for the Mamba-like families (their causal conv1d and chunked scans).
+LACKING = {torch.conv1d: "convolution", torch.conv2d: "convolution", torch.conv3d: "convolution",
+           torch.convolution: "convolution", torch.conv_transpose1d: "convolution", torch.conv_transpose2d: "convolution"}
+
+
+def refuse_lacking(g: fx.Graph, model: str) -> None:
+    """Raises ``MissingOpError`` naming each call of ``LACKING`` in ``g`` with the model's line."""
+    found = []
+    for node in g.nodes:
+        name = LACKING.get(node.target) if node.op == "call_function" else None
+        if name:
+            frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+            found.append(Unclaimed(name, f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""))
+    if found:
+        raise MissingOpError(missing_ops_message(model, found, 0, 0))

@@ -464,6 +464,8 @@ def _export_cut(module: torch.nn.Module, rep: Repeated, keep: int, args: tuple, 
     """Step 2; a cut model dynamo cannot export is traced whole (where the real error, if any, shows in the user's terms)."""
     try:
         return fxroute.export_graph(truncated(module, rep.prefix, keep), args, kwargs)
+    except MissingOpError:  # the whole model holds the same op
+        raise
     except Exception as e:  # noqa: BLE001 - whatever fails here fails again, or not, in the whole trace
         raise NotRepeatable(f"the model cut to {keep} blocks of {rep.prefix} did not export ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
