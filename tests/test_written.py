@@ -571,10 +571,15 @@ class _CausalConv(nn.Module):
         return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
 
-def test_a_convolution_on_the_fx_route_is_refused_before_thunder_traces_naming_its_line():
+def test_a_convolution_on_the_fx_route_is_refused_before_thunder_traces_naming_its_line(monkeypatch):
+    from nvtp.frontend import fx
     from nvtp.frontend.failures import MissingOpError
 
-    with pytest.raises(MissingOpError, match=r"convolution at .*test_written.py:\d+ `return self.conv"):
+    def traced(*_, **__):
+        raise AssertionError("Thunder traced the graph: the convolution was not refused first")
+
+    monkeypatch.setattr(fx, "capture", traced)
+    with pytest.raises(MissingOpError, match=r"convolution .*test_written.py:\d+ `return self.conv"):
         nvtp.jit(_CausalConv(), plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(torch.randn(2, 5, 8))
 
 
