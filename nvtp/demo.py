@@ -28,7 +28,8 @@ from nvtp.checkpoint import latest_checkpoint, prune
 from nvtp.dtensor import local as to_local
 from nvtp.dump import relative_error
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RankFailure
-from nvtp.execute.launch import _quiet_stdout, init_group, run_rank, spawn
+from nvtp.execute import launch
+from nvtp.execute.launch import _quiet_stdout, init_group, run_rank
 from nvtp.models import gpt, hf
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
@@ -293,7 +294,7 @@ def run_sharded(job: TrainJob, devices: int) -> dict:
     """Train on a local mesh of ``devices`` processes; rank 0's results. Raises ``RankFailure``
     naming the rank that failed first (and how) if any rank fails."""
     if devices > 1:
-        codes = spawn(train_worker, devices, job)
+        codes = launch.spawn(train_worker, devices, job)
         if any(codes):
             raise RankFailure(codes.summary(), EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_RUNTIME)
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 from nvtp.ir.ops import IRError
-from nvtp.ir.parser import DumpError
 from nvtp.sharding.propagate import ShardingError
 
 EXIT_OK = 0
@@ -47,6 +46,8 @@ class RankFailure(RuntimeError):
 
 def bad_input_types() -> tuple[type[BaseException], ...]:
     """The exception types that mean bad input (exit 3)."""
+    from nvtp.ir.parser import DumpError  # lazy: kept off nvtp --help's path
+
     types: tuple[type[BaseException], ...] = (DumpError, IRError, ShardingError, InputError)
     capture = sys.modules.get("nvtp.frontend.capture")  # loaded with Thunder, only when something was traced
     if capture is not None:

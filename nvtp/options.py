@@ -29,12 +29,7 @@ from typing import Any, Callable, Mapping
 
 from nvtp.errors import InputError
 from nvtp.execute.backends import CHOICES as BACKEND_CHOICES
-from nvtp.execute.kernels import mode_problem
-from nvtp.frontend.blocks import NotRepeatable, find_repeated
-from nvtp.frontend.recompute import MODES
-from nvtp.pipeline.schedule import SCHEDULES
 from nvtp.sharding import axes
-from nvtp.sharding.cost import MACHINES, Machine
 
 
 class OptionError(InputError):
@@ -82,10 +77,14 @@ def _one_of(choices: Callable[[], tuple[str, ...]], normal: Callable[[str], str]
 
 
 def _schedules() -> tuple[str, ...]:
+    from nvtp.pipeline.schedule import SCHEDULES  # lazy: kept off nvtp --help's path
+
     return SCHEDULES
 
 
 def _recompute_modes() -> tuple[str, ...]:
+    from nvtp.frontend.recompute import MODES  # lazy: kept off nvtp --help's path
+
     return MODES
 
 
@@ -124,6 +123,8 @@ def _collective_matmul(name: str, value: Any) -> str | None:
 
 
 def _machine(name: str, value: Any) -> str | None:
+    from nvtp.sharding.cost import MACHINES, Machine  # lazy: kept off nvtp --help's path
+
     if value is None or isinstance(value, Machine) or (isinstance(value, str) and value in MACHINES):
         return None
     return f"{name}={value!r}: give a machine's name ({', '.join(map(repr, MACHINES))}) or an nvtp.sharding.overlap.Machine"
@@ -162,6 +163,8 @@ def _capacity_factor(name: str, value: Any) -> str | None:
 
 
 def _compile(name: str, value: Any) -> str | None:
+    from nvtp.execute.kernels import mode_problem  # imports torch: only for a compile= that is given
+
     return mode_problem(name, value)
 
 
@@ -324,6 +327,8 @@ def check_cut(cut: Any, blocks: tuple[str, int] | None, stages: int | None) -> N
 
 
 def _blocks(module: Any) -> tuple[str, int] | None:
+    from nvtp.frontend.blocks import NotRepeatable, find_repeated  # lazy: kept off nvtp --help's path
+
     try:
         rep = find_repeated(module)
     except NotRepeatable:

@@ -93,8 +93,12 @@ THUNDER = {"thunder", "nvtp.driver", "nvtp.auto.cli", "nvtp.auto.search", "nvtp.
 # (``import nvtp`` loads no torch; ``nvtp --help`` none of the commands' modules, about 0.6 s).
 LAZY_PATH = {
     "nvtp/__init__.py": "any", "nvtp/cli.py": "any",
+    # loaded by `nvtp --help` itself: the nvtp modules their functions need (the reference backend, the
+    # cost model, the pipeline's schedules, ...) load when those run, so the help loads 51 of nvtp's modules
+    "nvtp/errors.py": ("nvtp",), "nvtp/execute/backends.py": ("nvtp",), "nvtp/options.py": ("nvtp",),
+    "nvtp/sharding/axes/ring.py": ("nvtp",), "nvtp/sharding/reshard.py": ("nvtp",),
     "nvtp/dump/__init__.py": THUNDER, "nvtp/dump/mesh.py": THUNDER, "nvtp/execute/step.py": THUNDER,
-    "nvtp/explain.py": THUNDER, "nvtp/options.py": THUNDER, "nvtp/pipeline/__init__.py": THUNDER,
+    "nvtp/explain.py": THUNDER, "nvtp/pipeline/__init__.py": THUNDER,
     "nvtp/pipeline/demo.py": THUNDER,
 }
 # Import cycles still broken by an import inside a function (to be removed: move the shared piece lower).
@@ -149,10 +153,12 @@ def test_the_import_check_sees_an_import_inside_a_function():
 
 
 def test_the_cli_and_its_file_commands_load_no_thunder():
-    """`nvtp --help` and `nvtp replay/shard/explain FILE` load these modules; none loads Thunder,
-    transformers or nvfuser_direct (a command that needs them imports them when it runs)."""
-    code = ("import sys, nvtp.cli, nvtp.dump, nvtp.dump.mesh, nvtp.dump.sharded, nvtp.explain, nvtp.sharding.report; "
+    """`nvtp --help` loads the parser and no backend; `nvtp replay/shard/explain FILE` load the modules
+    below; none loads Thunder, transformers or nvfuser_direct (a command that needs them imports them
+    when it runs)."""
+    code = ("import sys, nvtp.cli; print('nvtp.execute.reference' in sys.modules); "
+            "import nvtp.dump, nvtp.dump.mesh, nvtp.dump.sharded, nvtp.explain, nvtp.sharding.report; "
             "print(sorted(m for m in ('thunder', 'transformers', 'nvfuser_direct') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.split() == ["False", "[]"], out.stdout

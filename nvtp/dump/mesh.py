@@ -30,7 +30,8 @@ from nvtp.dump.sharded import from_dump, mesh_text
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
 from nvtp.execute import backends, reference, spmd
 from nvtp.execute.collectives import DistComm, MeshComm
-from nvtp.execute.launch import _quiet_stdout, init_group, run_rank, spawn, under_torchrun
+from nvtp.execute import launch
+from nvtp.execute.launch import _quiet_stdout, init_group, run_rank, under_torchrun
 from nvtp.ir.graph import TensorValue
 from nvtp.mesh import MeshError, named, parse
 from nvtp.sharding.placements import axis_split
@@ -225,7 +226,7 @@ def run(job: MeshJob) -> int:
         check_memory(sharded.source, job.file, ranks=1, sharded=sharded, check=job.check)
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, job)
     check_memory(sharded.source, job.file, ranks=sharded.mesh.size, sharded=sharded, check=job.check)
-    codes = spawn(worker, sharded.mesh.size, job)
+    codes = launch.spawn(worker, sharded.mesh.size, job)
     if any(c == EXIT_BAD_INPUT for c in codes):
         return EXIT_BAD_INPUT
     if codes[0] == 1 and all(c in (0, 1) for c in codes):

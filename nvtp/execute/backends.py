@@ -29,8 +29,6 @@ import torch
 from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
-from nvtp.execute import reference
-from nvtp.sharding.schedule import schedule_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     from nvtp.execute.collectives import Comm
@@ -61,6 +59,8 @@ class Backend:
 @dataclass(frozen=True)
 class ReferenceBackend(Backend):
     def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
+        from nvtp.execute import reference  # lazy: kept off nvtp --help's path
+
         kernels = compile == "kernels"  # else "none": every op by its own implementation
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
@@ -115,6 +115,7 @@ class NvFuserBackend(Backend):  # compile= is the reference backend's: nvFuser f
     def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
         axes.check(program.mesh, backend=self.name)  # an axis nvFuser does not run (cp's ring: no point-to-point step in a fusion)
         from nvtp.execute import nvfuser  # optional: nvfuser_direct (the nvFuser backend only)
+        from nvtp.sharding.schedule import schedule_steps  # lazy: kept off nvtp --help's path
 
         built: dict[str, Any] = {}
         multi = program.mesh.size > 1

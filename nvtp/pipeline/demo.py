@@ -21,7 +21,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 
-from nvtp.execute.launch import init_group, spawn
+from nvtp.execute import launch
+from nvtp.execute.launch import init_group
 from nvtp.models import gpt
 from nvtp.sharding import axes
 from nvtp.sharding.axes.pp import parse
@@ -95,7 +96,7 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out, nvf = os.path.join(tmp, "result.pt"), os.path.join(tmp, "nvfuser")
         start = time.perf_counter()
-        codes = spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf,
+        codes = launch.spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf,
                       getattr(args, "timeout", 60.0))
         if codes != [0] * lay.size:
             print(f"nvtp demo: a rank failed (exit codes {list(codes)})")

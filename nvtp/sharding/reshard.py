@@ -23,7 +23,6 @@ from nvtp.ir.graph import Fusion, Op, TensorValue, defines_input, fresh_names
 from nvtp.ir.ops import spec
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
 from nvtp.sharding.propagate import as_decision, implied, Propagation, reshard_bytes
-from nvtp.ir.simplify import dead_code
 from nvtp.sharding.rules import factors_of
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
@@ -141,6 +140,8 @@ def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[s
     Requires: the output of ``insert_reshards``. Ensures: the same values on every rank, each
     op's operands still in the placements it needs, and no more bytes communicated.
     """
+    from nvtp.ir.simplify import dead_code  # lazy: kept off nvtp --help's path
+
     names = fresh_names(fusion)
     changed = True
     while changed:  # a scan can make a gather an earlier set may share: scan again until none moves

@@ -16,7 +16,6 @@ from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, local_shape
 from nvtp.sharding.propagate import ShardingError
-from nvtp.sharding.cost import op_seconds
 
 ATTENTION = ("sdpfa_fwd", "sdpfa_bwd")
 NAME = "cp"
@@ -93,6 +92,8 @@ def ring_seconds(phase: str, sharded: Any, factor: Any, machine: Any) -> float:
     which ``nvtp.sharding.cost.op_seconds`` counts): n - 1 more blocks, each beside a step of the
     ring, (n - 1) max(step, block), on ``machine``'s cp link. ``factor``: a value's size against
     its traced one (``cost.Sizes``; None: as traced)."""
+    from nvtp.sharding.cost import op_seconds  # lazy: kept off nvtp --help's path
+
     mesh = sharded.mesh
     steps: dict[int, list[RingStep]] = {}
     for r in ring_steps(phase, sharded):
