@@ -55,6 +55,7 @@ from nvtp.sharding import axes
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
+from nvtp.sharding.target import as_target
 
 __all__ = ["ShardedModule", "jit", "full_tensor", "InputError", "retarget", "hold_part", "gather"]  # the last four: nvtp/parameters.py
 
@@ -232,7 +233,8 @@ class ShardedModule(torch.nn.Module):
         precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
         traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
-            like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
+            like=self.module, flash=as_target(self.backend).flash_attention,  # the backend's attention (sdpfa on the reference's)
+            **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute,
                                axis_options=self.axis_options)
