@@ -24,9 +24,9 @@ GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "ge
                            "causal_attention_probs": 0, "softmax": 0},
                "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
                             "layer_norm_backward": 5, "gelu_backward": 2, "flash_attention_backward": 2, "softmax_backward": 0}}
-LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "softmax": 2},
+LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "flash_attention": 2, "softmax": 0},
                  "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
-                              "rms_norm_backward": 5, "silu_backward": 2, "softmax_backward": 2}}
+                              "rms_norm_backward": 5, "silu_backward": 2, "flash_attention_backward": 2, "softmax_backward": 0}}
 
 
 def _fused(sm) -> dict[str, dict[str, int]]:
@@ -87,7 +87,8 @@ def test_gpt_runs_its_loss_embedding_gradient_and_norms_as_kernels_with_the_inte
 
 
 def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_eagers_values():
-    """A transformers Llama from a tiny config (RMSNorm, SwiGLU, labels shifted with -100)."""
+    """A transformers Llama from a tiny config (RMSNorm, SwiGLU, labels shifted with -100; GQA, 2
+    KV heads of 4, which transformers repeats before its causal-masked attention: flash attention)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -102,8 +103,9 @@ def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_
     _close(kernels, none, "kernels vs the interpreter")
 
 
-def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_values():
-    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients)."""
+def test_a_transformers_gpt2_runs_its_gelu_new_and_its_masked_attention_as_torchs_kernels_with_eagers_values():
+    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients;
+    attention with a causal mask tensor)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, use_cache=False,
@@ -111,8 +113,10 @@ def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_v
     model = transformers.GPT2LMHeadModel(cfg)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
-    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1},
-                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5}})
+    # its causal mask, a tensor computed from positions alone, is read as is_causal=True: flash attention
+    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1, "flash_attention": 2, "softmax": 0},
+                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5,
+                                 "flash_attention_backward": 2, "softmax_backward": 0}})
     _close(kernels, eager, "kernels vs eager")
     _close(kernels, none, "kernels vs the interpreter")
 

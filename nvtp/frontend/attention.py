@@ -58,6 +58,11 @@ def claim_flash():
         FLASH_CLAIM.reset(token)
 
 
+def flash_claim_active() -> bool:
+    """Whether a trace for the reference backend's flash kernels is under way (``claim_flash``)."""
+    return FLASH_CLAIM.get()
+
+
 def ring_claim_active() -> bool:
     """Whether a trace for a cp axis is under way (``claim_for_ring``)."""
     return RING_CLAIM.get() is not None
