@@ -8,8 +8,9 @@ the whole ``--batch``) on ``--devices`` CPU processes (the ``cpu-gloo`` machine 
 then runs a few of them (``--candidates``, by their table text; default: a spread of the ranked
 list, from the fastest to the slowest, one per layout) on that many gloo processes, each through
 ``nvtp.auto.runtime.AutoModule`` as ``nvtp.jit(plan="auto")`` would run it: the whole batch on
-every rank, SGD, ``--warmup`` steps (the first compiles) then ``--steps`` timed ones between
-barriers (the median taken). It prints predicted and measured times side by side, the Spearman rank
+every rank, AdamW (``--optimizer``), ``--warmup`` steps (the first compiles) then ``--steps`` timed ones between
+barriers (the median taken), then one more step under torch's memory profiler (each rank's peak of
+live tensor bytes). It prints predicted and measured times and peak memory side by side, the Spearman rank
 correlation, and whether the plan auto picks is measured within 10 % of the fastest measured; the
 losses of every candidate must agree (they train the same model on the same batch).
 
@@ -50,7 +51,38 @@ def _loss(out):
     return out[1] if isinstance(out, tuple) else out
 
 
-def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out):
+def peak_live_bytes(step, held) -> tuple[int, int]:
+    """(peak, start): the bytes of CPU tensors alive at the fullest moment of ``step()``, and at its
+    start: the distinct storages of the tensors ``held`` (the parameters' parts, the optimizer's
+    state, the inputs: the step must free none of them) plus the largest running sum of the
+    allocations and frees torch's profiler records during the step (``profile_memory``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seen, start = set(), 0
+    for t in held:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            start += storage.nbytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+
+    def walk(nodes):
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    allocations = [n for n in walk(prof.profiler.kineto_results.experimental_event_tree())
+                   if type(n.extra_fields).__name__ == "_ExtraFields_Allocation" and n.extra_fields.device.type == "cpu"]
+    live = peak = 0
+    for n in sorted(allocations, key=lambda n: n.start_time_ns):
+        live += n.extra_fields.alloc_size
+        peak = max(peak, live)
+    return start + peak, start
+
+
+def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out, optimizer="adamw"):
     import torch.distributed as dist
 
     from nvtp.auto.runtime import AutoModule
@@ -60,21 +92,32 @@ def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out)
     torch.set_num_threads(1)
     model = _model(cfg)
     sm = AutoModule(model, world, candidate=Candidate(tuple(extents), tuple(options)), timeout=600.0)
-    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    opt = (torch.optim.AdamW(sm.parameters(), lr=1e-3) if optimizer == "adamw"  # Adam's state: what the planner counts
+           else torch.optim.SGD(sm.parameters(), lr=0.1))
     whole = gpt.example_tokens(cfg)
     times, losses = [], []
+
+    def step():
+        loss = _loss(sm(*whole))
+        loss.backward()
+        opt.step()
+        return loss
+
     for _ in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad()
-        loss = _loss(sm(*whole))
-        loss.backward()
-        opt.step()
+        loss = step()
         dist.barrier()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    opt.zero_grad()  # the gradients freed before the profiled step (a free of an older block has no size in the profile)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    peak, held = peak_live_bytes(step, [*sm.parameters(), *state, *whole])  # one more step, profiled: each rank's own
+    peaks = [None] * world
+    dist.all_gather_object(peaks, (peak, held))
     if rank == 0:
-        torch.save({"times": times, "losses": losses}, out)
+        torch.save({"times": times, "losses": losses, "peaks": peaks}, out)
 
 
 def spread(ranked, count: int) -> list:
@@ -117,6 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", nargs="*", default=None, help="run these (their text in the table) instead")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="adamw: the state the planner's memory counts")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     from nvtp.execute.launch import spawn
@@ -142,7 +186,8 @@ def main(argv=None) -> int:
     tmp = Path(f"/tmp/auto_measure_{os.getpid()}.pt")
     for c in runs:
         start = time.perf_counter()
-        codes = spawn(_worker, args.devices, cfg, list(c.candidate.extents), list(c.candidate.options), args.warmup, args.steps, str(tmp))
+        codes = spawn(_worker, args.devices, cfg, list(c.candidate.extents), list(c.candidate.options), args.warmup, args.steps, str(tmp),
+                      args.optimizer)
         wall = time.perf_counter() - start
         if list(codes) != [0] * args.devices:
             print(f"{c.candidate.text()}: the run failed, exit codes {list(codes)}", flush=True)
@@ -150,10 +195,15 @@ def main(argv=None) -> int:
             continue
         got = torch.load(tmp, weights_only=False)
         measured = statistics.median(got["times"][args.warmup:])
+        peak = max(p for p, _ in got["peaks"])  # the fullest rank, as the planner predicts the fullest stage
         rows.append({"candidate": c.candidate.text(), "predicted_s": c.seconds, "measured_s": measured,
-                     "first_step_s": got["times"][0], "losses": got["losses"], "wall_s": wall})
+                     "first_step_s": got["times"][0], "losses": got["losses"], "wall_s": wall,
+                     "predicted_memory": dict(c.memory), "measured_peak_bytes": peak, "peaks": got["peaks"]})
         print(f"{c.candidate.text():<48} predicted {c.seconds * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms "
               f"(first step {got['times'][0]:.1f} s; losses {got['losses'][0]:.6f} .. {got['losses'][-1]:.6f})", flush=True)
+        print(f"{'':<48} memory: predicted {c.memory['total'] / 2**20:8.2f} MiB   measured peak {peak / 2**20:8.2f} MiB "
+              f"({c.memory['total'] / peak:.2f}x; per rank {', '.join(f'{p / 2**20:.2f}' for p, _ in got['peaks'])}; "
+              f"predicted {', '.join(f'{k} {v / 2**20:.2f}' for k, v in c.memory.items() if k != 'total')})", flush=True)
     tmp.unlink(missing_ok=True)
     ok = [r for r in rows if "measured_s" in r]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
@@ -166,6 +216,10 @@ def main(argv=None) -> int:
     print(f"auto's choice {choice.best.candidate.text()}: measured {within:.2f}x the fastest measured "
           f"({fastest['candidate'] if fastest else '-'})" + (" (within 10 %)" if within <= 1.10 else " (NOT within 10 %)"))
     print(f"last losses agree across candidates within {spread_losses:.2e}")
+    ratios = [r["predicted_memory"]["total"] / r["measured_peak_bytes"] for r in ok]
+    if ratios:
+        print(f"predicted / measured peak memory per rank: {', '.join(f'{x:.2f}' for x in ratios)} "
+              f"({sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} within 15 %)")
     print(f"planning took {planned:.1f} s; load average before {load_before[0]:.1f}, after {load_after[0]:.1f} "
           f"({os.cpu_count()} cores)")
     if args.out:
