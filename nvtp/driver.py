@@ -29,6 +29,7 @@ its outputs stay where the plan puts them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import time
@@ -201,17 +202,20 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     ones declined are in ``Traced.declined``. ``flash`` (the reference backend's targets,
     ``Target.flash_attention``): attention without mask, GQA or dropout is claimed whole the same way,
     so the backward reads its output and logsumexp (``nvtp.frontend.attention.claim_flash``)."""
-    if flash and not ring:
-        with claim_flash():
-            return trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
-                         on_meta=on_meta, like=like, boundary=boundary, tie=tie)
+    options = dict(frontend=frontend, regional=regional, split_parts=split_parts, batch=batch, on_meta=on_meta, like=like,
+                   boundary=boundary, tie=tie)
     if ring:
-
         with claim_for_ring() as declined:
-            traced = trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
-                           on_meta=on_meta, like=like, boundary=boundary, tie=tie)
+            traced = _trace(module, args, kwargs, **options)
         traced.declined = list(dict.fromkeys(declined))
         return traced
+    with claim_flash() if flash else contextlib.nullcontext():
+        return _trace(module, args, kwargs, **options)
+
+
+def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, frontend: str, regional: bool,
+           split_parts: bool, batch: int, on_meta: bool, like: torch.nn.Module | None, boundary: bool, tie: bool) -> Traced:
+    """``trace``'s work, under whichever attention claim ``trace`` set."""
     kwargs = dict(kwargs or {})
     meta = meta_copy(module) if on_meta else module
     module = like if like is not None else module
