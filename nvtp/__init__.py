@@ -10,20 +10,24 @@ warnings.filterwarnings("ignore", message="transformer_engine module not found")
 
 
 def __getattr__(name):  # keep `import nvtp` light: torch and Thunder load on first use
-    if name in ("jit", "full_tensor", "ShardedModule"):
-        from nvtp import parallel
+    if name == "jit":
+        from nvtp.entry import jit  # lazy: `import nvtp` loads no torch
+
+        return jit
+    if name in ("full_tensor", "ShardedModule"):
+        from nvtp import parallel  # lazy: `import nvtp` loads no torch
 
         return getattr(parallel, name)
     if name == "ShardingTransform":  # thunder.jit(model, transforms=[nvtp.ShardingTransform(plan, mesh)])
-        from nvtp.transform import ShardingTransform
+        from nvtp.transform import ShardingTransform  # lazy: `import nvtp` loads no torch
 
         return ShardingTransform
     if name == "plan":
-        from nvtp.explain import plan
+        from nvtp.explain import plan  # lazy: `import nvtp` loads no torch
 
         return plan
     if name in ("save_checkpoint", "load_checkpoint"):
-        from nvtp import checkpoint as _ckpt
+        from nvtp import checkpoint as _ckpt  # lazy: `import nvtp` loads no torch
 
         return getattr(_ckpt, name)
     raise AttributeError(f"module 'nvtp' has no attribute {name!r}")

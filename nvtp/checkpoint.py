@@ -35,8 +35,12 @@ import json
 import os
 import warnings
 from pathlib import Path
+import shutil
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from nvtp import checkpoint_files as files
 
@@ -45,15 +49,11 @@ MARKER = "meta.json"
 
 
 def _dist_ready() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
 def _state(model, optimizer: torch.optim.Optimizer | None) -> dict:
     """The DCP state dict: the wrapped module's own keys (DTensors on a mesh) and the optimizer's."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     if hasattr(model, "checkpoint_state"):  # a pipeline (nvtp.pipeline.runtime): each rank its stage's parameters
         if optimizer is not None:
             raise ValueError("a pipeline's checkpoint holds the model's parameters only; its optimizer state is not built "
@@ -70,8 +70,6 @@ def _state(model, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None, *, step: int = 0) -> Path:
     """Save ``model`` (and ``optimizer``) with DCP; every rank calls it. Returns the checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
-
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = _state(model, optimizer)
@@ -85,8 +83,6 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
                 "files": checksums}
         _write_atomically(out / MARKER, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     if _dist_ready():
-        import torch.distributed as dist
-
         dist.barrier()  # every rank returns once the checkpoint is whole
     return out
 
@@ -97,7 +93,6 @@ def _checksums(out: Path) -> dict:
     names = [files.METADATA, *files.data_files(files.read_metadata(out))]
     if not _dist_ready():
         return files.manifest(out, names)
-    import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     shares: list = [None] * world
@@ -127,8 +122,6 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 def prune(root: str | os.PathLike, keep: int = 2) -> None:
     """Delete all but the ``keep`` newest whole ``step-*`` checkpoints under ``root`` (and any
     unfinished one older than the newest whole one)."""
-    import shutil
-
     root = Path(root)
     steps = sorted(root.glob("step-*"))
     whole = [p for p in steps if (p / MARKER).exists()]
@@ -157,8 +150,6 @@ def _checked(src: Path, meta: dict, state: dict):
         problem = str(e)
     keys = {f"model.{k}" for k in state["model"]}
     if _dist_ready():
-        import torch.distributed as dist
-
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (problem, sorted(keys)))  # a pipeline rank holds its stage's keys only
         problem = next((p for p, _ in everyone if p is not None), None)
@@ -176,9 +167,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     """Load into ``model`` (and ``optimizer``) with DCP, on any mesh size; every rank calls it.
     Returns the saved step. ``path`` is a checkpoint, or a directory of ``step-*`` checkpoints (the
     newest whole one is loaded)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     src = Path(path)
     found = latest_checkpoint(src) if src.is_dir() else None
     if found is None:

@@ -13,10 +13,21 @@ import math
 import os
 import sys
 import time
+import importlib
+import importlib.util
+import json
+import traceback
+
+import torch
 
 from nvtp.sharding import axes
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_CHECK_FAILED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, Usage
 from nvtp.options import check_cli
+from nvtp.errors import RankFailure, bad_input_types
+from nvtp.execute import backends
+
+# Each command imports its own modules when it runs ("# lazy: the command's module"): `nvtp --help`
+# loads none of them (they add about 0.6 s), and no command loads Thunder unless it traces a model.
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USAGE", "EXIT_BAD_INPUT", "EXIT_RUNTIME"]
 
@@ -42,7 +53,7 @@ examples:
 
 
 def _dtype(name: str):
-    from nvtp.dump import DTYPES
+    from nvtp.dump import DTYPES  # lazy: the command's module
 
     try:
         return DTYPES[name]
@@ -51,7 +62,7 @@ def _dtype(name: str):
 
 
 def cmd_dump(args) -> int:
-    from nvtp import dump
+    from nvtp import dump  # lazy: the command's module
 
     start = time.perf_counter()
     fwd, bwd = dump.dump_model(args.model, args.config, args.out, dtype=args.dtype, dropout=args.dropout)
@@ -82,14 +93,14 @@ def _seconds(text: str) -> float:
 def _load_sharded(args, backend: str):
     """The sharded fusion of ``args.file`` under ``args.plan`` on ``args.devices`` (or ``args.mesh``, DPxTP),
     sharded by the compile driver for ``backend``'s target."""
-    from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare
+    from nvtp.dump.mesh import MeshJob, check_mesh_options, prepare  # lazy: the command's module
 
     mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
     return prepare(MeshJob(args.file, args.plan, args.devices, mesh=mesh, fsdp=args.fsdp, backend=backend)).sharded
 
 
 def _ring_mode(args) -> bool | str:
-    from nvtp.sharding.collective_matmul import SPELLED
+    from nvtp.sharding.collective_matmul import SPELLED  # lazy: the command's module
 
     return SPELLED[getattr(args, "collective_matmul", "auto")]
 
@@ -97,17 +108,14 @@ def _ring_mode(args) -> bool | str:
 def _planning_backend(args) -> str:
     """``--backend``, or the one ``nvtp.jit`` would run a model on here: nvFuser on a machine where
     it runs (a CUDA GPU and nvfuser_direct), the reference backend otherwise."""
-    from nvtp.execute import backends
-
     if args.backend != "auto":
         return args.backend
-    import torch
 
     return backends.default_name("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cmd_shard(args) -> int:
-    from nvtp.dump.sharded import mesh_text, write_sharded
+    from nvtp.dump.sharded import mesh_text, write_sharded  # lazy: the command's module
 
     if args.devices is None and args.mesh is None:
         raise Usage("give --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh: dp x tp, e.g. --mesh 2x2)")
@@ -126,14 +134,12 @@ def cmd_shard(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    import json
-
-    from nvtp.sharding import report
+    from nvtp.sharding import report  # lazy: the command's module
 
     if (args.model or args.module) and args.file is not None:
         raise Usage(f"give either a dump FILE ({args.file}) or --model/--module, not both")
     if args.plan == "auto":  # the planner chooses the mesh and its options (nvtp.auto)
-        from nvtp.auto.cli import explain_auto
+        from nvtp.auto.cli import explain_auto  # lazy: loads Thunder; CLI file commands load this module without it
 
         if not (args.model or args.module):
             raise Usage("--plan auto plans a whole model: give --model nanogpt [--config NAME --layers L --batch B] or --module pkg.mod:factory")
@@ -150,7 +156,7 @@ def cmd_explain(args) -> int:
     if args.batch is not None and not args.model:
         raise Usage(f"--batch {args.batch} applies to --model nanogpt; with --module the factory's example arguments are one rank's batch")
     if args.mesh is not None and str(args.mesh).lower().count("x") == 2:
-        from nvtp.pipeline.cli import explain_pipeline
+        from nvtp.pipeline.cli import explain_pipeline  # lazy: the command's module
 
         return explain_pipeline(args)
     if args.model or args.module:
@@ -168,10 +174,6 @@ def cmd_explain(args) -> int:
 
 def _load_factory(spec: str):
     """(model, example_args, example_kwargs) of ``--module pkg.mod:factory``."""
-    import importlib
-
-    import torch
-
     mod_name, _, attr = spec.partition(":")
     if not attr:
         raise Usage(f"--module takes pkg.mod:factory, got {spec!r}")
@@ -191,12 +193,9 @@ def _explain_model(args) -> int:
     """``explain --model nanogpt --config C [--layers L]`` (regional: one block traced, counted L
     times) or ``--module pkg.mod:factory`` (the factory returns ``(model, example_args)`` or ``(model, example_args, example_kwargs)``; traced as
     nvtp.jit traces it). ``--devices N`` or ``--mesh DPxTP [--fsdp]``."""
-    import json
-
-    from nvtp import explain
-    from nvtp.dump.mesh import check_mesh_options
-
-    from nvtp.sharding.plans import check_plan
+    from nvtp import explain  # lazy: the command's module
+    from nvtp.dump.mesh import check_mesh_options  # lazy: the command's module
+    from nvtp.sharding.plans import check_plan  # lazy: the command's module
 
     mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)  # (dp, tp) or None; bad spellings refused here
     check_plan(args.plan, [])  # a misspelt plan name, before the factory runs or anything is traced
@@ -208,7 +207,7 @@ def _explain_model(args) -> int:
                               machine=args.machine, collective_matmul=_ring_mode(args), capacity_factor=args.capacity_factor,
                               **example_kwargs)
     else:
-        from nvtp.models import gpt
+        from nvtp.models import gpt  # lazy: the command's module
 
         try:
             cfg = gpt.config(args.config)
@@ -218,7 +217,7 @@ def _explain_model(args) -> int:
         result = explain.explain_gpt(cfg, layers=layers, plan=args.plan, batch=args.batch, backend=backend, machine=args.machine,
                                      collective_matmul=_ring_mode(args), **where)
     if args.machine is not None:
-        from nvtp.sharding.cost import MACHINES
+        from nvtp.sharding.cost import MACHINES  # lazy: the command's module
 
         result.machine = MACHINES[args.machine]
     print(json.dumps(result.as_json(), indent=1) if args.json else result.as_text())
@@ -226,22 +225,20 @@ def _explain_model(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from nvtp import dump
+    from nvtp import dump  # lazy: the command's module
 
     if args.plan is not None or (args.devices or 1) > 1 or args.mesh is not None or args.fsdp or _has_schedule(args.file):
-        from nvtp.dump.mesh import MeshJob, check_mesh_options, run
+        from nvtp.dump.mesh import MeshJob, check_mesh_options, run  # lazy: the command's module
 
         mesh = check_mesh_options(args.devices, args.mesh, args.fsdp)
         # The mesh replay runs on the reference backend, and --plan shards for what runs.
         return run(MeshJob(args.file, args.plan, args.devices, args.seed, args.check, args.timeout, mesh=mesh, fsdp=args.fsdp))
-    from nvtp.dump.mesh import check_memory
+    from nvtp.dump.mesh import check_memory  # lazy: the command's module
 
     d = dump.load(args.file)
     fusion = d.fusion
     check_memory(fusion, args.file, check=args.check)
     if args.backend == "nvfuser":
-        import torch
-
         if not torch.cuda.is_available():
             print("nvtp replay: --backend nvfuser executes with nvFuser, which needs a CUDA GPU; this machine has none. "
                   "Use --backend reference (the default) to run the dump here.", file=sys.stderr)
@@ -264,7 +261,7 @@ def cmd_replay(args) -> int:
 
 
 def _has_schedule(path: str) -> bool:
-    from nvtp import dump
+    from nvtp import dump  # lazy: the command's module
 
     try:
         return bool(dump.load(path).schedule)
@@ -284,26 +281,24 @@ def cmd_demo(args) -> int:
               "(placements S(d), S(d,k), R, colwise, rowwise)", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.model != "nanogpt":
-        import importlib.util
-
         if importlib.util.find_spec("transformers") is None:
             print(f"nvtp demo: --model {args.model} needs transformers, which is not installed; run `uv sync` (the dev group "
                   "installs it) or `pip install nvtp[hf]`", file=sys.stderr)
             return EXIT_BAD_INPUT
     if args.mesh is not None and str(args.mesh).lower().count("x") == 2:  # PPxDPxTP: a pipeline (nvtp/pipeline/demo.py)
-        from nvtp.sharding.axes.pp import parse
+        from nvtp.sharding.axes.pp import parse  # lazy: the command's module
 
         parse(args.mesh)  # a bad spelling refused here
-        from nvtp.pipeline import demo as pipeline_demo
+        from nvtp.pipeline import demo as pipeline_demo  # lazy: the command's module
 
         return pipeline_demo.main(args)
-    from nvtp.dump.mesh import check_mesh_options
+    from nvtp.dump.mesh import check_mesh_options  # lazy: the command's module
 
     # --mesh with --devices, a bad spelling, --fsdp without --mesh: refused here (exit 3).
     args.mesh_shape = check_mesh_options(args.devices, args.mesh, args.fsdp)
     if args.devices is None and args.mesh_shape is None:
         args.devices = 4
-    from nvtp import demo
+    from nvtp import demo  # lazy: the command's module
 
     return demo.main(args)
 
@@ -406,8 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (never raises, never prints a traceback unless
     ``NVTP_DEBUG`` is set)."""
-    from nvtp.errors import RankFailure, bad_input_types
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -440,8 +433,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - an op failed, or a bug: one line, the traceback on request
         if os.environ.get("NVTP_DEBUG"):
-            import traceback
-
             traceback.print_exc()
         text = str(e).strip()
         hint = "" if os.environ.get("NVTP_DEBUG") else " (NVTP_DEBUG=1 prints the traceback)"

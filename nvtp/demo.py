@@ -18,10 +18,22 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
 
 from nvtp.sharding import axes
 from nvtp.sharding.axes.cp import chunks
 from nvtp.sharding.placements import DeviceMesh
+from nvtp.checkpoint import latest_checkpoint, prune
+from nvtp.dtensor import local as to_local
+from nvtp.dump import relative_error
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RankFailure
+from nvtp.execute import launch
+from nvtp.execute.launch import _quiet_stdout, init_group, run_rank
+from nvtp.models import gpt, hf
+from nvtp.sharding.plans import check_plan
+from nvtp.sharding.propagate import ShardingError
+import nvtp
 
 
 @dataclass
@@ -50,11 +62,8 @@ class TrainJob:
 def build_model(job: TrainJob) -> torch.nn.Module:
     """The model the job trains, seeded alike on every rank."""
     if job.model == "nanogpt":
-        from nvtp.models import gpt
-
         torch.manual_seed(0)
         return gpt.GPT(gpt.config(job.config))
-    from nvtp.models import hf
 
     return hf.build(job.model)
 
@@ -63,10 +72,7 @@ def batch(job: TrainJob, step: int) -> tuple[tuple, dict]:
     """Step ``step``'s arguments, as the model is called: ``GPT(idx, targets)``, or a transformers
     model's ``model(input_ids, labels=input_ids)``."""
     if job.model == "nanogpt":
-        from nvtp.models import gpt
-
         return gpt.example_tokens(gpt.config(job.config), seed=step), {}
-    from nvtp.models import hf
 
     idx = hf.batch(step)
     return (idx,), {"labels": idx}
@@ -163,19 +169,10 @@ def _mib(n: float) -> str:
 def train_worker(rank: int, world: int, init_method: str | None, job: TrainJob) -> int:
     """One rank of the training (under ``spawn``, ``torchrun`` or alone); returns its exit code.
     A failure prints ``nvtp: rank r failed: ...`` and stops the other ranks (docs/faults.md)."""
-    from nvtp.execute.launch import run_rank
-
     return run_rank(rank, lambda: _train(rank, world, init_method, job))
 
 
 def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int:
-    import torch.distributed as dist
-
-    import nvtp
-    from nvtp.checkpoint import latest_checkpoint, prune
-    from nvtp.dtensor import local as to_local
-    from nvtp.execute.launch import init_group
-
     if job.inject_fault is None:
         job.inject_fault = fault_from_env()
     if world > 1:
@@ -183,10 +180,6 @@ def _train(rank: int, world: int, init_method: str | None, job: TrainJob) -> int
     try:
         mesh, dp_rank = None, 0
         if job.mesh is not None:  # torch's 2-D DeviceMesh: one process group per axis
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from nvtp.execute.launch import _quiet_stdout
-
             with _quiet_stdout():  # gloo prints "[Gloo] Rank r is connected to ..." for every group
                 mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=job.axes)
             data = axes.batch_axis(_nvtp_mesh(job))
@@ -292,8 +285,6 @@ def single_process(job: TrainJob) -> dict:
 
 
 def compare(sharded: dict, single: dict) -> tuple[float, float]:
-    from nvtp.dump import relative_error
-
     loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(sharded["losses"], single["losses"]))
     param_err = max(relative_error(sharded["params"][n], p)[0] for n, p in single["params"].items())
     return loss_diff, param_err
@@ -302,11 +293,8 @@ def compare(sharded: dict, single: dict) -> tuple[float, float]:
 def run_sharded(job: TrainJob, devices: int) -> dict:
     """Train on a local mesh of ``devices`` processes; rank 0's results. Raises ``RankFailure``
     naming the rank that failed first (and how) if any rank fails."""
-    from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RankFailure
-    from nvtp.execute.launch import spawn
-
     if devices > 1:
-        codes = spawn(train_worker, devices, job)
+        codes = launch.spawn(train_worker, devices, job)
         if any(codes):
             raise RankFailure(codes.summary(), EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_RUNTIME)
     else:
@@ -324,13 +312,9 @@ def split_sizes(job: TrainJob) -> dict[str, int]:
     """The sizes the job's Megatron plans split over the processes: heads, KV heads, the vocabulary
     (vocabulary-parallel embedding) and, with sequence parallelism, the sequence."""
     if job.model == "nanogpt":
-        from nvtp.models import gpt
-
         cfg = gpt.config(job.config)
         sizes, seq = {"heads": cfg.n_head, "vocabulary": cfg.vocab_size}, cfg.seq_len
     else:
-        from nvtp.models import hf
-
         sizes, seq = hf.split_sizes(job.model), hf.SEQ
     return sizes | ({"sequence": seq} if job.plan == "megatron-sp" else {})
 
@@ -338,10 +322,7 @@ def split_sizes(job: TrainJob) -> dict[str, int]:
 def gpt_seq(job: TrainJob) -> int:
     """The sequence length the demo trains on."""
     if job.model == "nanogpt":
-        from nvtp.models import gpt
-
         return gpt.config(job.config).seq_len
-    from nvtp.models import hf
 
     return hf.SEQ
 
@@ -351,9 +332,6 @@ def check_job(job: TrainJob, devices: int, model: torch.nn.Module) -> None:
     (an unknown plan, a glob that names nothing) and a mesh its Megatron plans cannot split
     (``split_sizes`` must divide by the number of processes). (The plan checks the same once
     traced; this says it at once, once, instead of on every rank after tracing.)"""
-    from nvtp.sharding.plans import check_plan
-    from nvtp.sharding.propagate import ShardingError
-
     what = f"the demo's {type(model).__name__}"
     check_plan(job.plan, [n for n, _ in model.named_parameters()], what)
     over, choose = f"{devices} processes", "--devices"
@@ -410,8 +388,6 @@ def _where(job: TrainJob, d: int) -> str:
 def describe(model: torch.nn.Module, job: TrainJob) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     if job.model == "nanogpt":
-        from nvtp.models import gpt
-
         cfg = gpt.config(job.config)
         return (f"a GPT ({cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, vocabulary {cfg.vocab_size}, "
                 f"{n_params:,} parameters, fp32)")

@@ -34,14 +34,14 @@ import copy
 import inspect
 import time
 import types
-from dataclasses import dataclass, field
 from typing import Any, Mapping
+from pathlib import Path
 
 import torch
 
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_flash, claim_for_ring
-from nvtp.frontend.parts import parts_of, splitting
+from nvtp.frontend.parts import splitting
 from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
 from nvtp.frontend.regional import capture_regional
 from nvtp.frontend.tied import aliases, merge_tied
@@ -52,7 +52,8 @@ from nvtp.mesh import make_mesh
 from nvtp.pipeline.calls import loss_only
 from nvtp.pipeline.program import PipelineProgram, check_pipeline
 from nvtp.pipeline.stages import cut_stages
-from nvtp.program import Program, Source, join_parts
+from nvtp.program import Program, join_parts
+from nvtp.traced import Traced
 from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import check_mode, plan_rings
 from nvtp.sharding.compose import compose
@@ -61,47 +62,10 @@ from nvtp.sharding.overlap import schedule_collectives
 from nvtp.sharding.placements import DeviceMesh, Placement, REPLICATE
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import Target, as_target
+from nvtp.frontend import fx, fx_regional
+from nvtp.frontend.capture import capture
 
 ROUTES = ("auto", "thunder", "fx")
-
-
-@dataclass
-class Traced:
-    """What tracing gave: the fusions, and how the module's boundary maps onto them."""
-
-    forward: Fusion
-    backward: Fusion | None
-    route: str  # "thunder", "fx" or "dump"
-    how: str = ""  # how the fusions were made (regional's or fx_regional's "spliced: ..." / "whole trace: <why>"), or the file
-    captured: Any = None  # nvtp.frontend.capture.Captured (None for a dump)
-    call: Any = None  # the FX route's nvtp.frontend.fx.Program: binds a call's arguments, rebuilds the outputs
-    arguments: list[str] = field(default_factory=list)  # labels of the inputs that are the caller's arguments
-    weights: frozenset[str] | None = None  # labels of the module's parameters (FSDP may split them); None: every parameter input
-    boundary: bool = True  # a module: outputs and argument gradients whole on the model-parallel axis
-    # A tied parameter's other names -> its first name (nvtp.frontend.tied.aliases); the fusions
-    # hold it as one input under the first name, its gradient the sum of its uses (merge_tied).
-    tied: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
-    split_parts: bool = False  # fused projections of unequal parts were split into their parts
-    declined: list[str] = field(default_factory=list)  # traced for a cp axis (ring=True): attentions not claimed whole, and why
-
-    def record(self) -> Source:
-        """This trace as plain data, for the Program (``nvtp.program.Source``): no tracer object."""
-        captured = self.captured
-        return Source(self.forward, self.backward, self.route, self.how, tuple(self.arguments), self.weights, dict(self.tied),
-                      dict(self.parts), self.boundary, tuple(self.declined), self.seconds,
-                      dict(getattr(captured, "layers", None) or {}), getattr(captured, "output_tree", None),
-                      self.call.binding() if self.call is not None else None)
-
-    @property
-    def parts(self) -> dict[str, Any]:
-        """Inputs that are rows of a parameter (label -> ``nvtp.frontend.fused.Part``)."""
-        if self.call is not None:
-            return self.call.parts
-        if not self.split_parts:
-            return {}
-
-        return parts_of(self.forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +78,6 @@ def route(module: torch.nn.Module, frontend: str = "auto") -> str:
         raise ValueError(f"frontend must be one of {', '.join(map(repr, ROUTES))}, not {frontend!r}")
     if frontend != "auto":
         return frontend
-
-    from nvtp.frontend import fx  # the FX route (TorchDynamo) is imported when a model is routed, not with the driver
 
     return "fx" if fx.wants_fx(module) else "thunder"
 
@@ -228,13 +190,9 @@ def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
     tied = aliases(module) if tie else {}
     if way == "fx":
         if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
-            from nvtp.frontend import fx_regional  # TorchDynamo's route, imported when taken
-
             call, captured = fx_regional.trace(meta, margs, mkwargs, split_parts=split_parts)
             how = captured.regional
         else:
-            from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
-
             call, captured = fx.trace(meta, margs, mkwargs, split_parts=split_parts)
             how = "whole trace (regional=False): dynamo's graph of the whole forward, traced by Thunder"
         forward, backward = merge_tied(captured.forward, captured.backward, tied)
@@ -248,8 +206,6 @@ def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
 
             captured = capture_regional(meta, *margs)
         else:
-            from nvtp.frontend.capture import capture
-
             captured = capture(meta, *margs)
     names = _argument_names(module, len(args))
     forward, backward = merge_tied(captured.forward, captured.backward, tied)  # one input and one gradient per tied weight
@@ -263,11 +219,7 @@ def bind_call(module: torch.nn.Module, way: str, args: tuple, kwargs: Mapping[st
     targets=t)`` binds ``t`` to its position, defaults filled up to the last given); on the FX
     route keywords stay, with a transformers model's KV cache off (nvtp trains: ``use_cache=False``
     unless the call asks for it, which is refused)."""
-
-    if way == "fx":
-
-        from nvtp.frontend import fx  # TorchDynamo's route, imported when taken
-
+    if way == "fx":  # TorchDynamo's route
         return fx.without_cache(module, args, kwargs)
     if not kwargs:
         return tuple(args), {}
@@ -297,8 +249,6 @@ def of_fusions(forward: Fusion, backward: Fusion | None = None, how: str = "") -
 def trace_dump(dump: Any) -> Traced:
     """A parsed dump (``nvtp.ir.parser.Dump``) as a ``Traced``: a backward file is paired with the
     forward its ``nvtp_info`` names (next to it), as a backward is sharded with its forward."""
-    from pathlib import Path
-
 
     fusion = dump.fusion
     if fusion.attrs.get("role") != "backward":

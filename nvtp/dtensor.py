@@ -37,6 +37,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import _foreach_supported_types as optim_types
+from torch.utils._foreach_utils import _foreach_supported_types as util_types
+import torch.distributed as dist
+
+from nvtp.sharding.placements import FusedParts, axis_split
 
 __all__ = ["FusedShard", "OnStage", "PartsShard", "as_dtensor", "grad_like", "local", "torch_mesh"]
 
@@ -76,8 +84,6 @@ class OnStage(Shard):
         return pieces, pads
 
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
-        import torch.distributed as dist
-
         group = mesh.get_group(mesh_dim)
         held = mesh.get_local_rank(mesh_dim) == self.stage
         buf = local_tensor.contiguous().clone() if held else local_tensor.new_zeros(list(current_logical_shape))
@@ -136,8 +142,6 @@ class PartsShard(Shard):
 
 def _torch_placement(p):
     """nvtp's placement as torch's (``FusedParts`` -> ``PartsShard``)."""
-    from nvtp.sharding.placements import FusedParts, axis_split
-
     if isinstance(p, FusedParts):
         return PartsShard(p.dim, tuple((a, b, axis_split(q) is not None) for a, b, q in p.parts))
     return p
@@ -145,8 +149,6 @@ def _torch_placement(p):
 
 def torch_mesh(mesh, device_type: str = "cpu"):
     """torch's ``DeviceMesh`` for nvtp's ``mesh`` (ranks of the default group; its shape and axis names)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     devices = torch.tensor(list(mesh.devices)).reshape(mesh.shape)
     return DeviceMesh(device_type, devices, mesh_dim_names=tuple(mesh.names) if mesh.ndim > 1 else None)
 
@@ -320,14 +322,9 @@ class FusedShard(DTensor):
     # -- torch.distributed.checkpoint: k boxes per rank -----------------------------------------
 
     def __create_chunk_list__(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
         return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in self._boxes()]
 
     def __create_write_items__(self, fqn: str, object):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
         props = TensorProperties.create_from_tensor(self._local_tensor)
         return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=s), properties=props,
@@ -354,9 +351,6 @@ def _allow_foreach(cls: type) -> None:
     """Let torch.optim and clip_grad_norm_ take their foreach paths with ``cls`` among the tensors,
     as torch/distributed/tensor/__init__.py does for DTensor (a type missing from these lists sends
     every optimizer of the model down the one-tensor-at-a-time loop)."""
-    from torch.optim.optimizer import _foreach_supported_types as optim_types
-    from torch.utils._foreach_utils import _foreach_supported_types as util_types
-
     for types in (optim_types, util_types):
         if cls not in types:
             types.append(cls)

@@ -13,6 +13,11 @@ The classes live where they are raised (``nvtp.ir``, ``nvtp.sharding``); this mo
 
 from __future__ import annotations
 
+import sys
+
+from nvtp.ir.ops import IRError
+from nvtp.sharding.propagate import ShardingError
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -41,11 +46,7 @@ class RankFailure(RuntimeError):
 
 def bad_input_types() -> tuple[type[BaseException], ...]:
     """The exception types that mean bad input (exit 3)."""
-    import sys
-
-    from nvtp.ir.ops import IRError
-    from nvtp.ir.parser import DumpError
-    from nvtp.sharding.propagate import ShardingError
+    from nvtp.ir.parser import DumpError  # lazy: kept off nvtp --help's path
 
     types: tuple[type[BaseException], ...] = (DumpError, IRError, ShardingError, InputError)
     capture = sys.modules.get("nvtp.frontend.capture")  # loaded with Thunder, only when something was traced

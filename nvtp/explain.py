@@ -24,12 +24,23 @@ from __future__ import annotations
 import functools
 import inspect
 from typing import Any
+from dataclasses import replace
+import time
 
 import torch
 
 from nvtp.report import ModelReport, Region, report_of  # noqa: F401 - the report's types, where users found them
 from nvtp.sharding import axes
 from nvtp.sharding.placements import DeviceMesh
+from nvtp import options, pipeline, precheck
+from nvtp.errors import InputError
+from nvtp.execute import backends, expert_load
+from nvtp.frontend import user_code
+from nvtp.mesh import make_mesh
+from nvtp.models import gpt
+from nvtp.sharding.cost import MACHINES
+from nvtp.sharding.moe import moe_layers
+from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import as_target
 
 
@@ -39,8 +50,6 @@ from nvtp.sharding.target import as_target
 
 def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMesh:
     """The mesh to plan for: ``devices`` (1-D) or ``mesh`` ((dp, tp), "DPxTP" or a DeviceMesh), else ``default`` devices."""
-    from nvtp.mesh import make_mesh
-
     return make_mesh(mesh, devices=devices if devices is not None or mesh is not None else default, fsdp=fsdp)
 
 
@@ -67,12 +76,10 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     kernels, or op by op), not what they compute or send, so the plan is the same for every value
     (``plan="auto"`` takes it too). ``capacity_factor``: as ``nvtp.jit`` takes it (an "ep" axis's;
     the all-to-all bytes are then the capped buffers')."""
-    from nvtp import driver, options, precheck
-    from nvtp.execute import backends
-    from nvtp.frontend import user_code
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     if isinstance(plan, str) and plan == "auto":
-        from nvtp.auto.search import plan_auto
+        from nvtp.auto.search import plan_auto  # lazy: loads Thunder; CLI file commands load this module without it
 
         options.check("plan", compile=compile)  # the one option auto takes as given (it changes no layout)
 
@@ -80,16 +87,12 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
         return plan_auto(model, example_args, example_kwargs, devices=devices, mesh=mesh, machine=machine, memory=memory,
                          backend=backend, given=given)
     if memory is not None:
-        from nvtp.errors import InputError
-
         raise InputError(f"memory={memory!r} is the budget plan='auto' plans for; with plan={plan!r} leave it out")
     options.check("plan", module=model, plan=plan, devices=devices, backend=backend or "auto", mesh=mesh, fsdp=fsdp, regional=regional,
                   machine=machine, collective_matmul=collective_matmul, compile=compile, capacity_factor=capacity_factor,
                   **options.pipeline_options(model, example_kwargs))
     user_code.check_module(model)  # Python randomness in forward, hooks: what nvtp.jit refuses, refused here too
     if mesh is not None and axes.pipelined(mesh):  # a (pp, dp, tp) mesh: the pipeline's program (nvtp.pipeline.PipelineProgram)
-        from nvtp import pipeline
-
         pipelined = {k: example_kwargs.pop(k) for k in ("microbatches", "schedule", "cut") if k in example_kwargs}
         return pipeline.plan(model, *example_args, plan=plan, mesh=mesh, backend=backend or "reference", **pipelined,
                              **example_kwargs)
@@ -116,9 +119,6 @@ def _count_expert_load(report: ModelReport, program: Any, model: torch.nn.Module
     """The example batch's tokens per expert, per rank (``nvtp.execute.expert_load``), on a model
     with MoE layers: one unsharded forward on the example arguments (on a dp mesh, every dp rank
     passing them)."""
-    from nvtp.execute import expert_load
-    from nvtp.sharding.moe import moe_layers
-
     if not moe_layers(program.source.forward):
         return
     why = expert_load.not_computed(model, args, kwargs)
@@ -137,8 +137,6 @@ _AUTO_TAKES = ("model", "example_args", "plan", "devices", "backend", "mesh", "m
 _CHOSEN = {k: p.default for k, p in inspect.signature(plan).parameters.items() if k not in _AUTO_TAKES}  # what plan="auto" chooses
 
 def _machine(machine: Any):
-    from nvtp.sharding.cost import MACHINES
-
     return MACHINES[machine] if isinstance(machine, str) else machine
 
 
@@ -167,11 +165,6 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
     plan places activations and it hands its output back the same way (the program ``nvtp.jit``
     splices to full depth has the same placements and steps: tests/test_driver.py);
     ``regional=False`` traces the whole model (seconds a layer). ``machine``: as ``plan`` takes it."""
-    import time
-    from dataclasses import replace
-
-    from nvtp.sharding.plans import check_plan
-
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch={batch!r}: each rank's batch must be a positive integer")
     check_plan(plan, [])  # a misspelt plan name, before any tracing
@@ -204,7 +197,7 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
 
 def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool, machine: Any = None,
                collective_matmul: bool | str = "auto"):
-    from nvtp import driver
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     return driver.shard(traced, plan, mesh, backend, fsdp=fsdp, machine=machine, collective_matmul=collective_matmul)
 
@@ -214,10 +207,7 @@ def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype, ring: bool = False,
     """The traced fusions of GPT(cfg) with ``n_layer`` layers, or of one Block (None: its output
     is the next block's input, so no module boundary), on meta tensors; kept, so that
     explaining several plans traces once. ``ring``, ``flash``: as ``driver.trace`` takes them."""
-    from dataclasses import replace
-
-    from nvtp import driver
-    from nvtp.models import gpt
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     with torch.device("meta"):
         if n_layer is None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from nvtp.errors import InputError
+
 
 def is_transformers_generator(model: Any) -> bool:
     """Whether ``model`` generates with transformers' ``GenerationMixin``."""
     try:
-        from transformers import GenerationMixin
+        from transformers import GenerationMixin  # optional: transformers (pip install nvtp[hf])
     except ImportError:
         return False
     return isinstance(model, GenerationMixin)
@@ -30,8 +32,6 @@ def is_transformers_generator(model: Any) -> bool:
 
 def generate(sharded: Any, *args: Any, **kwargs: Any) -> Any:
     """``type(model).generate`` on a view of ``sharded.module`` whose forward is ``sharded``'s."""
-    from nvtp.errors import InputError
-
     model = sharded.module
     if kwargs.get("use_cache"):
         raise InputError(f"{type(model).__name__}.generate on an nvtp.jit model: nvtp returns no KV cache, so each step runs the "

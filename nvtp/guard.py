@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+import torch.distributed as dist
 
 from nvtp import dtensor as _dt
 from nvtp.execute import spmd
@@ -57,6 +58,7 @@ from nvtp.execute.collectives import on_axis
 from nvtp.ir.ops import RANDOM
 from nvtp.errors import InputError
 from nvtp.sharding.placements import REPLICATE, Shard, axis_split, is_partial
+from nvtp.sharding import axes
 
 SAMPLE = 8  # parameters whose gradients are compared
 TOLERANCE = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-3, 1e-6), torch.bfloat16: (5e-2, 1e-3), torch.float16: (1e-2, 1e-4)}
@@ -216,8 +218,6 @@ def check_pipeline(pm: Any, args: tuple, train: bool) -> None:
     with this dp rank's batch ``args``: one step of the schedule run for the check (its loss and
     gradients), against the model run eagerly on the whole batch with every parameter whole.
     Every rank calls it (before the step it checks)."""
-    import torch.distributed as dist
-
     verify = getattr(pm, "verify", True)
     seen = _checked(pm)
     if verify is False or id(pm.program) in seen:
@@ -240,8 +240,6 @@ def check_pipeline(pm: Any, args: tuple, train: bool) -> None:
 
 
 def _pipeline_step(pm, args, train, rtol, outcome: Outcome) -> None:
-    import torch.distributed as dist
-
     loss, grads = pm._step(args, train)
     whole = pm.full_parameters()
     lay = pm.layout
@@ -391,8 +389,6 @@ def _unchecked(forward: Any, owner: Any) -> str:
 def _planned_apart(program: Any) -> str:
     """Why ``program`` computes, by design, something else than eager (an axis's option: ep's
     capacity factor drops tokens), or ''."""
-    from nvtp.sharding import axes
-
     for st, _ in axes.passes(program.mesh):
         why = st.changes_result(program.forward.options)
         if why:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+import torch.distributed as dist
+
 from nvtp.sharding import axes
 from nvtp.sharding.axes import AXES, MeshError, roles  # noqa: F401 - what each axis name means lives with the strategies
 from nvtp.sharding.placements import DeviceMesh
@@ -93,8 +96,6 @@ def make_mesh(spec: Any = None, *, devices: int | None = None, fsdp: bool = Fals
 
 def _from_torch(mesh: Any) -> DeviceMesh:
     """nvtp's mesh for torch's ``DeviceMesh`` over every rank of the default group, in order."""
-    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
     if not isinstance(mesh, TorchMesh):
         raise TypeError(f"mesh must be torch.distributed.device_mesh.DeviceMesh, nvtp's DeviceMesh, a number of devices "
                         f"or (dp, tp), not {type(mesh).__name__}")
@@ -109,7 +110,6 @@ def _from_torch(mesh: Any) -> DeviceMesh:
                         f"named {names}): nvtp reads each axis's strategy from its name; pass mesh_dim_names, e.g. "
                         f"init_device_mesh(device, {tuple(mesh.shape)}, mesh_dim_names={axes.spelled(mesh.ndim)}); "
                         f"the names nvtp knows: {axes.known()}")
-    import torch.distributed as dist
 
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     if dist.is_initialized() and ranks != tuple(range(dist.get_world_size())):
@@ -121,8 +121,6 @@ def _from_torch(mesh: Any) -> DeviceMesh:
 
 def world_of(comm: Any = None) -> tuple[int, str]:
     """(ranks, how that was found): ``comm``'s, the default process group's, or 1."""
-    import torch.distributed as dist
-
     if comm is not None:
         return comm.size, f"the given comm has {comm.size} rank(s)"
     if dist.is_available() and dist.is_initialized():

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 from nvtp.errors import InputError
 from nvtp.execute.backends import CHOICES as BACKEND_CHOICES
+from nvtp.sharding import axes
 
 
 class OptionError(InputError):
@@ -76,13 +77,13 @@ def _one_of(choices: Callable[[], tuple[str, ...]], normal: Callable[[str], str]
 
 
 def _schedules() -> tuple[str, ...]:
-    from nvtp.pipeline.schedule import SCHEDULES
+    from nvtp.pipeline.schedule import SCHEDULES  # lazy: kept off nvtp --help's path
 
     return SCHEDULES
 
 
 def _recompute_modes() -> tuple[str, ...]:
-    from nvtp.frontend.recompute import MODES
+    from nvtp.frontend.recompute import MODES  # lazy: kept off nvtp --help's path
 
     return MODES
 
@@ -95,7 +96,7 @@ def _memory(name: str, value: Any) -> str | None:
 
 
 def _routes() -> tuple[str, ...]:
-    from nvtp.driver import ROUTES
+    from nvtp.driver import ROUTES  # lazy: loads Thunder; CLI file commands load this module without it
 
     return ROUTES
 
@@ -122,7 +123,7 @@ def _collective_matmul(name: str, value: Any) -> str | None:
 
 
 def _machine(name: str, value: Any) -> str | None:
-    from nvtp.sharding.cost import MACHINES, Machine
+    from nvtp.sharding.cost import MACHINES, Machine  # lazy: kept off nvtp --help's path
 
     if value is None or isinstance(value, Machine) or (isinstance(value, str) and value in MACHINES):
         return None
@@ -208,15 +209,11 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 
 def axis_options() -> dict[str, frozenset[str]]:
     """Each mesh axis name -> the options only it takes (its strategy's ``options``)."""
-    from nvtp.sharding import axes
-
     return {name: s.options for name, s in axes.AXES.items()}
 
 
 def axis_refuses() -> dict[str, Mapping[str, str]]:
     """Each mesh axis name -> the options a mesh with it does not honour, and why (``refuses``)."""
-    from nvtp.sharding import axes
-
     return {name: s.refuses for name, s in axes.AXES.items()}
 
 
@@ -232,8 +229,6 @@ def mesh_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
     """The axis names (and sizes, when the spelling gives them) of anything ``nvtp.jit``,
     ``nvtp.plan`` or the command line take as a mesh, without building it; ((), None) when the
     spelling is not one nvtp knows (the mesh's own check then refuses it)."""
-    from nvtp.sharding import axes
-
     if mesh is None or (isinstance(mesh, int) and not isinstance(mesh, bool)):
         return axes.spelled(1), None
     if isinstance(mesh, str):
@@ -306,8 +301,6 @@ def pipeline_options(model: Any, example_kwargs: Mapping[str, Any]) -> dict[str,
     """The options of a stage-cutting axis (a pipeline's ``microbatches``, ``schedule``, ``cut``)
     among ``nvtp.plan``'s keywords (the others are the model's example keywords), unless the
     model's forward takes that name."""
-    from nvtp.sharding import axes
-
     try:
         takes = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError, AttributeError):
@@ -334,7 +327,7 @@ def check_cut(cut: Any, blocks: tuple[str, int] | None, stages: int | None) -> N
 
 
 def _blocks(module: Any) -> tuple[str, int] | None:
-    from nvtp.frontend.blocks import NotRepeatable, find_repeated
+    from nvtp.frontend.blocks import NotRepeatable, find_repeated  # lazy: kept off nvtp --help's path
 
     try:
         rep = find_repeated(module)
@@ -345,8 +338,6 @@ def _blocks(module: Any) -> tuple[str, int] | None:
 
 def _stages(names: tuple[str, ...], sizes: tuple[int, ...] | None) -> int | None:
     """The extent of the axis that cuts stages, when the mesh's spelling gives it."""
-    from nvtp.sharding import axes
-
     at = next((i for i, n in enumerate(names) if n in axes.AXES and axes.AXES[n].cuts_stages), None)
     return None if at is None or sizes is None else int(sizes[at])
 
@@ -412,15 +403,11 @@ def _spelled(entry: str, name: str, value: Any) -> str:
 
 
 def _summary(axis: str) -> str:
-    from nvtp.sharding import axes
-
     return axes.AXES[axis].summary if axis in axes.AXES else axis
 
 
 def _example(entry: str, axis: str) -> str:
     """How to make a mesh with ``axis``: its spelling by shape when it has one, else by name."""
-    from nvtp.sharding import axes
-
     for ndim in (1, 2, 3):
         names = axes.spelled(ndim)
         if axis in names:

@@ -1,4 +1,5 @@
-"""``nvtp.jit``: a module whose forward and backward run sharded fusions on a mesh.
+"""``nvtp.jit``'s module (``nvtp.entry.jit`` builds it): a module whose forward and backward run sharded
+fusions on a mesh.
 
     model = nvtp.jit(GPT(cfg), plan="megatron")          # after torch.distributed.init_process_group
     loss = model(idx, targets); loss.backward(); opt.step()
@@ -37,15 +38,15 @@ import types
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
-from nvtp import driver, generation, guard, options, precheck
+from nvtp import driver, generation, guard, precheck
 from nvtp import dtensor as _dt
-from nvtp.auto.runtime import AutoModule
 from nvtp.errors import InputError
 from nvtp.execute import backends, kernels, spmd
 from nvtp.execute.step import RankProgram, part_rows
-from nvtp.execute.collectives import PROGRESS, Comm, DistComm, MeshComm, SoloComm
-from nvtp.frontend import recompute as recomputation, user_code
+from nvtp.execute.collectives import Comm, DistComm, MeshComm, on_axis, PROGRESS, SoloComm
+from nvtp.frontend import fx, recompute as recomputation, user_code
 from nvtp.frontend.lengths import Lengths, horizon
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
@@ -55,9 +56,11 @@ from nvtp.sharding import axes
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, is_replicate
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
+from nvtp.execute.launch import start_watchdog
+from nvtp.sharding.collective_matmul import check_mode
 from nvtp.sharding.target import as_target
 
-__all__ = ["ShardedModule", "jit", "full_tensor", "InputError", "retarget", "hold_part", "gather"]  # the last four: nvtp/parameters.py
+__all__ = ["ShardedModule", "full_tensor", "InputError", "retarget", "hold_part", "gather"]  # the last four: nvtp/parameters.py
 
 
 class ShardedModule(torch.nn.Module):
@@ -87,15 +90,12 @@ class ShardedModule(torch.nn.Module):
         check_plan(plan, driver.plan_names(module), type(module).__name__)  # an unknown plan or unmatched glob
         self.backend = backends.resolve(backend, _device_of(module)).name
         axes.check(self.mesh, fsdp=fsdp, backend=self.backend)  # every axis's own checks, before tracing
-        from nvtp.sharding.collective_matmul import check_mode
 
         self.overlap, self.collective_matmul, self.recompute = overlap, check_mode(collective_matmul), recomputation.check_mode(recompute)  # refused now
         self.axis_options = {} if capacity_factor is None else {"capacity_factor": capacity_factor}  # the ep axis's (checked by nvtp.options)
         self.verify = guard.option(verify)  # the first call of each program checked against eager (nvtp/guard.py)
         self.compile_mode = kernels.check_mode(compile)  # how the reference backend runs each rank's fusions
         if timeout is not None and comm is None and self.mesh.size > 1:
-            from nvtp.execute.launch import start_watchdog
-
             start_watchdog(timeout)  # once per process; init_group may have started it already
         # Not a submodule: the meta copy Thunder traces is no part of the model's state.
         object.__setattr__(self, "_meta", driver.meta_copy(module))
@@ -167,8 +167,6 @@ class ShardedModule(torch.nn.Module):
     def comm(self) -> Comm:
         if self._comm is None:
             if self.mesh.ndim > 1:  # one process group per mesh axis, from torch's DeviceMesh
-                import torch.distributed as dist
-
                 groups = [DistComm(self._device_mesh().get_group(a)) for a in range(self.mesh.ndim)]
                 self._comm = MeshComm(self.mesh.index(dist.get_rank()), self.mesh.size, groups)
             else:
@@ -182,8 +180,6 @@ class ShardedModule(torch.nn.Module):
     @property
     def uses_dtensor(self) -> bool:
         """Whether parameters become DTensors: on torch.distributed's own group (not a simulated ``comm``)."""
-        import torch.distributed as dist
-
         comm = self._comm
         on_groups = comm is None or isinstance(comm, DistComm) or (
             isinstance(comm, MeshComm) and all(isinstance(c, DistComm) for c in comm.axes))
@@ -217,8 +213,6 @@ class ShardedModule(torch.nn.Module):
 
     def _signature(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> tuple:
         if self._fx:
-            from nvtp.frontend import fx
-
             return (self._mode(), *fx.call_structure(args, kwargs or {}))
         sig = [self._mode()]
         for a in args:
@@ -246,8 +240,6 @@ class ShardedModule(torch.nn.Module):
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Every dp rank must pass batches of one shape (each traces the whole step as dp times its
         own): one small all-gather over dp before anything is traced, and one clear error on every rank."""
-        from nvtp.execute.collectives import on_axis
-
         shapes = [list(a.shape) if isinstance(a, torch.Tensor) else None for a in (*args, *kwargs.values())]
         per_rank = _all_gather_json(on_axis(self.comm, self._dp_axis()), shapes)
         if any(p != per_rank[0] for p in per_rank):
@@ -328,8 +320,6 @@ class ShardedModule(torch.nn.Module):
         """Refuse arguments unlike those compiled for (unless ``dynamic``), before any work."""
         device = next((p.device.type for p in self.module.parameters()), "cpu")
         if self._fx:
-            from nvtp.frontend import fx
-
             have = self._compiled_alike(self._signature(args, kwargs))
             fx.check_call(type(self.module).__name__, device, args, kwargs or {}, None if have is None else have.signature[1:])
             return
@@ -428,8 +418,6 @@ def _all_gather_json(comm: Comm, obj: Any) -> list[Any]:
 
 def _world() -> int:
     """Ranks of the default process group (1 without one): the default mesh's size."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -477,71 +465,3 @@ class _Run(torch.autograd.Function):
 def _whole(placement) -> bool:
     """Whether a placement (or a sharding, one per mesh axis) leaves the tensor whole on every rank."""
     return all(is_replicate(p) for p in placement) if isinstance(placement, tuple) else is_replicate(placement)
-
-
-def jit(module: torch.nn.Module, plan: str | Mapping[str, Any] = "megatron", mesh: DeviceMesh | None = None, *,
-        comm: Comm | None = None, dynamic: bool = False, timeout: float | None = 60.0, check_replicas: bool = False,
-        frontend: str = "auto", fsdp: bool = False, regional: bool = True, backend: str = "auto",
-        overlap: bool = True, collective_matmul: bool | str = "auto", microbatches: int | None = None, schedule: str | None = None,
-        cut: Any = None, verify: bool | float = True, compile: str = kernels.DEFAULT, recompute: str = "none", machine: Any = None,
-        memory: Any = None, capacity_factor: float | None = None) -> ShardedModule:
-    """Shard ``module`` over ``mesh`` (default: every rank of the default process group) by
-    ``plan`` ("megatron", "megatron-sp", or an explicit plan); see the module docstring.
-    ``dynamic`` compiles again for new argument shapes instead of refusing them. ``timeout``:
-    seconds a rank waits for a silent peer before the watchdog stops it (None: no watchdog).
-    ``check_replicas``: before each call, check that replicated inputs agree across ranks.
-    ``frontend``: how the model is traced: "thunder" (``thunder.jit``), "fx" (TorchDynamo's graph
-    of the whole forward, then Thunder: ``nvtp/frontend/fx.py``), or "auto": "fx" for Hugging
-    Face transformers models, "thunder" otherwise. ``regional``: a model whose blocks form a chain
-    (an ``nn.ModuleList`` of 2 or more blocks alike, each called once in order on the output of
-    the one before) is traced as block 0 and the model without its blocks, and the fusions are
-    spliced to full depth (``nvtp/frontend/regional.py`` on the "thunder" route,
-    ``nvtp/frontend/fx_regional.py`` on the "fx" route: a transformers model's decoder layers;
-    ``model.last.traced.how`` says so, or why it traced the model another way); False traces every block. ``backend``: what runs the
-    program (``nvtp.execute.backends``): "nvfuser" (nvFuser's kernels; CUDA models), "reference"
-    (torch ops and torch.distributed; anywhere), or "auto": nvFuser for a CUDA model where
-    nvfuser_direct loads, the reference backend otherwise. A backend that cannot run here is
-    refused at once. ``model.last`` is the ``nvtp.program.Program`` of the latest call: what
-    ``nvtp.plan`` reports for the same model, mesh and backend. ``overlap`` (default on): the
-    program's collectives start as soon as their inputs exist and small ones go together
-    (``nvtp.sharding.overlap``); False runs each where it stands, blocking. ``collective_matmul``
-    (with ``overlap``): an all-gather before a matmul, or a reduce-scatter after one (Megatron-SP's
-    projections), runs as ring steps, each beside one block of the matmul: "auto" (default) where
-    the cost model says it pays on the backend's machine (``cost.default_machine``), True
-    wherever it applies, False never. ``verify`` (default on): the first call of each compiled
-    program is checked against the model run eagerly on the same inputs (outputs, and a sample of
-    gradients) and refused with ``nvtp.guard.MiscompileError`` naming the first value that differs
-    (``nvtp/guard.py``); False skips it, a number sets the relative tolerance. ``compile``: how the
-    reference backend runs each rank's fusions (``nvtp.execute.kernels``): "kernels" (default)
-    lowers the groups that have a fused torch kernel (cross-entropy, embedding gradient, layer and
-    RMS norm, softmax, GELU, SiLU) to it and runs the rest op by op; "none" runs every op by its
-    own implementation. ``recompute``: "none", "selective", "block" (``nvtp.frontend.recompute``).
-    On a 2-D mesh ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` the plan
-    shards over "tp" and the batch over "dp": each rank passes its own batch, gradients are
-    averaged over dp as DDP does; ``fsdp=True`` also splits the weights over dp (ZeRO-3:
-    gathered before use, gradients reduce-scattered), see ``nvtp.sharding.compose``.
-    On a mesh with a "pp" axis, ``init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp",
-    "dp", "tp"))`` (dp, tp may be absent), the model is cut into pp stages at block boundaries and
-    each step runs ``microbatches`` microbatches by ``schedule`` ("1f1b" (default) or "gpipe"); ``cut``: the
-    first block of each stage after the first, instead of the balanced cut (``nvtp.pipeline``).
-    ``plan="auto"`` (with a ``machine`` and a ``memory`` budget per device): nvtp chooses the
-    mesh's axes, FSDP, the plan and the pipeline's options (``nvtp.auto``). ``capacity_factor``
-    (a mesh with an "ep" axis): each expert takes at most ceil(capacity_factor x tokens x top_k /
-    experts) of each rank's routed tokens, the later ones dropped (``nvtp.sharding.axes.ep``);
-    default None: dropless.
-    Every option is checked first (``nvtp.options``): one the mesh does not use is refused, never dropped."""
-    if isinstance(plan, str) and plan == "auto" or machine is not None or memory is not None:  # the planner's (machine=, memory=)
-        return AutoModule.of_jit(locals())
-    options.check("jit", module=module, plan=plan, mesh=mesh, comm=comm, dynamic=dynamic, timeout=timeout, check_replicas=check_replicas,
-                  frontend=frontend, fsdp=fsdp, regional=regional, backend=backend, overlap=overlap,
-                  collective_matmul=collective_matmul, microbatches=microbatches, schedule=schedule, cut=cut, verify=verify,
-                  compile=compile, recompute=recompute, capacity_factor=capacity_factor)
-    user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
-    if axes.pipelined(mesh):
-        from nvtp.pipeline.runtime import PipelineModule
-
-        return PipelineModule(module, plan, mesh, microbatches=microbatches or 1, schedule=schedule or "1f1b", cut=cut,
-                              backend=backend, frontend=frontend, timeout=timeout, verify=verify, compile=compile, recompute=recompute)
-    return ShardedModule(module, plan, mesh, comm, dynamic, timeout=timeout, check_replicas=check_replicas, frontend=frontend,
-                         fsdp=fsdp, regional=regional, backend=backend, overlap=overlap, collective_matmul=collective_matmul,
-                         verify=verify, compile=compile, recompute=recompute, capacity_factor=capacity_factor)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
@@ -40,8 +41,6 @@ def retarget(old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
     """An optimizer holding ``old`` steps ``new`` instead (it is pointed at ``new`` before its first step)."""
     _REPLACED[old] = new
     if not _RETARGET_HOOK:  # installed on the first replacement, not on import
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_retarget_optimizer))
 
 

@@ -57,6 +57,8 @@ from thunder.core.trace import TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import Transform
 from thunder.core.transforms import get_grad, put_grad
 from thunder.extend import OperatorExecutor
+import thunder
+import torch.distributed as dist
 
 from nvtp import driver, guard, options
 from nvtp import dtensor as _dt
@@ -162,8 +164,6 @@ class ShardingTransform(Transform):
     def transform_module(self, model) -> None:
         """Give each parameter a ThunderModule parameter of its own (the one that will hold this
         rank's shard: optimizers made from ``jm.parameters()`` step it) and add nvtp's executor."""
-        import thunder
-
         if self._module is not None:
             raise InputError("this nvtp.ShardingTransform is applied already; make one per thunder.jit")
         module = model._model
@@ -280,8 +280,6 @@ class ShardingTransform(Transform):
     def _uses_dtensor(self) -> bool:
         """Whether parameters become DTensors: on torch.distributed's default group (not a simulated
         ``comm``, not one process)."""
-        import torch.distributed as dist
-
         return (self.mesh.size > 1 and isinstance(self.comm, DistComm) and dist.is_available() and dist.is_initialized())
 
     def _as_dtensor(self, part: torch.Tensor, label: str) -> torch.Tensor:
@@ -575,6 +573,4 @@ def _grad_like(g: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
 
 
 def _world() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

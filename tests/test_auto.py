@@ -118,15 +118,11 @@ def test_rank_0s_planning_failure_is_raised_on_every_rank(monkeypatch, fails):
     receives), rank 0's search fails; every rank raises the same error (class and message): the
     budget nothing fits as rank 0's AutoError, a failure of nvtp's own as a RankFailure naming it.
     Rank 1 never searches, and receives no choice to wait for."""
-    import importlib
-
     from nvtp.auto import runtime
     from nvtp.errors import RankFailure
 
-    searching = importlib.import_module("nvtp.auto.search")  # the module (nvtp.auto.search is also the function)
-
     sent, searched = [], []
-    real = searching.search
+    real = runtime.search  # the planner, as AutoModule calls it
 
     def search_on(rank):
         def run(*a, **k):
@@ -146,7 +142,7 @@ def test_rank_0s_planning_failure_is_raised_on_every_rank(monkeypatch, fails):
     for rank in (0, 1):
         m = nvtp.jit(_model(), plan="auto", memory="1KB")
         m.world, m.rank, m.devices = 2, rank, 2  # as torch.distributed's world of 2 would set them
-        monkeypatch.setattr(searching, "search", search_on(rank))
+        monkeypatch.setattr(runtime, "search", search_on(rank))
         with pytest.raises(Exception) as e:
             m(*gpt.example_tokens(CFG))
         errors.append(e.value)

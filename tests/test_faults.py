@@ -679,7 +679,7 @@ def test_demo_refuses_bad_arguments_at_once_once_and_before_any_rank_starts(caps
     assert result.returncode == EXIT_BAD_INPUT and result.stdout == "", result.stdout + result.stderr
     assert result.stderr.splitlines() == ["nvtp demo: unknown plan 'megatorn'; use megatron, megatron-sp, replicate, or an explicit "
                                           "plan 'glob=placement;...' (placements S(d), S(d,k), R, colwise, rowwise)"]
-    assert seconds < 5, seconds
+    assert seconds < 15, seconds  # the CLI's imports (torch, 3.7 s quiet; 6 s at load 8): no rank starts (checked below)
     from nvtp.execute import launch
 
     def no_spawn(*args, **kwargs):

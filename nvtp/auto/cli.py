@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from dataclasses import replace
+
+import torch
 
 from nvtp.errors import EXIT_OK, Usage
+from nvtp.auto.search import machine_of, parse_memory, search
+from nvtp.models import gpt
 
 TAKEN = ("command", "fn", "file", "plan", "devices", "machine", "memory", "backend", "json", "model", "config", "layers", "batch",
          "module")  # what --plan auto reads; any other option it chooses itself
@@ -25,8 +30,6 @@ def explain_auto(args: Any, defaults: dict[str, Any], backend: str, load_module:
     """Print the choice for ``args`` (``nvtp explain``'s parsed arguments) on ``backend``;
     ``defaults``: the arguments as parsed with no option given; ``load_module``: the CLI's
     ``--module`` loader (returns model, example_args, example_kwargs)."""
-    from nvtp.auto.search import machine_of, parse_memory, search
-
     given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in TAKEN and v != defaults.get(k)]
     if given:
         raise Usage(f"--plan auto chooses the mesh and its options itself: leave out {', '.join(given)} "
@@ -48,12 +51,6 @@ def explain_auto(args: Any, defaults: dict[str, Any], backend: str, load_module:
 
 def _gpt(args: Any) -> tuple[Any, tuple, dict, str]:
     """nvtp's GPT of ``--config`` on the meta device (bf16), with the whole batch (``--batch``, default the config's)."""
-    from dataclasses import replace
-
-    import torch
-
-    from nvtp.models import gpt
-
     try:
         cfg = gpt.config(args.config)
     except ValueError as e:

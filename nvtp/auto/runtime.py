@@ -22,19 +22,27 @@ import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
+import copy
 
 import torch
+import torch.distributed as dist
 
 from nvtp.errors import EXIT_BAD_INPUT, InputError, RankFailure, exit_code_for
 from nvtp.sharding import axes
+from nvtp.auto.candidate import Candidate
+from nvtp.auto.sample import whole_batch
+from nvtp.auto.search import AutoError, machine_of, parse_memory, search
+from nvtp.execute import backends, spmd
+from nvtp.execute.collectives import on_axis
+from nvtp.parallel import ShardedModule
+from nvtp.pipeline.runtime import PipelineModule
+from nvtp.sharding.axes.pp import Layout, STAGE_AXES
 
 
 PLAN_TIMEOUT_S = 3600.0  # how long the other ranks wait for rank 0's plan
 
 
 def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
@@ -87,8 +95,6 @@ def received(f: Failure) -> Exception:
     except Exception:  # a class that takes other arguments: the message, as an AutoError
         error = None
     if not isinstance(error, Exception) or str(error) != f.message:
-        from nvtp.auto.search import AutoError
-
         error = AutoError(f.message)
     error.add_note("(raised while rank 0 planned plan='auto'; every rank raises this error)")
     return error
@@ -97,8 +103,6 @@ def received(f: Failure) -> Exception:
 def _broadcast(payload: list[Any]) -> list[Any]:
     """Rank 0's ``payload`` on every rank. The others wait while rank 0 plans (a minute or more for a
     large model): a group of its own with a long timeout (``PLAN_TIMEOUT_S``)."""
-    import torch.distributed as dist
-
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_TIMEOUT_S))
     dist.broadcast_object_list(payload, src=0, group=group)
     dist.destroy_process_group(group)
@@ -129,13 +133,8 @@ class AutoModule(torch.nn.Module):
                  frontend: str = "auto", timeout: float | None = 60.0, given: Mapping[str, Any] | None = None,
                  candidate: Any = None, comm: Any = None):
         super().__init__()
-        from nvtp.auto.search import machine_of, parse_memory
-        from nvtp.execute import backends
 
-        from nvtp import parallel
-
-        defaults = inspect.signature(parallel.jit).parameters  # what nvtp.jit takes when nothing is given
-        chosen = {k: v for k, v in (given or {}).items() if k in defaults and v != defaults[k].default}
+        chosen = dict(given or {})
         if chosen:
             raise InputError(f"plan='auto' chooses the layout and its options itself; leave out {', '.join(f'{k}={v!r}' for k, v in chosen.items())}, "
                              "or give a plan (megatron, megatron-sp) and the options yourself")
@@ -159,14 +158,15 @@ class AutoModule(torch.nn.Module):
         self._dp = (0, 1)  # (this rank's index along the data axis, its extent)
 
     @staticmethod
-    def of_jit(call: Mapping[str, Any]) -> "AutoModule":
-        """``nvtp.jit(module, plan="auto", ...)``'s module, from the call's arguments (``call``: their names and values);
+    def of_jit(call: Mapping[str, Any], defaults: Mapping[str, inspect.Parameter]) -> "AutoModule":
+        """``nvtp.jit(module, plan="auto", ...)``'s module, from the call's arguments (``call``: their names and values;
+        ``defaults``: ``nvtp.jit``'s parameters, so what the caller chose is what differs from them);
         ``machine=`` or ``memory=`` with another plan is refused (they are what plan="auto" plans for)."""
         if not (isinstance(call["plan"], str) and call["plan"] == "auto"):
             raise InputError("machine= and memory= are what plan='auto' plans for; with the plan given, leave them out")
         own = ("module", "mesh", "machine", "memory", "backend", "frontend", "timeout")
         return AutoModule(*(call[k] for k in own[:2]), **{k: call[k] for k in own[2:]},
-                          given={k: v for k, v in call.items() if k not in own and k != "plan"})
+                          given={k: v for k, v in call.items() if k not in own and k != "plan" and v != defaults[k].default})
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -179,9 +179,6 @@ class AutoModule(torch.nn.Module):
     def _plan(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Rank 0 searches and sends the choice; if it fails, it sends the error instead and every
         rank raises that error (``failure``, ``received``), none waits for a choice that never comes."""
-        from nvtp.auto.candidate import Candidate
-        from nvtp.auto.search import search
-
         payload: list[Any] = [None]
         failed: Exception | None = None
         if self.rank == 0:
@@ -204,13 +201,8 @@ class AutoModule(torch.nn.Module):
         self.inner = self._build(c)
 
     def _build(self, c: Any) -> torch.nn.Module:
-        from nvtp.parallel import ShardedModule
-
         options = c.opts
         if c.pipelined:
-            from nvtp.pipeline.runtime import PipelineModule
-            from nvtp.sharding.axes.pp import Layout, STAGE_AXES
-
             sizes = c.sizes
             stage = next(s.name for s, _ in c.used() if s.cuts_stages)
             layout = Layout(sizes[stage], *(sizes.get(a, 1) for a in STAGE_AXES))
@@ -233,7 +225,6 @@ class AutoModule(torch.nn.Module):
         i, n = self._dp
         if n == 1:
             return args, dict(kwargs)
-        from nvtp.auto.sample import whole_batch
 
         batch = whole_batch(args, kwargs)
 
@@ -267,8 +258,6 @@ class AutoModule(torch.nn.Module):
         return out
 
     def _data_comm(self) -> Any:
-        from nvtp.execute.collectives import on_axis
-
         inner = self.inner
         axis = axes.batch_axis(inner.mesh)
         return on_axis(inner.comm, axis)
@@ -284,7 +273,6 @@ class AutoModule(torch.nn.Module):
         self._ready(args, kwargs)
         mine, mine_kw = self._rows(args, kwargs)
         out = self.inner(*mine, **mine_kw)
-        from nvtp.auto.sample import whole_batch
 
         return self._whole(out, whole_batch(mine, mine_kw))
 
@@ -318,10 +306,6 @@ def simulated(module: torch.nn.Module, candidate: Any, *args: Any, backend: str 
     simulated ranks in this process (threads, ``nvtp.execute.spmd``), each holding its own copy of
     ``module``, compiled once for a call like ``args`` (the whole batch). A pipeline's candidate
     runs on processes only (``nvtp.pipeline``)."""
-    import copy
-
-    from nvtp.execute import spmd
-
     if candidate.pipelined:
         raise InputError(f"{candidate.text()}: a pipeline runs on torch.distributed's processes, not on simulated ranks")
     threads = spmd.ThreadMesh(candidate.mesh(), timeout=timeout)

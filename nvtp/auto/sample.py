@@ -32,6 +32,7 @@ from nvtp.pipeline import calls
 from nvtp.pipeline.stages import BlockOps, block_ops
 from nvtp.sharding import axes
 from nvtp.sharding.placements import DeviceMesh, axis_split
+from nvtp.frontend.regional import NotRepeatable, find_repeated, truncated
 
 SAMPLE_BLOCKS = 3  # head + block 0, a middle block, the last block + tail
 
@@ -64,8 +65,6 @@ class Sample:
 
 def repeated(model: torch.nn.Module) -> tuple[str | None, int]:
     """(the ModuleList of the model's blocks, how many), or (None, 1) for a model without one."""
-    from nvtp.frontend.regional import NotRepeatable, find_repeated
-
     try:
         rep = find_repeated(model)
     except NotRepeatable:
@@ -102,8 +101,6 @@ def take(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any], facts: 
     count = min(facts.blocks, SAMPLE_BLOCKS)
     sub = model
     if facts.prefix is not None and count < facts.blocks:
-        from nvtp.frontend.regional import truncated
-
         sub = truncated(model, facts.prefix, count)
     way = driver.route(model, frontend)
     bargs, bkwargs = driver.bind_call(model, way, args, kwargs)

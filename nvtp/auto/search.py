@@ -39,6 +39,7 @@ from nvtp.errors import InputError
 from nvtp.frontend.recompute import MODES, layers_of, plan_recompute, sequence_of
 from nvtp.sharding.cost import MACHINES, Machine, default_machine
 from nvtp.sharding.propagate import ShardingError
+from nvtp.execute import backends
 
 
 class AutoError(InputError):
@@ -366,8 +367,6 @@ def plan_auto(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any], *,
     """``nvtp.plan(model, *args, plan="auto", mesh=N)``: the checks of its arguments, then ``search``.
     ``mesh``: a number of devices or a 1-D mesh (``devices`` the same); ``given``: the options
     ``plan="auto"`` chooses itself that the caller set (refused)."""
-    from nvtp.execute import backends
-
     chosen = dict(given or {})
     if chosen:
         raise AutoError(f"plan='auto' chooses the layout and its options itself; leave out "

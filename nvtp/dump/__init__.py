@@ -13,13 +13,20 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
+import time
 
 import torch
 
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
 from nvtp.ir.parser import Dump, DumpError, load, parse  # noqa: F401 - load: nvtp.dump.load reads a file
-from nvtp.ir.printer import format_file
+from nvtp.ir.printer import format_file, strides_for
+from nvtp.dump import eager
+from nvtp.errors import InputError
+from nvtp.execute import reference
+from nvtp.ir import ops as opstable
+from nvtp.models import gpt
+import nvtp
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -43,9 +50,7 @@ def tolerance(fusion: Fusion) -> float:
 
 
 def _versions() -> str:
-    import thunder
-
-    import nvtp
+    import thunder  # lazy: loads Thunder; CLI file commands load this module without it
 
     return f"nvtp {nvtp.__version__}, Thunder {thunder.__version__}, torch {torch.__version__}"
 
@@ -67,8 +72,7 @@ def header(fusion: Fusion, command: str) -> list[str]:
 def trace_block(model: str, config_name: str, dtype: torch.dtype, *, dropout: float | None = None, device: str = "meta"):
     """The forward and backward fusions of one transformer block (``nvtp.driver.trace``; a block
     has no module boundary: its output is the next block's input)."""
-    from nvtp import driver
-    from nvtp.models import gpt
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; nvtp dumps: {', '.join(MODELS)}")
@@ -115,8 +119,6 @@ def random_inputs(fusion: Fusion, seed: int = 0, device: str = "cpu") -> list[An
     rounding rather than the chaos of saturated softmaxes. Integer tensors are 0 or 1 (indices in
     range of any axis), except 0-d ones, which are 1 as integer scalars are: a 0-d integer is
     often a count (a loss's number of tokens, the divisor of its gradient)."""
-    from nvtp.ir.printer import strides_for
-
     g = torch.Generator().manual_seed(seed)
     out: list[Any] = []
     for op in fusion.ops:
@@ -225,8 +227,6 @@ RANDOM_RESULTS: dict[str, Callable[[Op, dict[str, Op]], tuple[tuple[int, ...], t
 def random_dependence(fusion: Fusion) -> tuple[set[str], set[str]]:
     """(values that carry random numbers or are computed from them, values that are RNG state),
     walking the dataflow from each random op's results."""
-    from nvtp.ir import ops as opstable
-
     producers = fusion.producers()
     random: set[str] = set()
     state: set[str] = set()
@@ -275,8 +275,6 @@ def check_inputs(fusion: Fusion, inputs: Sequence[Any], device: str | None = Non
     """Raise ``InputError`` unless ``inputs`` are what ``fusion``'s inputs declare (count,
     tensor or number, shape, dtype; all on ``device``, or on one device), naming the first
     that is not."""
-    from nvtp.errors import InputError
-
     declared = fusion.inputs
     if len(inputs) != len(declared):
         raise InputError(f"{fusion.name} takes {len(declared)} inputs ({', '.join(v.name for v in declared)}), got {len(inputs)}")
@@ -299,10 +297,6 @@ def check_inputs(fusion: Fusion, inputs: Sequence[Any], device: str | None = Non
 
 def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: bool = False, inputs: Sequence[Any] | None = None) -> ReplayReport:
     """Run ``fusion`` on random (or given) inputs; with ``check``, compare with ``nvtp.dump.eager`` (float64)."""
-    import time
-
-    from nvtp.execute import reference
-
     if inputs is not None:
         check_inputs(fusion, inputs, "cuda" if backend == "nvfuser" else None)
     inputs = list(inputs) if inputs is not None else random_inputs(fusion, seed)
@@ -310,7 +304,7 @@ def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: 
     if backend == "reference":
         outputs = reference.run(fusion, inputs, seed=seed)
     elif backend == "nvfuser":
-        from nvtp.execute import nvfuser
+        from nvtp.execute import nvfuser  # optional: nvfuser_direct (the nvFuser backend only)
 
         outputs = nvfuser.execute(fusion, inputs)
     else:
@@ -318,8 +312,6 @@ def replay(fusion: Fusion, *, backend: str = "reference", seed: int = 0, check: 
     seconds = time.perf_counter() - start
     report = ReplayReport(outputs, seconds=seconds)
     if check:  # against an independent evaluation: eager PyTorch in float64, no reference-backend code
-        from nvtp.dump import eager
-
         expected = eager.evaluate(fusion, inputs, seed=seed)
         report.checks = check_outputs(fusion, outputs, expected, backend=backend)
     return report

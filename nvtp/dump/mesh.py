@@ -19,8 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from nvtp.ir.parser import DumpError
 from nvtp.sharding.reshard import COLLECTIVES
+from nvtp import dump
+from nvtp.demo import fault_from_env, trigger
+from nvtp.dump.sharded import from_dump, mesh_text
+from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
+from nvtp.execute import backends, reference, spmd
+from nvtp.execute.collectives import DistComm, MeshComm
+from nvtp.execute import launch
+from nvtp.execute.launch import _quiet_stdout, init_group, run_rank, under_torchrun
+from nvtp.ir.graph import TensorValue
+from nvtp.mesh import MeshError, named, parse
+from nvtp.sharding.placements import axis_split
+from nvtp.sharding.propagate import ShardingError
 
 if TYPE_CHECKING:  # pragma: no cover
     from nvtp.program import Program
@@ -43,8 +58,6 @@ class MeshJob:
 def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tuple[int, int] | None:
     """The (dp, tp) of ``--mesh``, after refusing ``--devices`` with ``--mesh`` and ``--fsdp`` without it
     (``nvtp.mesh`` decides; this only spells the refusals with the command line's flags)."""
-    from nvtp.mesh import MeshError, parse
-
     if mesh is not None and devices is not None:
         raise MeshError(f"give either --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh), not both "
                         f"(got --devices {devices} --mesh {mesh})")
@@ -53,8 +66,6 @@ def check_mesh_options(devices: int | None, mesh: str | None, fsdp: bool) -> tup
     if mesh is None:
         return None
     if "=" in mesh:  # named axes (cp=4, cp=2,tp=2): the mesh itself (nvtp.mesh.named)
-        from nvtp.mesh import named
-
         return named(mesh)
     shape = parse(mesh)
     if len(shape) != 2:
@@ -80,9 +91,6 @@ def prepare(job: MeshJob) -> Replay:
     device schedule adopted as a program (``driver.adopt``), or the program for ``--plan`` (a
     backward file with the forward it names); its collectives scheduled as ``nvtp.jit``'s are.
     Raises before any communication."""
-    from nvtp import dump
-    from nvtp.dump.sharded import from_dump, mesh_text
-
     d = dump.load(job.file)
     if job.plan is None:
         sharded = from_dump(d)
@@ -95,12 +103,12 @@ def prepare(job: MeshJob) -> Replay:
             raise DumpError(f"the file is sharded for a {mesh_text(sharded.mesh)} mesh, not {'x'.join(map(str, job.mesh))}", job.file)
         if job.fsdp:
             raise DumpError("--fsdp applies when sharding with --plan; this file's schedule already places every weight", job.file)
-        from nvtp import driver
+        from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
         return Replay(driver.adopt(sharded, job.backend), "forward")
     if job.devices is None and job.mesh is None:
         raise DumpError("--plan needs --devices N (a 1-D mesh) or --mesh DPxTP (a 2-D mesh)", job.file)
-    from nvtp import driver
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     program = driver.compile(d, plan=job.plan, mesh=job.mesh if job.mesh is not None else job.devices, fsdp=job.fsdp,
                              backend=job.backend)
@@ -109,25 +117,14 @@ def prepare(job: MeshJob) -> Replay:
 
 def worker(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
     """One rank of the replay; returns its exit code (a failure stops the other ranks)."""
-    from nvtp.execute.launch import run_rank
-
     return run_rank(rank, lambda: _replay_rank(rank, world, init_method, job))
 
 
 def _replay_rank(rank: int, world: int, init_method: str | None, job: MeshJob) -> int:
-    import torch.distributed as dist
-
-    from nvtp import dump
-    from nvtp.execute import backends, spmd
-    from nvtp.execute.collectives import DistComm
-    from nvtp.execute.launch import init_group
-
     replay = prepare(job)  # bad input is refused before joining the group (run() checked the world size)
     sharded = replay.sharded
     init_group(rank, world, init_method, job.timeout)
     try:
-        from nvtp.demo import fault_from_env, trigger
-
         fault = fault_from_env()  # NVTP_INJECT_FAULT=RANK:0:KIND: this rank fails in the replay (tests)
         if fault is not None and fault[:2] == (rank, 0):
             trigger(fault[2], "replay")
@@ -152,11 +149,6 @@ def mesh_comm(mesh, rank: int):
     """This rank's collectives on a mesh of several axes: one process group per axis
     (``torch.distributed.new_group``; every rank creates every group, in the same order, as
     new_group requires), each wrapped in a ``DistComm``."""
-    import torch.distributed as dist
-
-    from nvtp.execute.collectives import DistComm, MeshComm
-    from nvtp.execute.launch import _quiet_stdout
-
     per_axis = []
     for axis in range(mesh.ndim):
         mine = None
@@ -180,12 +172,6 @@ def _say(*args) -> None:
 
 def _report_on_rank0(job: MeshJob, world: int, sharded: "ShardedFusion", inputs, local, log, gathered) -> int:
     """Rank 0's summary and, with ``job.check``, the check of the gathered outputs (0 or 1)."""
-    import torch
-    import torch.distributed as dist
-
-    from nvtp import dump
-    from nvtp.execute import reference, spmd
-
     held = sum(t.nbytes for t in local if isinstance(t, torch.Tensor))
     whole_bytes = sum(t.nbytes for t in inputs if isinstance(t, torch.Tensor))
     collectives = [c for c in log if c.kind in COLLECTIVES]
@@ -210,8 +196,6 @@ def _report_on_rank0(job: MeshJob, world: int, sharded: "ShardedFusion", inputs,
 # cannot unpickle it ("UntypedStorage has no attribute 'dtype'"): such tensors travel through
 # gather_object as their int64 bit pattern and are viewed back on rank 0.
 def _picklable(x):
-    import torch
-
     if not isinstance(x, torch.Tensor):
         return x
     x = x.cpu()
@@ -221,8 +205,6 @@ def _picklable(x):
 
 
 def _unpickled(x):
-    import torch
-
     if isinstance(x, tuple) and len(x) == 2 and x[0] == "uint64":
         return x[1].view(torch.uint64)
     return x
@@ -230,8 +212,6 @@ def _unpickled(x):
 
 def check_world(sharded: "ShardedFusion", world: int) -> None:
     """The sharding's mesh must be the process group."""
-    from nvtp.sharding.propagate import ShardingError
-
     if sharded.mesh.size != world:
         raise ShardingError(f"the sharding is for a mesh of {sharded.mesh.size} devices but the process group has {world} rank(s); "
                             f"launch {sharded.mesh.size} processes (torchrun --nproc-per-node {sharded.mesh.size}) or shard for {world}")
@@ -240,18 +220,13 @@ def check_world(sharded: "ShardedFusion", world: int) -> None:
 def run(job: MeshJob) -> int:
     """Run ``job`` on a local mesh of processes, or as this rank under ``torchrun``; an exit code
     (0 ok, 1 check failed, 3 bad input, 4 a rank failed: the one that failed first is named)."""
-    import os
-
-    from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
-    from nvtp.execute.launch import spawn, under_torchrun
-
     sharded = prepare(job).sharded  # refuse bad input here, before starting anything
     if under_torchrun():
         check_world(sharded, int(os.environ["WORLD_SIZE"]))
         check_memory(sharded.source, job.file, ranks=1, sharded=sharded, check=job.check)
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, job)
     check_memory(sharded.source, job.file, ranks=sharded.mesh.size, sharded=sharded, check=job.check)
-    codes = spawn(worker, sharded.mesh.size, job)
+    codes = launch.spawn(worker, sharded.mesh.size, job)
     if any(c == EXIT_BAD_INPUT for c in codes):
         return EXIT_BAD_INPUT
     if codes[0] == 1 and all(c in (0, 1) for c in codes):
@@ -281,9 +256,6 @@ def available_bytes() -> int | None:
 def replay_bytes(fusion, *, sharded=None, check: bool = False) -> tuple[int, str]:
     """Bytes the reference backend holds to replay ``fusion`` (it keeps every value of a run),
     per rank when ``sharded``; and the largest value, described."""
-    from nvtp.ir.graph import TensorValue
-    from nvtp.sharding.placements import axis_split
-
     values = [v for op in fusion.ops for v in op.outputs if isinstance(v, TensorValue)]
     largest = max(values, key=lambda v: v.nbytes, default=None)
     total = sum(v.nbytes for v in values)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import torch
+
 from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
@@ -57,7 +59,7 @@ class Backend:
 @dataclass(frozen=True)
 class ReferenceBackend(Backend):
     def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
-        from nvtp.execute import reference
+        from nvtp.execute import reference  # lazy: kept off nvtp --help's path
 
         kernels = compile == "kernels"  # else "none": every op by its own implementation
         phases = dict(program.phases())
@@ -98,8 +100,6 @@ def nvfuser_loads() -> str | None:
 @dataclass(frozen=True)
 class NvFuserBackend(Backend):  # compile= is the reference backend's: nvFuser fuses and compiles each fusion itself
     def check(self, device: str) -> None:
-        import torch
-
         if not torch.cuda.is_available():
             raise InputError("backend='nvfuser' runs nvFuser's kernels on CUDA GPUs, and torch sees none on this machine "
                              "(torch.cuda.is_available() is False); use backend='reference' (or 'auto') to run here, "
@@ -113,17 +113,15 @@ class NvFuserBackend(Backend):  # compile= is the reference backend's: nvFuser f
                              "move the model with model.to('cuda') before nvtp.jit, or use backend='reference'")
 
     def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
-        import torch
-
         axes.check(program.mesh, backend=self.name)  # an axis nvFuser does not run (cp's ring: no point-to-point step in a fusion)
-        from nvtp.execute import nvfuser
-        from nvtp.sharding.schedule import schedule_steps
+        from nvtp.execute import nvfuser  # optional: nvfuser_direct (the nvFuser backend only)
+        from nvtp.sharding.schedule import schedule_steps  # lazy: kept off nvtp --help's path
 
         built: dict[str, Any] = {}
         multi = program.mesh.size > 1
         rank = comm.rank
         if multi:
-            import nvfuser_direct
+            import nvfuser_direct  # optional: nvfuser_direct (the nvFuser backend only)
 
             world = nvfuser_direct.multidevice.Communicator.instance().size()
             if world != program.mesh.size:
@@ -161,8 +159,6 @@ def default_name(device: str = "cpu") -> str:
     """The backend ``auto`` picks for a model on ``device``: nvFuser for CUDA models where
     nvfuser_direct loads and a GPU is visible, the reference backend otherwise."""
     if device == "cuda":
-        import torch
-
         if torch.cuda.is_available() and nvfuser_loads() is None:
             return "nvfuser"
     return "reference"

@@ -204,8 +204,6 @@ class DistComm:
     _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
     def __init__(self, group=None):
-        import torch.distributed as dist
-
         self.dist, self.group = dist, group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)

@@ -55,6 +55,7 @@ from nvtp.execute.lower import kind_target
 from nvtp.execute.patterns import Builder, Match, Pattern, pattern, reduced, same_float
 from nvtp.ir.graph import Op, TensorValue, Value
 from nvtp.sharding.placements import axis_split, is_partial
+from nvtp.errors import InputError
 
 # The values of ``nvtp.jit(..., compile=...)``: what runs each rank's fusions on the reference backend.
 MODES = {
@@ -78,8 +79,6 @@ def mode_problem(name: str, value: Any) -> str | None:
 
 def check_mode(mode: Any) -> str:
     """``mode`` if it is a value of ``compile=``; raises ``InputError`` saying the choices otherwise."""
-    from nvtp.errors import InputError
-
     problem = mode_problem("compile", mode)
     if problem is not None:
         raise InputError(problem)

@@ -15,6 +15,8 @@ dataflow between the nvFuser values that stand for nvtp's values (see its docstr
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+import ast
+import sys
 
 import torch
 
@@ -23,6 +25,9 @@ from nvtp.ir.dtypes import DType, as_input, promote
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, Value, is_value
 from nvtp.ir.printer import strides_for
 from nvtp.registry import registrar
+from nvtp.ir.parser import parse
+from nvtp.sharding.placements import local_shape
+from nvtp.sharding.schedule import schedule_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     import nvfuser_direct
@@ -55,7 +60,7 @@ emitter = registrar(EMITTERS, "nvFuser emitter")
 
 def data_type(dt: DType) -> "nvfuser_direct.DataType":
     """nvtp's ``DType`` as nvFuser's ``DataType`` (they share names)."""
-    from nvfuser_direct import DataType
+    from nvfuser_direct import DataType  # optional: nvfuser_direct (the nvFuser backend only)
 
     return getattr(DataType, dt.value)
 
@@ -134,7 +139,7 @@ def _composite(fd, op: Op, a):
 
 def _version() -> str:
     try:
-        import nvfuser_direct
+        import nvfuser_direct  # optional: nvfuser_direct (the nvFuser backend only)
 
         return str(nvfuser_direct.version())
     except Exception:  # noqa: BLE001 - only for messages
@@ -197,7 +202,7 @@ def build_definition(fusion: Fusion, schedule: Sequence["ScheduleStep"] = ()) ->
     ``schedule`` (``schedule_steps(sharded)``, or a parsed dump's) is applied after the outputs, as nvFuser's
     multidevice tests do: meshes (1-D or 2-D), splits and ``mesh_x`` / ``mesh_y`` parallelization.
     """
-    from nvfuser_direct import FusionDefinition
+    from nvfuser_direct import FusionDefinition  # optional: nvfuser_direct (the nvFuser backend only)
 
     for v in fusion.outputs:
         if not isinstance(v, TensorValue):
@@ -238,12 +243,7 @@ def build_from_text(text: str, path: str | None = None) -> "nvfuser_direct.Fusio
     ``compare_definition(parse(text).fusion, fd)`` compares nvFuser's reading with nvtp's.
     Raises ``DumpError`` for a file nvtp refuses, ``NvFuserError`` naming the line nvFuser rejects.
     """
-    import ast
-    import sys
-
-    from nvfuser_direct import FusionDefinition
-
-    from nvtp.ir.parser import parse
+    from nvfuser_direct import FusionDefinition  # optional: nvfuser_direct (the nvFuser backend only)
 
     filename = path or "<dump>"
     parse(text, path)
@@ -287,7 +287,7 @@ def build_from_text(text: str, path: str | None = None) -> "nvfuser_direct.Fusio
 
 def _apply_step(step: "ScheduleStep", values: dict[str, Any]) -> None:
     """One device-schedule call (``nvtp.ir.graph.ScheduleStep``) on the tensor it names."""
-    import nvfuser_direct
+    import nvfuser_direct  # optional: nvfuser_direct (the nvFuser backend only)
 
     tv = values.get(step.tensor)
     if tv is None:
@@ -556,10 +556,7 @@ def execute_sharded(sharded: "ShardedFusion", local_inputs: Sequence[Any]) -> li
     """
     if not torch.cuda.is_available():
         raise RuntimeError(NO_GPU_MESSAGE)
-    import nvfuser_direct
-
-    from nvtp.sharding.placements import local_shape
-    from nvtp.sharding.schedule import schedule_steps
+    import nvfuser_direct  # optional: nvfuser_direct (the nvFuser backend only)
 
     fd = build_definition(sharded.fusion, schedule_steps(sharded))
     rank = nvfuser_direct.multidevice.Communicator.instance().rank()

@@ -12,6 +12,7 @@ from nvtp.execute.impls_nn import bias_applies
 from nvtp.ir.graph import Op
 from nvtp.sharding.placements import Placement, axis_split, held, induced
 from nvtp.sharding.reshard import reshard_kind
+from nvtp.execute import ring_matmul
 
 
 @impl("set")
@@ -80,8 +81,6 @@ def start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
 def ring_for(ring: Any, op: Op, products: list[Op]) -> Callable[..., Any]:
     """How a scheduled program runs one collective matmul (``nvtp.sharding.overlap.Ring``):
     ``nvtp.execute.ring_matmul``, each ``linear``'s bias added where its op would add it."""
-    from nvtp.execute import ring_matmul
-
     name = op.outputs[0].name
 
     def run(ctx: Context, x: Any, *weights: Any) -> Any:

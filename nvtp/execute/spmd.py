@@ -23,6 +23,8 @@ from nvtp.execute.collectives import Comm, MeshComm, ThreadComm, ThreadGroup, ta
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, held, is_partial, is_replicate, local_indices
 from nvtp.sharding.sharded import ShardedFusion
+from nvtp.execute.backends import ring_attentions
+from nvtp.steps import tensor_steps
 
 
 def _sharding(placement: Placement | Sequence[Placement]) -> tuple[Placement, ...]:
@@ -101,9 +103,6 @@ def run_rank(sharded: ShardedFusion, inputs: Sequence[Any], comm: Comm, *, seed:
     """Run this rank's part of a bare sharded fusion (no Program: its own steps, unscheduled):
     ``inputs`` are this rank's shards; returns this rank's outputs (``values``, if given,
     receives every value this rank holds, as ``reference.run`` gives them)."""
-    from nvtp.execute.backends import ring_attentions
-    from nvtp.steps import tensor_steps
-
     phase = "backward" if sharded.source.attrs.get("role") == "backward" else "forward"
     rings = ring_attentions(tensor_steps(phase, sharded), sharded.mesh).get(phase)
     return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed, log=log,

@@ -29,6 +29,9 @@ from nvtp.ir.graph import TensorValue
 from nvtp.program import Program
 from nvtp.sharding.placements import REPLICATE, FusedParts, Placement, axis_split
 from nvtp.sharding.sharded import ShardedFusion
+from nvtp.errors import InputError
+from nvtp.frontend.fused import part_label
+from nvtp.frontend.outputs import rebuild
 
 # A part's label -> (its parameter's label, first row, end row) in this rank's tensor of that parameter.
 PartRows = Mapping[str, tuple[str, int, int]]
@@ -111,8 +114,7 @@ class RankProgram:
         each parameter (a fused projection's parts as their parameter) and buffer, and each plain
         tensor attribute (``self.freqs_cis``) as the module holds it now. Raises ``InputError``
         for an input that is neither the module's nor an argument (naming it)."""
-        from nvtp.driver import tensor_attributes
-        from nvtp.errors import InputError
+        from nvtp.driver import tensor_attributes  # lazy: loads Thunder; CLI file commands load this module without it
 
         f = self.forward_fusion.source
         params = dict(module.named_parameters())
@@ -144,7 +146,6 @@ class RankProgram:
         tree = self.program.source.output_tree
         if tree is None:
             return outs[0] if len(outs) == 1 else tuple(outs)
-        from nvtp.frontend.outputs import rebuild
 
         f = self.forward_fusion.source
         return rebuild(tree, {f.label(v.name): t for v, t in zip(self.output_values(), outs)})
@@ -189,7 +190,7 @@ class RankProgram:
                 # whole-batch program's loss is their mean, so a batch-split output's gradient is 1/dp of the rank's.
                 local = local / bwd.mesh.shape[dp]
             local_grads.append(local)
-        from nvtp.frontend.capture import backward_inputs
+        from nvtp.frontend.capture import backward_inputs  # lazy: loads Thunder; CLI file commands load this module without it
 
         params = dict(params)
         f = self.forward_fusion.source  # inputs the backward reads by label that are not parameters (the FX
@@ -228,8 +229,6 @@ class RankProgram:
 
 def part_rows(weight: str, placement: FusedParts, num_devices: int) -> dict[str, tuple[str, int, int]]:
     """Each part's label -> (weight, first row, end row) in a rank's tensor of ``weight``."""
-    from nvtp.frontend.fused import part_label
-
     rows, at = {}, 0
     for (start, stop, _), n in zip(placement.parts, placement.local_sizes(num_devices)):
         rows[part_label(weight, start, stop)] = (weight, at, at + n)

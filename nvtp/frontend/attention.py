@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from thunder.core import dtypes
+from thunder.core import dtypes, prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.torch import scaled_dot_product_attention as _ltorch_sdpa
@@ -133,8 +133,6 @@ def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 
 def register(ex) -> None:
     """Register the two attention ops on executor ``ex`` and claim torch's sdpa with them."""
-    from thunder.core import prims
-
     fwd = ex.register_operator("nvtp_sdpfa_fwd", meta=_fwd_meta, tags=[prims.OpTags.RANDOM_OP])
     bwd = ex.register_operator("nvtp_sdpfa_bwd", meta=_bwd_meta, tags=[prims.OpTags.RANDOM_OP])
     _SYMBOLS.update(fwd=fwd, bwd=bwd)

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+import thunder
 
 from nvtp.frontend import parts, user_code
 from nvtp.frontend.complex import ComplexAsReal
@@ -21,8 +25,10 @@ from nvtp.frontend.executor import FusionCallable, Runtime, Unclaimed, executor,
 from nvtp.frontend.failures import CaptureError, MissingOpError, _forward_location, missing_ops_message, trace_failure
 from nvtp.frontend.outputs import Leaf, structure as output_structure, tensors as output_tensors
 from nvtp.gcpause import paused
-from nvtp.ir.graph import Fusion, ValueInfo
+from nvtp.ir.graph import defines_input, fresh_names, Fusion, ValueInfo
 from nvtp.ir.verify import verify
+from nvtp.frontend.translate import to_dtype
+from nvtp.ir.build import make_op
 
 
 @dataclass
@@ -58,8 +64,6 @@ def fusion_callables(trace) -> list[FusionCallable]:
 def parameter_names(jitted) -> dict[str, str]:
     """Thunder proxy name -> the module's name for it (a parameter, a buffer or a plain tensor
     attribute), from the last prologue trace (``module_state``)."""
-    import thunder
-
     return {proxy: path for trace in thunder.last_prologue_traces(jitted)[-1:] for proxy, (_, path) in module_state(trace).items()}
 
 
@@ -71,9 +75,6 @@ def module_state(prologue_trace) -> dict[str, tuple[str, str]]:
     reassigned in ``forward`` as ``self.freqs = self.freqs.to(h.device)``) is module state like a
     buffer: it is named by its path too (``layers.0.freqs``), and the caller passes the module's
     tensor at each call (``nvtp.jit``: ``RankProgram.module_state``; ``ShardingTransform``: Thunder's prologue)."""
-    from thunder.core.prims import PrimIDs
-    from thunder.core.proxies import TensorProxy
-
     found: dict[str, tuple[str, str]] = {}
     modules: dict[str, str] = {}  # proxy of a (sub)module -> its path ("" for the module traced)
     for bsym in prologue_trace.bound_symbols:
@@ -102,7 +103,6 @@ def label_fusions(fwd: FusionCallable, bwd: FusionCallable | None, fwd_trace, pa
     result = ret.args[0]
     # One entry per flat argument, aligned with the backward's return (None for a non-tensor).
     flat_args = [getattr(a, "name", None) for a in result.get("flat_args", [])] if isinstance(result, dict) else []
-    from thunder.core.pytree import tree_flatten
 
     # A trace with a backward returns {"output": ..., "flat_args": ...}; without one (nothing
     # needs a gradient), the output itself.
@@ -163,10 +163,6 @@ def _own_gradient_outputs(b: Fusion, input_proxies: list[str], output_proxies: l
     each such gradient gets its own value: a ``set`` (a copy) of the shared one, a new input where
     the fusion did not read the proxy. Returns the fusion, its input proxies (with any new one)
     and value name -> label for the gradient outputs."""
-    from nvtp.ir.build import make_op
-    from nvtp.ir.graph import defines_input, fresh_names
-    from nvtp.frontend.translate import to_dtype
-
     ops, outputs = list(b.ops), list(b.outputs)
     names = fresh_names(b)
 
@@ -235,8 +231,6 @@ def check_gradients(backward: Fusion | None, differentiable: Sequence[str], wher
 
 def _cotangents(trace) -> list[str]:
     """The backward trace's incoming gradients, in the order of the forward's tensor outputs."""
-    from thunder.core.prims import PrimIDs
-
     for bsym in trace.bound_symbols:
         if bsym.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents":
             return [getattr(o, "name", None) for o in bsym.output]
@@ -248,8 +242,6 @@ def bwd_trace_return(bwd: FusionCallable) -> list:
 
 
 def _flat(x) -> list:
-    from thunder.core.pytree import tree_flatten
-
     return [p.name if hasattr(p, "name") else None for p in tree_flatten(x)[0]]
 
 
@@ -263,8 +255,6 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
     refuses a returned input; off for a piece of a model that hands inputs on (the FX route's
     skeleton returns the invariants its blocks read, some of them its own inputs).
     """
-    import thunder
-
     runtime = _Recording()
     start = time.perf_counter()
     saved_grads = {p: p.grad for p in module.parameters()}
@@ -370,7 +360,6 @@ def differentiable_inputs(fwd_trace, bwd: FusionCallable | None, params: dict[st
     result = fwd_trace.bound_symbols[-1].args[0]
     if bwd is None or not isinstance(result, dict):
         return ()
-    from thunder.core.pytree import tree_flatten
 
     args = [getattr(a, "name", None) for a in result.get("flat_args", [])]
     returned = tree_flatten(bwd_trace_return(bwd))[0]

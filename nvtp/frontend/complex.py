@@ -39,6 +39,8 @@ from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from nvtp.frontend.failures import CaptureError
+
 Rule = Callable[["_Rewrite", BoundSymbol], Any]
 RULES: dict[str, Rule] = {}
 
@@ -75,8 +77,6 @@ def _source(bsym: BoundSymbol) -> str:
 
 
 def _refuse(bsym: BoundSymbol, why: str) -> Exception:
-    from nvtp.frontend.capture import CaptureError
-
     return CaptureError(
         f"{bsym.sym.name} at {_source(bsym)}: {why}. nvtp writes complex arithmetic as real arithmetic "
         "(nvtp/frontend/complex.py, RULES) and has no rule for this; write it on real tensors with the real and "

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from thunder.core import prims
+from thunder.core import prims, utils
 from thunder.core.dtypes import is_complex_dtype
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify
+from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.rematerialization import rematerialize
 from thunder.core.symbol import BoundSymbol
@@ -35,13 +35,18 @@ from thunder.core.transform_common import dce
 from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.utils import Region
 from thunder.extend import FusionExecutor, register_executor
+from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
+from thunder.torch import _torch_to_thunder_function_map as thunder_of
+import thunder.torch as ltorch
 
 from nvtp.frontend import attention, interpret, moe, setitem
 from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
-from nvtp.ir.build import FusionBuilder
+from nvtp.ir.build import FusionBuilder, make_op
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
 from nvtp.ir.simplify import common_subexpressions, fold_casts, unpad_gathers
 from nvtp.ir.verify import verify
+from nvtp.execute import reference
+import nvtp
 
 
 @dataclass
@@ -68,8 +73,6 @@ class Runtime:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator).item())
 
     def run(self, fc: "FusionCallable", args: Sequence[Any]) -> tuple:
-        from nvtp.execute import reference
-
         if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
             return fc.meta_outputs()
         outs = reference.run(fc.fusion, args, seed=self.next_seed())
@@ -163,8 +166,6 @@ class NvtpExecutor(FusionExecutor):
     """Thunder executor that fuses whole regions of a trace into nvtp fusions."""
 
     def __init__(self):
-        import nvtp
-
         super().__init__("nvtp", version=nvtp.__version__)
         for prim_id in TRANSLATORS:
             check = CHECKS.get(prim_id)
@@ -174,7 +175,6 @@ class NvtpExecutor(FusionExecutor):
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).
         self._lookasides.update({torch.Tensor.__getitem__: _getitem, TensorProxy.__getitem__: _getitem})
         # x.bool() and its kin, which Thunder runs only opaquely, as x.to(dtype) (the FX route: fx._METHOD_DECOMPOSITIONS)
-        from thunder.torch import _torch_to_thunder_function_map as thunder_of
 
         for method, dtype in _CONVERSIONS.items():  # the method, and the symbol a proxy's attribute resolves to
             self._lookasides.update({m: _converter(dtype) for m in (method, thunder_of.get(method)) if m is not None})
@@ -196,17 +196,11 @@ class NvtpExecutor(FusionExecutor):
     # -- fusion pass --------------------------------------------------------------------------
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
-        from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
-        from thunder.core import utils
-
         fresh, why = setitem.fresh_targets(trace)  # copy_ claimed only into tensors no one else sees
         with setitem.writable(fresh):
             return self._fusion_pass(trace, why)
 
     def _fusion_pass(self, trace: TraceCtx, why: dict[str, str]) -> TraceCtx:
-        from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
-        from thunder.core import utils
-
         start = time.perf_counter_ns()
         runtime = current_runtime()
         fused: TraceCtx = from_trace(trace)
@@ -266,8 +260,6 @@ class NvtpExecutor(FusionExecutor):
 
 def _dce(inputs: list[Proxy], outputs: list[Proxy], bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
     """Drop ops whose results are unused, and inputs nothing reads (as Thunder's nvFuser executor does)."""
-    from thunder.core.proxies import variableify
-
     trace = TraceCtx(None)
     trace.bound_symbols = list(bsyms) + [prims.python_return.bind(outputs, output=None)]
     needed: set = set()
@@ -326,8 +318,6 @@ def translate_region(name: str, inputs: Sequence[Proxy], outputs: Sequence[Proxy
 
 def _outputs_are_results(fusion: Fusion) -> Fusion:
     """nvFuser outputs are values the fusion computes: an output that is an input gets a ``set``."""
-    from nvtp.ir.build import make_op
-
     inputs = {v.name for v in fusion.inputs}
     taken = set(fusion.values)
     ops, outputs = list(fusion.ops), []
@@ -371,8 +361,6 @@ def one_index_as_slice(index: Any) -> Any:
 
 def _getitem(a: Any, key: Any) -> Any:
     """``a[key]`` as Thunder's own ``getitem``, a one-element list index written as a slice first."""
-    import thunder.torch as ltorch
-
     return ltorch.getitem(a, one_index_as_slice(key))
 
 
@@ -382,8 +370,6 @@ _CONVERSIONS = {torch.Tensor.bool: torch.bool, torch.Tensor.int: torch.int32, to
 
 def _converter(dtype: torch.dtype):
     def convert(a: Any, memory_format: Any = None) -> Any:
-        import thunder.torch as ltorch
-
         return ltorch.to(a, dtype)
 
     return convert

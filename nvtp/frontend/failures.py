@@ -10,10 +10,14 @@ import os
 import re
 import traceback
 from typing import Any, Sequence
+import importlib
+import linecache
 
 import torch
 
 from nvtp.frontend.executor import Unclaimed
+from nvtp.errors import InputError, bad_input_types
+from nvtp.frontend.outputs import _children
 
 class CaptureError(RuntimeError):
     """Tracing did not give nvtp the fusions it needs; says which operations were left out."""
@@ -34,8 +38,6 @@ _IN_PLACE = ("copy_", "update_aliases")
 def missing_ops_message(model: str, unclaimed: Sequence[Unclaimed], forward: int, backward: int) -> str:
     """What ``MissingOpError`` says: each operation nvtp left out once, with how often and the
     model's lines (``file:line `code```), and what the user can do about it."""
-    import linecache
-
     seen: dict[str, list[str]] = {}
     for u in unclaimed:
         seen.setdefault(u.name, [])
@@ -72,8 +74,6 @@ _THUNDER_CHECKS = ("baseutils.py", "utils.py")  # thunder.core's check(): Thunde
 
 
 def _package_dir(name: str) -> str:
-    import importlib
-
     return os.path.dirname(importlib.import_module(name).__file__)
 
 
@@ -138,8 +138,6 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
     Each names the module, the arguments, the op and the model's source line when they can be
     told. None when the failure is inside nvtp's own tracer (a bug, re-raised as it is) or is
     already one of nvtp's errors."""
-    from nvtp.errors import InputError, bad_input_types
-
     if isinstance(error, bad_input_types()):
         return None
     frames = traceback.extract_tb(error.__traceback__)
@@ -191,8 +189,6 @@ def trace_failure(module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str
 
 def _containers(x: Any) -> list[Any]:
     """``x`` and every tuple, list, dict or dataclass inside it."""
-    from nvtp.frontend.outputs import _children
-
     children = _children(x)
     return [x] + [c for _, child in (children or []) for c in _containers(child)] if children is not None else []
 

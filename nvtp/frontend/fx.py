@@ -47,10 +47,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+import logging
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import thunder
+import torch._dynamo as dynamo
 
 from nvtp.errors import InputError
 from nvtp.frontend.attention import flash_claim_active, ring_claim_active
@@ -138,8 +141,6 @@ _EXPORTING = threading.Lock()
 
 
 def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    import torch._dynamo as dynamo
-
     # A fresh cache: after several models in one process dynamo's recompile limit would otherwise
     # be hit (export raises rather than falling back, but there is no reason to get near it).
     install_output_hooks(module, kwargs)  # transformers' router-logit recorders, installed outside dynamo (nvtp/frontend/moe.py)
@@ -163,8 +164,6 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    import logging
-
     loggers = [logging.getLogger(n) for n in ("torch._dynamo", "torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -306,8 +305,6 @@ def model_lines(gm: fx.GraphModule, message: str, model: str = "") -> str:
 
 def _output_map(captured: Captured) -> list[Any]:
     """For each leaf the graph returns: which of the forward fusion's user outputs it is, or its constant value."""
-    import thunder
-
     ret = thunder.last_traces(captured.jitted)[-1].bound_symbols[-1].args[0]
     output = ret.get("output") if isinstance(ret, dict) else ret
     leaves = pytree.tree_flatten(output)[0] if not isinstance(output, (tuple, list)) else list(output)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from nvtp.frontend.capture import CaptureError
 
@@ -136,8 +137,6 @@ def functionalize(g: fx.Graph, model: str) -> int:
 def keep_dtype(g: fx.Graph, node: fx.Node, base: fx.Node) -> bool:
     """An in-place result keeps the updated tensor's dtype; the out-of-place op may promote (an int
     tensor += a float): cast back where it would, computed on dynamo's fake values."""
-    from torch._guards import detect_fake_mode
-
     want = example(base).dtype
     fake = detect_fake_mode([example(base)])
     if fake is None:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import thunder
 
 from nvtp.frontend import fx as fxroute
 from nvtp.frontend.capture import CaptureError, Captured, MissingOpError, capture, parameter_names
@@ -310,8 +311,6 @@ def _meta_like(node: fx.Node) -> torch.Tensor:
 
 def _returned(captured: Captured) -> list[Any]:
     """The flat leaves the skeleton's Thunder trace returns (proxies or constants)."""
-    import thunder
-
     ret = thunder.last_traces(captured.jitted)[-1].bound_symbols[-1].args[0]
     output = ret.get("output") if isinstance(ret, dict) else ret
     return list(output) if isinstance(output, (tuple, list)) else pytree.tree_flatten(output)[0]

@@ -20,8 +20,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import thunder.torch as ltorch
 
 from nvtp.errors import InputError
+from nvtp.frontend import mha
 
 
 def cache_off(module: torch.nn.Module) -> bool:
@@ -42,17 +44,15 @@ def cache_off(module: torch.nn.Module) -> bool:
 
 def lookasides() -> dict[Callable, Callable]:
     """torch or transformers function -> what Thunder's interpreter runs in its place."""
-    from nvtp.frontend import mha
-
     found: dict[Callable, Callable] = dict(mha.functions(mha.thunder_ops())) | {torch.minimum: _minimum}
     try:
-        from transformers.utils import output_capturing
+        from transformers.utils import output_capturing  # optional: transformers (pip install nvtp[hf])
     except ImportError:
         return found
     var = output_capturing.CompileableContextVar
     found.update({var.set: _collector_set, var.get: _collector_get, var.reset: _collector_reset})
     try:
-        from transformers.cache_utils import DynamicCache
+        from transformers.cache_utils import DynamicCache  # optional: transformers (pip install nvtp[hf])
     except ImportError:
         return found
     found[DynamicCache.__init__] = _no_cache
@@ -68,8 +68,6 @@ def _no_cache(self: Any, *args: Any, **kwargs: Any) -> None:
 def _minimum(a: Any, b: Any) -> Any:
     """``torch.minimum`` as ``-maximum(-a, -b)``: Thunder 0.2.6 has no gradient for ``minimum`` (it has
     one for ``maximum``); the values are the same, the gradient torch's (half each on a tie)."""
-    import thunder.torch as ltorch
-
     return ltorch.neg(ltorch.maximum(ltorch.neg(a), ltorch.neg(b)))
 
 

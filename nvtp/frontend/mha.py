@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.modules import transformer as _transformer
+from thunder.core import dtypes
+import thunder.torch as ltorch
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,6 @@ def torch_ops() -> Ops:
 
 
 def thunder_ops() -> Ops:
-    import thunder.torch as ltorch
-    from thunder.core import dtypes
-
     return Ops(ltorch.linear, ltorch.scaled_dot_product_attention, ltorch.softmax, ltorch.matmul, ltorch.where,
                ltorch.dropout, lambda t: dtypes.is_boolean_dtype(t.dtype), lambda t: dtypes.is_float_dtype(t.dtype))
 

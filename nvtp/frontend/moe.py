@@ -39,8 +39,13 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grads
+from thunder.torch import _torch_to_thunder_function_map
+import thunder.torch as ltorch
 
 from nvtp.execute import moe as backend
+from nvtp.frontend.translate import TRANSLATORS
 
 # -- the torch ops ---------------------------------------------------------------------------------
 
@@ -149,7 +154,7 @@ def install_output_hooks(module: torch.nn.Module, kwargs: dict) -> None:
     it installs on first use, under a ``threading.Lock`` TorchDynamo cannot enter: install them
     before the export, as transformers' first eager call would (they record only when asked)."""
     try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks  # optional: transformers (pip install nvtp[hf])
     except ImportError:  # another transformers: nothing to install
         return
     for m in module.modules():
@@ -170,21 +175,14 @@ _SYMBOLS: dict[str, Any] = {}
 
 
 def _gather_mm_meta(x, w, index):
-    from thunder.core.proxies import TensorProxy
-
     return TensorProxy(like=x, shape=(x.shape[0], w.shape[-1]))
 
 
 def _wgrad_meta(x, g, index, experts):
-    from thunder.core.proxies import TensorProxy
-
     return TensorProxy(like=x, shape=(experts, x.shape[-1], g.shape[-1]))
 
 
 def _gather_mm_grad(x, w, index):
-    from thunder.core.transforms import get_grad, put_grads
-    import thunder.torch as ltorch
-
     out = _SYMBOLS["gather_mm"](x, w, index)
     g = get_grad(out)
     gx = _SYMBOLS["gather_mm"](g, ltorch.transpose(w, 1, 2), index)
@@ -197,10 +195,6 @@ def register(ex) -> None:
     """Register ``nvtp::gather_mm`` and ``nvtp::gather_mm_wgrad`` as operators of nvtp's executor
     ``ex``, with ``gather_mm``'s gradient rule and the translators to the IR ops; Thunder's
     interpreter then maps calls of the torch ops to them."""
-    from thunder.torch import _torch_to_thunder_function_map
-
-    from nvtp.frontend.translate import TRANSLATORS
-
     ops = torch_ops()
     fwd = ex.register_operator("nvtp_gather_mm", meta=_gather_mm_meta)
     wgrad = ex.register_operator("nvtp_gather_mm_wgrad", meta=_wgrad_meta)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
+import copy
 
 import torch
 
@@ -93,6 +94,4 @@ def _remade(x: Any, items: list[Any]) -> Any:
 
 
 def _copy(x: Any) -> Any:
-    import copy
-
     return copy.copy(x)

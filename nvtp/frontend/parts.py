@@ -42,6 +42,7 @@ from nvtp.frontend.fused import Part, index_range, part_label, split_ranges, til
 from nvtp.ir.build import make_op
 from nvtp.ir.graph import Fusion, Op, TensorValue, ValueInfo, fresh_names
 from nvtp.ir.simplify import dead_code
+from nvtp.ir.ops import pad_pairs
 
 _SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_split_parts", default=False)
 
@@ -212,8 +213,6 @@ def _pieces(fusion: Fusion, v: TensorValue, producers: dict[str, Op]) -> list[tu
         left, right = (_pieces(fusion, x, producers) for x in op.operands)
         return None if left is None or right is None else left + right
     if op.kind == "pad" and op.arg("value") in (0, 0.0, None):
-        from nvtp.ir.ops import pad_pairs
-
         x = op.arg("arg")
         pairs = pad_pairs(x.ndim, op.arg("pad_widths"))
         if any(p != (0, 0) for p in pairs[1:]):

@@ -29,6 +29,9 @@ import contextlib
 import contextvars
 from typing import Any
 
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+
 from nvtp.frontend.strided import interior_pad
 from nvtp.ir.build import FusionBuilder
 from nvtp.ir.dtypes import DType
@@ -40,8 +43,6 @@ COPY_IDS = ("copy_",)
 
 
 def _is_copy(bsym) -> bool:
-    from thunder.core.prims import PrimIDs
-
     return bsym.sym.id in (PrimIDs.COPY_, *COPY_IDS)
 
 
@@ -138,9 +139,6 @@ def fresh_targets(trace) -> tuple[set[str], dict[str, str]]:
     * nothing after the copy reads the memory's contents by a name it had before the copy (a view
       of it taken earlier, or an earlier name), other than through ``update_aliases`` to names no
       one reads: such a read sees the update in eager PyTorch and would not in nvtp's fusion."""
-    from thunder.core.prims import PrimIDs
-    from thunder.core.proxies import TensorProxy
-
     inputs = {p.name for p in trace.args if isinstance(p, TensorProxy)} if trace.args else set()
     bsyms = list(trace.bound_symbols)
     root: dict[str, str] = {}  # a name -> the name of the tensor it renames (update_aliases, copy_)
@@ -186,8 +184,6 @@ def fresh_targets(trace) -> tuple[set[str], dict[str, str]]:
 def _stale_read(bsyms: list, k: int, mem: str, memory: dict[str, str]) -> Any:
     """The first op after ``bsyms[k]`` (a copy_ into memory ``mem``) that reads that memory by a
     name made before the copy (directly, or renamed by ``update_aliases`` since), or None."""
-    from thunder.core.prims import PrimIDs
-
     before = {o.name for b in bsyms[:k] for o in b.flat_proxy_outs if hasattr(o, "name")}
     old = {n for n in before if memory.get(n, n) == mem} | {mem}
     for later in bsyms[k + 1:]:
@@ -206,8 +202,6 @@ _VIEWS = ("RESHAPE", "SLICE", "TRANSPOSE", "SQUEEZE", "BROADCAST_IN_DIM", "SHALL
 
 def _is_view(bsym) -> bool:
     """Whether ``bsym`` may return a view of an operand: a view prim, or an op made of view prims only."""
-    from thunder.core.prims import PrimIDs
-
     if bsym.sym.id in {getattr(PrimIDs, n) for n in _VIEWS}:
         return True
     return bool(bsym.subsymbols) and all(_is_view(sub) for sub in bsym.subsymbols)

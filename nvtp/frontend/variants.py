@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nvtp.frontend.blocks import NotRepeatable, Repeated
 
@@ -374,8 +375,6 @@ def record(module: torch.nn.Module, rep: Repeated, args: tuple, kwargs: dict, wh
     """Run ``module`` (a meta copy: nothing is computed) on fake copies of ``args``/``kwargs`` and
     record it by segment (the module docstring). Raises ``NotRepeatable`` when it does not run on
     fake tensors (``what`` names it), or its blocks are not each called once, in order."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     rec = _Recorder(module, rep)
     handles = []
     for i, b in enumerate(rec.blocks):

@@ -22,7 +22,7 @@ class nvtp_ops:  # noqa: N801 - the name a dump calls: nvtp_ops.gather_mm(fd, ..
     @staticmethod
     def expert_offsets(fd, index, experts):
         # [E] Int32: for expert e, how many rows go to experts 0..e (where its rows end once sorted)
-        from nvfuser_direct import DataType
+        from nvfuser_direct import DataType  # optional: nvfuser_direct (the nvFuser backend only)
 
         ids = fd.ops.broadcast(index, [False, True])
         zero, one = fd.define_scalar(0, dtype=DataType.Int), fd.define_scalar(1, dtype=DataType.Int)
@@ -40,7 +40,7 @@ class nvtp_ops:  # noqa: N801 - the name a dump calls: nvtp_ops.gather_mm(fd, ..
     @staticmethod
     def gather_mm_wgrad(fd, arg1, arg2, index, groups):
         # dw[e] = sum over the rows s of expert e of arg1[s]^T arg2[s]: grouped_mm over the sorted rows
-        from nvfuser_direct import DataType
+        from nvfuser_direct import DataType  # optional: nvfuser_direct (the nvFuser backend only)
 
         order = fd.ops.argsort(index, dim=0, descending=False, stable=True)
         offsets = nvtp_ops.expert_offsets(fd, index, fd.define_scalar(groups, dtype=DataType.Int))

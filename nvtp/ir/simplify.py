@@ -12,6 +12,7 @@ from dataclasses import replace
 from nvtp.ir.build import make_op
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Fusion, Op, Value, defines_input, fresh_names, is_value
+from nvtp.ir.ops import RANDOM, norm_dim, pad_pairs
 
 # (from, to) casts that are exact: every value of `from` is a value of `to`.
 _WIDENS = {
@@ -88,8 +89,6 @@ def common_subexpressions(fusion: Fusion) -> Fusion:
 
     Requires: a verified fusion. Ensures: the same outputs, bit for bit.
     """
-    from nvtp.ir.ops import RANDOM
-
     seen: dict[tuple, tuple[Value, ...]] = {}
     sub: dict[str, Value] = {}
     ops: list[Op] = []
@@ -120,8 +119,6 @@ def unpad_gathers(fusion: Fusion) -> Fusion:
 
     Requires: a verified fusion. Ensures: the same outputs, bit for bit.
     """
-    from nvtp.ir.ops import norm_dim, pad_pairs
-
     producers = fusion.producers()
     names = fresh_names(fusion)
     ops: list[Op] = []

@@ -9,6 +9,7 @@ import weakref
 from nvtp.ir import ops as opstable
 from nvtp.ir.graph import Fusion, Op, ScalarValue, TensorValue, is_value
 from nvtp.ir.ops import IRError
+from nvtp.ir.dtypes import DType
 
 
 def _context(fusion: Fusion, index: int, radius: int = 3) -> str:
@@ -100,8 +101,6 @@ def _typed(op: Op) -> None:
 
 
 def _is_literal(a: object) -> bool:
-    from nvtp.ir.dtypes import DType
-
     if a is None or isinstance(a, (bool, int, float, complex, DType)):
         return True
     if isinstance(a, tuple):

@@ -37,7 +37,7 @@ CONFIGS = {  # family -> (config class, model class, config): hidden 64, 4 heads
 def _transformers():
     """transformers, or an ImportError that says how to install it."""
     try:
-        import transformers
+        import transformers  # optional: transformers (pip install nvtp[hf])
     except ImportError:
         raise ImportError("transformers is not installed; run `uv sync` (dev group) or `pip install nvtp[hf]`") from None
     return transformers

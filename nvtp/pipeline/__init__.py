@@ -20,7 +20,7 @@ def plan(model, *example_args, plan: Any = "megatron", mesh: Any = None, microba
     """The ``PipelineProgram`` ``nvtp.jit(model, plan=plan, mesh=mesh, microbatches=...)`` runs for
     one rank's batch ``example_args`` (nothing computed; the model's parameters untouched):
     ``.as_text()`` is what ``nvtp explain --mesh PPxDPxTP`` prints, ``.as_data()`` the same as data."""
-    from nvtp import driver
+    from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     return driver.compile_pipeline(model, *example_args, plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule,
                                    cut=cut, backend=backend, **example_kwargs)

@@ -24,6 +24,7 @@ from nvtp.ir.build import make_op
 from nvtp.ir.graph import Fusion
 from nvtp.ir.simplify import dead_code
 from nvtp.ir.verify import verify
+from nvtp.frontend.fx import without_cache
 
 _LOSS_LABELS = ("y['loss']", "y.loss")
 
@@ -93,9 +94,8 @@ def arguments(traced: Any, module: torch.nn.Module, args: tuple) -> dict[str, An
     call = traced.call
     if call is None:
         return {label: a for label, a in zip(traced.arguments, args) if isinstance(a, torch.Tensor)}
-    from nvtp.driver import bind_call
 
-    args, kwargs = bind_call(module, "fx", args, {})
+    args, kwargs = without_cache(module, args, {})  # what driver.bind_call gives on the FX route
     return {k: v for k, v in call.bind(args, kwargs).items() if isinstance(v, torch.Tensor)}
 
 

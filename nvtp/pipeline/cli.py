@@ -11,18 +11,18 @@ and cut by the compile driver (``nvtp.driver.compile_pipeline``), and reported b
 from __future__ import annotations
 
 import json
+import importlib
+
+import torch
+
+from nvtp import pipeline
+from nvtp.errors import EXIT_OK, Usage
+from nvtp.models import gpt
+from nvtp.sharding.axes.pp import parse
+from nvtp.sharding.plans import check_plan
 
 
 def explain_pipeline(args) -> int:
-    import importlib
-
-    import torch
-
-    from nvtp import pipeline
-    from nvtp.errors import EXIT_OK, Usage
-    from nvtp.sharding.axes.pp import parse
-    from nvtp.sharding.plans import check_plan
-
     lay = parse(args.mesh)
     check_plan(args.plan, [])
     if args.fsdp:
@@ -35,8 +35,6 @@ def explain_pipeline(args) -> int:
         model, example = made[0], made[1]
         name = type(model).__name__
     else:
-        from nvtp.models import gpt
-
         try:
             cfg = gpt.config(args.config)
         except ValueError as e:

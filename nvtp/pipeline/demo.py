@@ -15,34 +15,33 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+
+from nvtp.execute import launch
+from nvtp.execute.launch import init_group
+from nvtp.models import gpt
+from nvtp.sharding import axes
+from nvtp.sharding.axes.pp import parse
+import nvtp
 
 LAYERS = 4
 LR = 0.1
 
 
 def _model(layers: int):
-    from nvtp.models import gpt
-
     torch.manual_seed(0)
     return gpt.GPT(gpt.config("tiny", n_layer=layers))
 
 
 def _batch(step: int, global_batch: int, layers: int):
-    from nvtp.models import gpt
-
     return gpt.example_tokens(gpt.config("tiny", n_layer=layers, batch=global_batch), seed=step)
 
 
 def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps, plan, layers, nvfuser_dir, timeout=60.0):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import nvtp
-    from nvtp.execute.launch import init_group
-    from nvtp.sharding import axes
-
     init_group(rank, world, init_method, timeout)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes.spelled(3))  # (pp, dp, tp)
     model = nvtp.jit(_model(layers), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule, timeout=timeout)
@@ -69,7 +68,7 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps,
             print(f"   step {step:>3}  loss {losses[-1]:.6f}  {1000 * times[-1]:.0f} ms", flush=True)
     whole = model.full_parameters()
     if rank == 0 and nvfuser_dir:
-        from nvtp import driver
+        from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
         # the nvFuser backend's program of the same pipeline (planning for GPUs works anywhere)
         idx, targets = _batch(0, 4 * dp, layers)
@@ -86,9 +85,6 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, steps,
 
 
 def main(args) -> int:
-    from nvtp.execute.launch import spawn
-    from nvtp.sharding.axes.pp import parse
-
     lay = parse(args.mesh)
     shape = (lay.pp, lay.dp, lay.tp)
     microbatches = getattr(args, "microbatches", None) or 2
@@ -100,7 +96,7 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out, nvf = os.path.join(tmp, "result.pt"), os.path.join(tmp, "nvfuser")
         start = time.perf_counter()
-        codes = spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf,
+        codes = launch.spawn(_worker, lay.size, out, shape, microbatches, schedule, args.steps, args.plan, layers, nvf,
                       getattr(args, "timeout", 60.0))
         if codes != [0] * lay.size:
             print(f"nvtp demo: a rank failed (exit codes {list(codes)})")
@@ -132,11 +128,9 @@ def main(args) -> int:
 
 def _build_nvfuser(directory: str) -> str:
     """Build every stage's printed file in nvfuser_direct from its text (no GPU needed)."""
-    from pathlib import Path
-
     files = sorted(Path(directory).glob("stage*_*.py"))
     try:
-        from nvtp.execute.nvfuser import build_from_text
+        from nvtp.execute.nvfuser import build_from_text  # optional: nvfuser_direct (the nvFuser backend only)
     except ImportError as e:  # pragma: no cover - nvfuser_direct missing
         return f"skipped ({e})"
     failed = []

@@ -27,13 +27,12 @@ from nvtp.sharding.axes.pp import NAME as STAGES, Layout, layout_of
 from nvtp.pipeline.stages import StageError, Staged
 from nvtp.sharding.placements import local_shape
 from nvtp.steps import Step
+from nvtp.frontend.blocks import NotRepeatable, find_repeated
 
 
 def check_pipeline(module: torch.nn.Module, args: Sequence[Any], mesh: Any, microbatches: int, schedule: str):
     """(layout, the repeated blocks, one microbatch's arguments) or a clear error before any work:
     fewer blocks than stages, a batch the microbatches do not divide, an unknown schedule."""
-    from nvtp.frontend.blocks import NotRepeatable, find_repeated
-
     layout = layout_of(mesh)
     sched.check(schedule)
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:

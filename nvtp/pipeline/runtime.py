@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any
+import hashlib
 
 import torch
+import torch.distributed as dist
 
 from nvtp import driver, guard, precheck
 from nvtp import dtensor as _dt
@@ -45,7 +47,9 @@ from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
 from nvtp.sharding.axes import MeshError
-from nvtp.sharding.placements import local_shape
+from nvtp.sharding.placements import local_shape, REPLICATE
+from nvtp.driver import tensor_attributes
+from nvtp.sharding.plans import check_plan
 
 FORWARD_TAG, BACKWARD_TAG = 11, 12
 
@@ -57,7 +61,6 @@ class PipelineModule(torch.nn.Module):
                  schedule: str = "1f1b", cut: Any = None, backend: str = "auto", frontend: str = "auto",
                  timeout: float | None = 60.0, verify: bool | float = True, compile: str = "kernels", recompute: str = "none"):
         super().__init__()
-        import torch.distributed as dist
 
         self.module = module
         self.plan = plan
@@ -76,7 +79,6 @@ class PipelineModule(torch.nn.Module):
                             f"{world} rank(s); start {lay.size} processes (torchrun --nproc-per-node {lay.size}) or pick pp*dp*tp = {world}")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise InputError(f"microbatches={microbatches!r}: give a positive number of microbatches per step")
-        from nvtp.sharding.plans import check_plan
 
         check_plan(plan, driver.plan_names(module), type(module).__name__)
         self.backend = backends.resolve(backend, next((p.device.type for p in module.parameters()), "cpu")).name
@@ -94,8 +96,6 @@ class PipelineModule(torch.nn.Module):
 
     def _make_groups(self) -> None:
         """Every rank creates every group, in one order (torch.distributed's rule); keeps its own."""
-        import torch.distributed as dist
-
         if self.layout.size == 1:
             return
         lay = self.layout
@@ -129,8 +129,6 @@ class PipelineModule(torch.nn.Module):
         return self.compile(*args).program
 
     def _compile(self, args: tuple) -> None:
-        import torch.distributed as dist
-
         device = next((p.device.type for p in self.module.parameters()), "cpu")
         for a in args:
             if isinstance(a, torch.Tensor) and a.device.type != device:
@@ -214,8 +212,6 @@ class PipelineModule(torch.nn.Module):
 
     def _per_axis(self, placement: Any) -> tuple:
         """A stage program's placement on its (dp, tp) or (tp,) sub-mesh, one per axis of (dp, tp)."""
-        from nvtp.sharding.placements import REPLICATE
-
         if placement is None:
             return (REPLICATE, REPLICATE)
         if isinstance(placement, tuple):
@@ -236,8 +232,6 @@ class PipelineModule(torch.nn.Module):
     def _stage_buffers(self, params: dict[str, Any]) -> dict[str, torch.Tensor]:
         """What this stage reads of the module that is not a parameter (a rotary table: a buffer or
         a tensor attribute), by label; whole, as every stage that reads it holds it."""
-        from nvtp.driver import tensor_attributes
-
         wanted = [label for label in self.program.stages[self.stage].parameters if label not in params]
         if not wanted:
             return {}
@@ -465,8 +459,6 @@ class PipelineModule(torch.nn.Module):
 
 def _seed(base: int, stage: int, microbatch: int) -> int:
     """The seed of a stage's fusions for one microbatch of a call: distinct per stage and microbatch."""
-    import hashlib
-
     digest = hashlib.sha256(repr((base, stage, microbatch)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
 

@@ -2,7 +2,7 @@
 
     staged = cut_stages(traced, prefix="h", blocks=4, stages=2)      # balanced by cost
     staged = cut_stages(traced, prefix="h", blocks=4, stages=2, cut=(1,))  # blocks [0, 1) and [1, 4)
-    staged.stages[0].traced       # stage 0's forward and backward fusions, a ``driver.Traced``
+    staged.stages[0].traced       # stage 0's forward and backward fusions, a ``nvtp.traced.Traced``
     staged.transfers              # what crosses each cut: point-to-point on the pp axis, with its bytes
 
 Input: the *whole* traced forward and backward fusions (``driver.trace``, tied weights left as
@@ -41,6 +41,7 @@ from typing import Sequence
 from nvtp.ir.graph import Fusion, Op, TensorValue, ValueInfo, defines_input
 from nvtp.ir.simplify import dead_code
 from nvtp.sharding.propagate import ShardingError
+from nvtp.traced import Traced
 
 
 class StageError(ShardingError):
@@ -74,7 +75,7 @@ class Transfer:
 class Stage:
     index: int
     blocks: tuple[int, ...]
-    traced: object  # nvtp.driver.Traced: this stage's fusions
+    traced: object  # nvtp.traced.Traced: this stage's fusions
     parameters: list[str]  # labels of the parameters it reads
     cost: Cost = field(default_factory=Cost)
 
@@ -548,8 +549,6 @@ def cut_stages(traced, prefix: str, blocks: int, stages: int, cut: Sequence[int]
     """The stages of ``traced`` (see the module docstring). ``cut``: the first block of each stage
     after the first (``(2,)``: blocks [0, 2) and [2, L)); None: balanced by cost. Raises
     ``StageError`` for fewer blocks than stages or a cut that is not increasing inside [1, L)."""
-    from nvtp.driver import Traced
-
     if blocks < stages:
         raise StageError(f"the model has {blocks} blocks ({prefix}.0 .. {prefix}.{blocks - 1}) but the pp axis has {stages} stages; "
                          f"each stage holds at least one block: use pp <= {blocks}, or a model with at least {stages} blocks")

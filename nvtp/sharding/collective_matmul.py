@@ -22,9 +22,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
 from nvtp.sharding.cost import Machine, ring_seconds
 from nvtp.sharding.overlap import Ring
 from nvtp.sharding.sharded import ShardedFusion
+from nvtp.errors import InputError
+from nvtp.ir.build import FusionBuilder
+from nvtp.ir.graph import ScheduleStep
+from nvtp.sharding.placements import REPLICATE, axis_split, local_shape
 
 
 SPELLED = {"auto": "auto", "on": True, "off": False}  # the command lines' --collective-matmul
@@ -32,8 +38,6 @@ SPELLED = {"auto": "auto", "on": True, "off": False}  # the command lines' --col
 
 def check_mode(mode: bool | str) -> bool | str:
     """``mode`` as ``plan_rings`` takes it, or ``InputError`` naming the choices."""
-    from nvtp.errors import InputError
-
     if mode not in (True, False, "auto"):
         raise InputError(f"collective_matmul={mode!r}: pass True, False or 'auto'")
     return mode
@@ -41,8 +45,6 @@ def check_mode(mode: bool | str) -> bool | str:
 
 def _plain_shard(p) -> int | None:
     """The dimension of a plain contiguous split (torch's ``Shard``, not strided), else None."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
-
     return p.dim if isinstance(p, Shard) and not isinstance(p, _StridedShard) else None
 
 
@@ -57,8 +59,6 @@ def find_rings(sharded: ShardedFusion) -> list[Ring]:
       makes and nothing else uses.
 
     The split dimension must be split by no other mesh axis and divide evenly."""
-    from nvtp.sharding.placements import local_shape
-
     f = sharded.fusion
     index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
     outputs = {v.name for v in f.outputs}
@@ -138,8 +138,6 @@ def find_rings(sharded: ShardedFusion) -> list[Ring]:
 
 
 def _split_elsewhere(sharding, axis: int, dim: int) -> bool:
-    from nvtp.sharding.placements import axis_split
-
     return any(a != axis and (axis_split(p) or (None,))[0] == dim for a, p in enumerate(sharding))
 
 
@@ -176,10 +174,6 @@ def collective_matmul_fusions(sharded: ShardedFusion, rings: list[Ring]) -> list
     it reduce-scatters each block. [(name, Fusion, schedule steps)], one tp group of ``n``
     devices; shapes are the values' shapes as that group sees them (other mesh axes' splits
     taken out)."""
-    from nvtp.ir.build import FusionBuilder
-    from nvtp.ir.graph import ScheduleStep
-    from nvtp.sharding.placements import REPLICATE, local_shape
-
     f = sharded.fusion
     out, seen = [], set()
     for ring in rings:

@@ -33,6 +33,7 @@ from nvtp.sharding.placements import (
     REPLICATE, DeviceMesh, Partial, Placement, axis_split, is_partial, is_replicate, make_shard,
 )
 from nvtp.sharding.rules import OpFactors, factors_of, tensor_operands
+from nvtp.sharding.placements import divisibility_error
 
 SUM = Partial("sum")
 
@@ -513,8 +514,6 @@ def _shrinks_or_keeps(op: Op) -> bool:
 
 def check_annotations(fusion: Fusion, mesh: DeviceMesh, annotations: Mapping[str, Placement]) -> None:
     """Raise ``ShardingError`` for an annotation that names no input or does not divide."""
-    from nvtp.sharding.placements import divisibility_error
-
     values = fusion.values
     inputs = {v.name for v in fusion.inputs}
     for name, p in annotations.items():

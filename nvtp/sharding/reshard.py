@@ -22,7 +22,8 @@ from nvtp.ir.build import make_op
 from nvtp.ir.graph import Fusion, Op, TensorValue, defines_input, fresh_names
 from nvtp.ir.ops import spec
 from nvtp.sharding.placements import DeviceMesh, Placement, axis_split, is_partial, is_replicate, REPLICATE
-from nvtp.sharding.propagate import Propagation, reshard_bytes
+from nvtp.sharding.propagate import as_decision, implied, Propagation, reshard_bytes
+from nvtp.sharding.rules import factors_of
 
 COLLECTIVES = ("allreduce", "allgather", "reduce_scatter")
 
@@ -139,7 +140,7 @@ def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[s
     Requires: the output of ``insert_reshards``. Ensures: the same values on every rank, each
     op's operands still in the placements it needs, and no more bytes communicated.
     """
-    from nvtp.ir.simplify import dead_code
+    from nvtp.ir.simplify import dead_code  # lazy: kept off nvtp --help's path
 
     names = fresh_names(fusion)
     changed = True
@@ -152,9 +153,6 @@ def hoist_gathers(fusion: Fusion, placements: dict[str, Placement], made: dict[s
 def _hoist_scan(ops: list[Op], placements, made, names, mesh) -> tuple[list[Op], bool]:
     """One pass of ``hoist_gathers`` over ``ops`` (edited in place), in time linear in the fusion:
     after a hoist the scan goes on from the same place, since the new gather may move up again."""
-    from nvtp.sharding.propagate import as_decision, implied
-    from nvtp.sharding.rules import factors_of
-
     producers = {v.name: op for op in ops for v in op.outputs}
     values = {v.name: v for op in ops for v in op.outputs}
     gathers = {(s.value, s.dst): r for r, s in made.items()}

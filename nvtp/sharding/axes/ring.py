@@ -92,7 +92,7 @@ def ring_seconds(phase: str, sharded: Any, factor: Any, machine: Any) -> float:
     which ``nvtp.sharding.cost.op_seconds`` counts): n - 1 more blocks, each beside a step of the
     ring, (n - 1) max(step, block), on ``machine``'s cp link. ``factor``: a value's size against
     its traced one (``cost.Sizes``; None: as traced)."""
-    from nvtp.sharding.cost import op_seconds
+    from nvtp.sharding.cost import op_seconds  # lazy: kept off nvtp --help's path
 
     mesh = sharded.mesh
     steps: dict[int, list[RingStep]] = {}
