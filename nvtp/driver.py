@@ -29,6 +29,7 @@ its outputs stay where the plan puts them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import time
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from nvtp.errors import InputError
-from nvtp.frontend.attention import claim_for_ring
+from nvtp.frontend.attention import claim_flash, claim_for_ring
 from nvtp.frontend.parts import splitting
 from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
 from nvtp.frontend.regional import capture_regional
@@ -143,7 +144,8 @@ def _meta(x: Any, batch: int) -> Any:
 
 def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
           regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
-          like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False, tie: bool = True) -> Traced:
+          like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False, tie: bool = True,
+          flash: bool = False) -> Traced:
     """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
 
     ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
@@ -159,14 +161,23 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     one input per name, each use's gradient its own output (pipeline stages hold each use).
     ``ring``: for a mesh with a "cp" axis, every causal or full attention is claimed whole
     (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.axes.cp``); the
-    ones declined are in ``Traced.declined``."""
+    ones declined are in ``Traced.declined``. ``flash`` (the reference backend's targets,
+    ``Target.flash_attention``): attention without mask, GQA or dropout is claimed whole the same way,
+    so the backward reads its output and logsumexp (``nvtp.frontend.attention.claim_flash``)."""
+    options = dict(frontend=frontend, regional=regional, split_parts=split_parts, batch=batch, on_meta=on_meta, like=like,
+                   boundary=boundary, tie=tie)
     if ring:
-
         with claim_for_ring() as declined:
-            traced = trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
-                           on_meta=on_meta, like=like, boundary=boundary, tie=tie)
+            traced = _trace(module, args, kwargs, **options)
         traced.declined = list(dict.fromkeys(declined))
         return traced
+    with claim_flash() if flash else contextlib.nullcontext():
+        return _trace(module, args, kwargs, **options)
+
+
+def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, frontend: str, regional: bool,
+           split_parts: bool, batch: int, on_meta: bool, like: torch.nn.Module | None, boundary: bool, tie: bool) -> Traced:
+    """``trace``'s work, under whichever attention claim ``trace`` set."""
     kwargs = dict(kwargs or {})
     meta = meta_copy(module) if on_meta else module
     module = like if like is not None else module
@@ -369,7 +380,8 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     args, kwargs = bind_call(source, way, args, kwargs)
-    traced = trace(source, args, kwargs, frontend=way, regional=regional, **axes.trace_options(mesh, plan))
+    traced = trace(source, args, kwargs, frontend=way, regional=regional, flash=as_target(backend).flash_attention,
+                   **axes.trace_options(mesh, plan))
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed, **schedule)
 
 

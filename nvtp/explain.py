@@ -41,6 +41,7 @@ from nvtp.models import gpt
 from nvtp.sharding.cost import MACHINES
 from nvtp.sharding.moe import moe_layers
 from nvtp.sharding.plans import check_plan
+from nvtp.sharding.target import as_target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,15 +177,16 @@ def explain_gpt(cfg, *, layers: int, plan: str = "megatron", devices: int | None
     name = f"GPT ({layers} layers, hidden {cfg.n_embd}, {cfg.n_head} heads, sequence {cfg.seq_len}, batch {cfg.batch}, {str(dtype).replace('torch.', '')})"
     extra = {"backend": backend} | ({"machine": _machine(machine)} if machine is not None else {})
     ring = axes.trace_options(mesh, plan)["ring"]  # attention claimed whole, for a ring (a cp axis)
+    flash = as_target(backend).flash_attention  # or for the backend's flash kernels
     if not axes.plain(mesh):
         extra |= {"mesh": mesh, "data": axes.data_mode(fsdp),
                   "batch": f"traced batch {cfg.batch} = dp {dp} x {per_rank} per rank ({'--batch' if batch else 'the config' + chr(39) + 's batch'})"}
     if not regional:
-        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring), plan, mesh, backend, fsdp, machine, collective_matmul)
+        whole = _shard_gpt(_trace_gpt(cfg, layers, dtype, ring, flash), plan, mesh, backend, fsdp, machine, collective_matmul)
         traced = time.perf_counter() - start
         return ModelReport(name, plan, mesh.size, [Region("model", 1, whole.forward, whole.backward, whole.schedules)],
                            {"trace": traced, "shard": whole.seconds["shard"]}, shape, notes=whole.notes, **extra)
-    outer_t, block_t = _trace_gpt(cfg, 0, dtype, ring), _trace_gpt(cfg, None, dtype, ring)
+    outer_t, block_t = _trace_gpt(cfg, 0, dtype, ring, flash), _trace_gpt(cfg, None, dtype, ring, flash)
     traced = time.perf_counter() - start
     outer, block = (_shard_gpt(t, plan, mesh, backend, fsdp, machine, collective_matmul) for t in (outer_t, block_t))
     regions = [Region("outer", 1, outer.forward, outer.backward, outer.schedules),
@@ -201,17 +203,17 @@ def _shard_gpt(traced, plan: str, mesh: DeviceMesh, backend: str, fsdp: bool, ma
 
 
 @functools.lru_cache(maxsize=8)
-def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype, ring: bool = False):
+def _trace_gpt(cfg, n_layer: int | None, dtype: torch.dtype, ring: bool = False, flash: bool = False):
     """The traced fusions of GPT(cfg) with ``n_layer`` layers, or of one Block (None: its output
     is the next block's input, so no module boundary), on meta tensors; kept, so that
-    explaining several plans traces once."""
+    explaining several plans traces once. ``ring``, ``flash``: as ``driver.trace`` takes them."""
     from nvtp import driver  # lazy: loads Thunder; CLI file commands load this module without it
 
     with torch.device("meta"):
         if n_layer is None:
             block = gpt.Block(cfg).to(dtype)
             return driver.trace(block, (gpt.example_input(cfg, dtype=dtype, device="meta"),), regional=False, boundary=False,
-                                ring=ring)
+                                ring=ring, flash=flash)
         model = gpt.GPT(replace(cfg, n_layer=n_layer)).to(dtype)
     tokens = tuple(torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long, device="meta") for _ in range(2))
-    return driver.trace(model, tokens, regional=False, ring=ring)
+    return driver.trace(model, tokens, regional=False, ring=ring, flash=flash)

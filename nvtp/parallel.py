@@ -58,6 +58,7 @@ from nvtp.sharding.plans import check_plan
 from nvtp.sharding.propagate import ShardingError
 from nvtp.execute.launch import start_watchdog
 from nvtp.sharding.collective_matmul import check_mode
+from nvtp.sharding.target import as_target
 
 __all__ = ["ShardedModule", "full_tensor", "InputError", "retarget", "hold_part", "gather"]  # the last four: nvtp/parameters.py
 
@@ -226,7 +227,8 @@ class ShardedModule(torch.nn.Module):
         precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
         traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
-            like=self.module, **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
+            like=self.module, flash=as_target(self.backend).flash_attention,  # the backend's attention (sdpfa on the reference's)
+            **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute,
                                axis_options=self.axis_options)

@@ -20,12 +20,13 @@ from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 
 # what each model's forward and backward must run as kernels
-GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "gelu": 2, "causal_attention_probs": 2, "softmax": 0},
+GPT_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "layer_norm": 5, "gelu": 2, "flash_attention": 2,
+                           "causal_attention_probs": 0, "softmax": 0},
                "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
-                            "layer_norm_backward": 5, "gelu_backward": 2, "softmax_backward": 2}}
-LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "softmax": 2},
+                            "layer_norm_backward": 5, "gelu_backward": 2, "flash_attention_backward": 2, "softmax_backward": 0}}
+LLAMA_KERNELS = {"forward": {"log_softmax": 1, "nll_loss": 1, "rms_norm": 5, "silu": 2, "flash_attention": 2, "softmax": 0},
                  "backward": {"log_softmax_backward": 1, "nll_loss_backward": 1, "embedding_backward": 1,
-                              "rms_norm_backward": 5, "silu_backward": 2, "softmax_backward": 2}}
+                              "rms_norm_backward": 5, "silu_backward": 2, "flash_attention_backward": 2, "softmax_backward": 0}}
 
 
 def _fused(sm) -> dict[str, dict[str, int]]:
@@ -86,7 +87,8 @@ def test_gpt_runs_its_loss_embedding_gradient_and_norms_as_kernels_with_the_inte
 
 
 def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_eagers_values():
-    """A transformers Llama from a tiny config (RMSNorm, SwiGLU, labels shifted with -100)."""
+    """A transformers Llama from a tiny config (RMSNorm, SwiGLU, labels shifted with -100; GQA, 2
+    KV heads of 4, which transformers repeats before its causal-masked attention: flash attention)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -101,8 +103,9 @@ def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_
     _close(kernels, none, "kernels vs the interpreter")
 
 
-def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_values():
-    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients)."""
+def test_a_transformers_gpt2_runs_its_gelu_new_and_its_masked_attention_as_torchs_kernels_with_eagers_values():
+    """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients;
+    attention with a causal mask tensor)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, use_cache=False,
@@ -110,8 +113,10 @@ def test_a_transformers_gpt2_runs_its_gelu_new_as_torchs_tanh_gelu_with_eagers_v
     model = transformers.GPT2LMHeadModel(cfg)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
-    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1},
-                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5}})
+    # its causal mask, a tensor computed from positions alone, is read as is_causal=True: flash attention
+    _expect(fused, {"forward": {"gelu": 2, "layer_norm": 5, "log_softmax": 1, "nll_loss": 1, "flash_attention": 2, "softmax": 0},
+                    "backward": {"gelu_backward": 2, "embedding_backward": 2, "layer_norm_backward": 5,
+                                 "flash_attention_backward": 2, "softmax_backward": 0}})
     _close(kernels, eager, "kernels vs eager")
     _close(kernels, none, "kernels vs the interpreter")
 
@@ -138,14 +143,13 @@ def _same(got, want, what: str, tol: float = 2e-5) -> None:
     assert err <= tol, f"{what}: differs by {err:.2e} of the largest entry"
 
 
-def test_causal_attention_whose_probabilities_nothing_keeps_runs_as_torchs_sdpa():
-    """Under torch.no_grad() no backward keeps the attention's probabilities, so a GPT block's
-    causal attention runs as F.scaled_dot_product_attention (torch's flash kernel on a CPU);
-    in training (the GPT test above) the backward keeps them and it runs as causal_attention_probs."""
+def test_causal_attention_under_no_grad_runs_as_torchs_flash_kernel():
+    """A GPT block's causal attention, traced whole for the reference backend (``sdpfa_fwd``),
+    runs as torch's CPU flash kernel under torch.no_grad() too (in training: the GPT test above)."""
     torch.manual_seed(0)
     cfg = gpt.config("tiny")
     want, got, none, fused = _no_grad_three_ways(gpt.Block(cfg), gpt.example_input(cfg, requires_grad=False))
-    assert fused.get("causal_attention") == 1 and "softmax" not in fused and "causal_attention_probs" not in fused, fused
+    assert fused.get("flash_attention") == 1 and "softmax" not in fused and "causal_attention_probs" not in fused, fused
     _same(got, want, "kernels vs eager")
     _same(got, none, "kernels vs the interpreter")
 
@@ -173,3 +177,56 @@ def test_only_a_causal_mask_is_taken_for_causal_attention(offset, kernel):
     assert fused == {kernel: 1}, fused
     _same(got, want, "kernels vs eager")
     _same(got, none, "kernels vs the interpreter")
+
+
+# -- attention traced whole for the reference backend (sdpfa_fwd / sdpfa_bwd, torch's flash kernels) --------------
+
+
+def _gpt(**overrides):
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny", **overrides)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
+    return gpt.GPT(cfg), cfg, idx, torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g)
+
+
+def test_attention_dropout_keeps_the_decomposition_that_draws_like_eager():
+    """Attention dropout is not claimed (torch's flash kernels draw their own mask): the GPT in
+    training with dropout 0.1 keeps Thunder's decomposition; in eval mode (dropout_p 0) it is claimed."""
+    from nvtp import driver
+
+    cfg = gpt.config("tiny", dropout=0.1)
+    with torch.device("meta"):
+        block = gpt.Block(cfg)
+    x = (gpt.example_input(cfg, device="meta"),)
+    kinds = lambda t: [o.kind for o in t.forward.ops]  # noqa: E731
+    assert "sdpfa_fwd" not in kinds(driver.trace(block.train(), x, regional=False, boundary=False, flash=True))
+    assert "sdpfa_fwd" in kinds(driver.trace(block.eval(), x, regional=False, boundary=False, flash=True))
+
+
+def test_megatron_at_tp2_saves_attentions_output_and_logsumexp_and_runs_flash_kernels_with_eagers_gradients():
+    """Simulated ranks (threads): the heads split over tp=2, each rank's attention by torch's flash
+    kernels, the loss and every gradient as eager's on the unsharded model. The forward hands the
+    backward each attention's output and logsumexp ([B, h, T]), no [B, h, T, T] value (Thunder's
+    decomposition saves the probabilities p)."""
+    from nvtp.execute import spmd
+
+    model, cfg, idx, tgt = _gpt(seq_len=32)  # T 32, head size 16: a [B, h, T, T] shape is no other value's
+    want = _step(copy.deepcopy(model), lambda loss: loss, idx, tgt)
+    mesh = DeviceMesh.of_size(2)
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r)) for r in range(2)]
+    ranks[0].compile(idx, tgt)
+    ranks[1].share_compiled(ranks[0])
+    got = spmd.on_threads(lambda r: _step(ranks[r], lambda loss: loss, idx, tgt), threads)
+    fused = _fused(ranks[0])  # summed over the two ranks' lowerings of the shared program: 2 blocks each
+    assert fused["forward"].get("flash_attention") == 4 and fused["backward"].get("flash_attention_backward") == 4, fused
+    assert "softmax" not in fused["forward"] and "causal_attention_probs" not in fused["forward"], fused
+    backward = ranks[0].last.backward.fusion
+    saved = [tuple(v.shape) for v in backward.inputs if backward.role(v.name) == "saved"]
+    heads = (cfg.batch, cfg.n_head)
+    assert saved.count(heads + (32,)) == cfg.n_layer and heads + (32, 32) not in saved, saved
+    assert [o.kind for o in backward.ops].count("sdpfa_bwd") == cfg.n_layer
+    for r, (loss, grads) in enumerate(got):
+        whole = {n: spmd.assemble([g[1][n] for g in got], ranks[0].placement(n), want[1][n].shape, mesh) for n in grads}
+        _close((loss, whole), want, f"rank {r} vs eager")

@@ -103,3 +103,23 @@ def test_nvfuser_builds_each_sharded_dump_from_its_text(dtype, dropout, role, pl
 @pytest.mark.parametrize("path", sorted((ROOT / "fusions").glob("*.py")), ids=lambda p: p.name)
 def test_nvfuser_builds_each_checked_in_dump_from_its_text(path):
     check_nvfuser_reads(path)
+
+
+def test_nvfuser_builds_the_reference_backends_float32_flash_attention_from_its_text(tmp_path):
+    """The reference backend's trace claims float32 attention whole (sdpfa_fwd / sdpfa_bwd, run by
+    torch's CPU flash kernels); printed, both fusions are definitions nvFuser builds from the text."""
+    import torch
+
+    from nvtp import driver
+    from nvtp.ir.printer import format_file
+    from nvtp.models import gpt
+
+    cfg = gpt.config("tiny")
+    with torch.device("meta"):
+        block = gpt.Block(cfg)
+    traced = driver.trace(block, (gpt.example_input(cfg, device="meta"),), regional=False, boundary=False, flash=True)
+    for name, fusion, op in (("fwd", traced.forward, "fd.ops.sdpfa_fwd("), ("bwd", traced.backward, "fd.ops.sdpfa_bwd(")):
+        path = tmp_path / f"block_fp32_flash_{name}.py"
+        path.write_text(format_file(fusion))
+        assert op in path.read_text() and "DataType.Float" in path.read_text()
+        assert "ideviceIdx" not in check_nvfuser_reads(path)

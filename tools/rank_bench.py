@@ -1,8 +1,10 @@
 """One rank's forward + backward against eager PyTorch, interleaved in one process: nvtp on a
-mesh of one with ``compile="kernels"`` (the default), with only the LayerNorm, GELU and softmax
-patterns (``ln-gelu``: the reference backend before issue 37), the kernels without the causal
-attention entry (``no-attn``), and ``compile="none"`` (the
-interpreter).
+mesh of one with ``compile="kernels"`` (the default: attention traced as ``sdpfa_fwd`` /
+``sdpfa_bwd``, run by torch's CPU flash kernels), the same with the attention traced as Thunder
+decomposes it (``saved-p``: the backward keeps the probabilities, as before the flash claim; the
+causal-attention entry runs its forward), with only the LayerNorm, GELU and softmax patterns
+(``ln-gelu``: the reference backend before issue 37, attention decomposed), and ``compile="none"``
+(the interpreter, attention as ``sdpfa`` by its implementations' formulas).
 
     .venv/bin/python tools/rank_bench.py                    # nvtp's GPT and a transformers Llama
     .venv/bin/python tools/rank_bench.py gpt --rounds 30 --threads 1
@@ -87,25 +89,31 @@ def _check(name: str, got, want) -> None:
 
 @contextlib.contextmanager
 def _without(tables: str):
-    """While lowering, the kernels pass without some of its tables: "attention" (``no-attn``:
-    kernels as before the causal-attention entry), "all but patterns.py" (``ln-gelu``: the
-    LayerNorm, GELU and softmax patterns main had before issue 37), or "" (nothing left out)."""
-    from nvtp.execute import attention_kernel, kernels
+    """While tracing and lowering: "decomposed" (``saved-p``: attention traced as Thunder
+    decomposes it, the reference target's ``flash_attention`` off), "all but patterns.py"
+    (``ln-gelu``: that, and the kernels pass with only the LayerNorm, GELU and softmax patterns main
+    had before issue 37), or "" (nothing left out)."""
+    from dataclasses import replace
 
-    saved, attention = list(kernels.KERNELS), list(attention_kernel.ATTENTION)
+    from nvtp.execute import attention_kernel, kernels
+    from nvtp.sharding import target
+
+    saved, attention, targets = list(kernels.KERNELS), list(attention_kernel.ATTENTION), dict(target.TARGETS)
     if tables:
-        attention_kernel.ATTENTION.clear()
+        target.TARGETS["reference"] = replace(targets["reference"], flash_attention=False)
     if tables == "all but patterns.py":
         kernels.KERNELS.clear()
+        attention_kernel.ATTENTION.clear()
     try:
         yield
     finally:
         kernels.KERNELS[:] = saved
         attention_kernel.ATTENTION[:] = attention
+        target.TARGETS.update(targets)
 
 
-# name -> (compile=, the kernels' tables left out while lowering)
-MODES = {"eager": (None, ""), "kernels": ("kernels", ""), "no-attn": ("kernels", "attention"),
+# name -> (compile=, what is left out while tracing and lowering)
+MODES = {"eager": (None, ""), "kernels": ("kernels", ""), "saved-p": ("kernels", "decomposed"),
          "ln-gelu": ("kernels", "all but patterns.py"), "none": ("none", "")}
 
 
@@ -151,8 +159,9 @@ def run(case: str, rounds: int, warmup: int) -> None:
             r = paired_ratio(samples, "eager", of=name)
             line += f"  / eager {r.value:.3f} ± {r.noise:.3f}"
         print(line)
-    r = paired_ratio(samples, "no-attn", of="kernels")
-    print(f"kernels / no-attn {r.value:.3f} ± {r.noise:.3f} (the causal-attention entry's own effect, paired per round)")
+    r = paired_ratio(samples, "saved-p", of="kernels")
+    print(f"kernels / saved-p {r.value:.3f} ± {r.noise:.3f} (attention as sdpfa + flash kernels against the decomposition "
+          "that saves p, paired per round)")
     print(f"GEMM floor: {share:.2f} of eager's aten time = {share * eager.median_ms:.1f} ms ({share:.2f}x eager)")
 
 

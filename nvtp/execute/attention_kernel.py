@@ -23,6 +23,16 @@ program reads:
   q and kᵀ and its broadcast mask. A training step measured no faster with it than without
   (docs/benchmarks.md): flash's gain needs a program that hands the backward (out, logsumexp).
 
+Where the trace claimed the attention whole (``sdpfa_fwd`` / ``sdpfa_bwd``: the reference
+backend's trace, ``nvtp.frontend.attention.claim_flash``), two one-op entries run it as eager does:
+
+* ``flash_attention``: ``sdpfa_fwd`` without bias, mask or dropout on a CPU:
+  ``aten._scaled_dot_product_flash_attention_for_cpu``, which gives (out, logsumexp), the two
+  tensors the backward reads (the philox seed and offset are zeros: no dropout draws);
+* ``flash_attention_backward``: ``sdpfa_bwd`` likewise: its ``_backward`` from (out, logsumexp).
+  Both logsumexps are natural-log ones of the scaled, masked scores, so either entry pairs with the
+  other's op run by its implementation (``impls_nn``, the interpreter's formula).
+
 The group is fused only where the sequence and head axes of every value are whole on this rank
 (batch and heads may be split: attention is per head) and nothing is a partial sum.
 """
@@ -35,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nvtp.execute.impls_nn import attention, attention_backward
 from nvtp.execute.patterns import Builder, Match, Pattern, pattern, reduced, same_float
 from nvtp.ir.graph import Value
 from nvtp.sharding.placements import axis_split, is_partial
@@ -143,3 +154,74 @@ def _attention_check(m: Match, probs_read: bool):
 
 pattern("causal_attention", _attention_pattern(), ATTENTION)(lambda m: _attention_check(m, probs_read=False))
 pattern("causal_attention_probs", _attention_pattern(), ATTENTION)(lambda m: _attention_check(m, probs_read=True))
+
+
+def _flash_pattern() -> Builder:
+    b = Builder()
+    fwd = b.sdpfa_fwd(b.leaf("q"), b.leaf("k"), b.leaf("v"), name="fwd")
+    b.graph.output(tuple(b.get(fwd, i, name) for i, name in enumerate(("out", "lse", "seed", "offset"))))
+    return b
+
+
+def _flash_backward_pattern() -> Builder:
+    b = Builder()
+    args = [b.leaf(n) for n in ("g", "q", "k", "v", "out", "lse", "seed", "offset")]
+    bwd = b.sdpfa_bwd(*args, name="bwd")
+    b.graph.output(tuple(b.get(bwd, i, name) for i, name in enumerate(("gq", "gk", "gv"))))
+    return b
+
+
+def _flash_args(m: Match, name: str) -> tuple[bool, float | None] | None:
+    """(is_causal, scale) of the attention op ``name`` when torch's CPU flash kernel computes it
+    as the op says: float q, k, v of one dtype, [B, h, S, D], no bias, mask or dropout, each value
+    split (if at all) along batch or heads only; None otherwise."""
+    op = m.op_of(name)
+    q, k, v = m["q"], m["k"], m["v"]
+    causal, scale, p = op.arg("is_causal"), op.arg("scale"), op.arg("dropout_p")
+    if any(op.arg(a) is not None for a in ("bias", "mask") if a in dict(op.args)) or p not in (None, 0, 0.0):
+        return None
+    if not (isinstance(causal, bool) or causal is None) or not (scale is None or isinstance(scale, float)):
+        return None
+    if not same_float(q, k, v) or q.ndim != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return None
+    return (bool(causal), scale) if _heads_only_split(m) else None
+
+
+def _flash_check(m: Match):
+    found = _flash_args(m, "fwd")
+    if found is None:
+        return None
+    causal, scale = found
+    nothing = {}
+
+    def kernel(q, k, v):
+        if q.is_cpu:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        else:  # torch's flash kernel of this name is the CPU one: elsewhere the op's own formula
+            out, lse = attention(q, k, v, 0.0, causal, scale, None)
+        if not nothing:
+            nothing.update(seed=torch.zeros(2, dtype=torch.uint64), offset=torch.tensor(0, dtype=torch.uint64))
+        return {"out": out, "lse": lse, **nothing}
+
+    return ["q", "k", "v"], {n: n for n in ("out", "lse", "seed", "offset")}, kernel
+
+
+def _flash_backward_check(m: Match):
+    found = _flash_args(m, "bwd")
+    if found is None or not same_float(m["g"], m["out"], m["q"]):
+        return None
+    causal, scale = found
+
+    def kernel(g, q, k, v, out, lse):
+        if q.is_cpu:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal,
+                                                                                            scale=scale)
+        else:
+            gq, gk, gv = attention_backward(g, q, k, v, out, lse, causal, scale)
+        return {"gq": gq, "gk": gk, "gv": gv}
+
+    return ["g", "q", "k", "v", "out", "lse"], {n: n for n in ("gq", "gk", "gv")}, kernel
+
+
+pattern("flash_attention", _flash_pattern(), ATTENTION)(_flash_check)
+pattern("flash_attention_backward", _flash_backward_pattern(), ATTENTION)(_flash_backward_check)

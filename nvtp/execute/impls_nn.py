@@ -37,7 +37,7 @@ def _matmul(ctx, op, a):
     return torch.matmul(a["arg1"], a["arg2"])
 
 
-def _attention(q, k, v, dropout_p, is_causal, scale, keep):
+def attention(q, k, v, dropout_p, is_causal, scale, keep):
     """Attention in float32 (or wider) with an explicit dropout keep-mask; returns (out, lse)."""
     work = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(work), k.to(work), v.to(work)
@@ -45,7 +45,7 @@ def _attention(q, k, v, dropout_p, is_causal, scale, keep):
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     if is_causal:
         s_q, s_k = scores.shape[-2:]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool).tril(diagonal=s_k - s_q)
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=scores.device).tril(diagonal=s_k - s_q)
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -95,7 +95,7 @@ def _sdpfa_fwd(ctx, op, a):
     seed = torch.randint(0, 2**62, (2,), generator=g).to(torch.uint64)
     offset = torch.tensor(ctx.rng_count, dtype=torch.uint64)
     keep = _attention_keep(ctx, seed, offset, op.operands[0], q, k, p)
-    out, lse = _attention(q, k, v, p, bool(as_number(a["is_causal"])), _float_arg(a["scale"]), keep)
+    out, lse = attention(q, k, v, p, bool(as_number(a["is_causal"])), _float_arg(a["scale"]), keep)
     return out, lse.to(ctx.dtype(DType.Float)), seed, offset
 
 
@@ -118,14 +118,20 @@ def _sdpfa_bwd(ctx, op, a):
         return ring_attention.backward(ctx, op, ring, go, q, k, v, a["output"], a["logsumexp"], bool(as_number(a["is_causal"])),
                                        _float_arg(a["scale"]))
     keep = _attention_keep(ctx, a["philox_seed"], a["philox_offset"], op.operands[1], q, k, p)
+    return attention_backward(go, q, k, v, a["output"], a["logsumexp"], bool(as_number(a["is_causal"])), _float_arg(a["scale"]),
+                              p, keep)
+
+
+def attention_backward(go, q, k, v, out, lse, is_causal: bool, scale: float | None, p: float = 0.0, keep=None):
+    """(dQ, dK, dV) of attention from its output and logsumexp (``_sdpfa_bwd``'s formula), in
+    float32 or wider; ``keep``: the dropout keep-mask drawn with probability ``p`` (None: none)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    qf, kf, vf, gof, outf, lse = (t.to(work) for t in (q, k, v, go, a["output"], a["logsumexp"]))
-    scale = _float_arg(a["scale"])
+    qf, kf, vf, gof, outf, lse = (t.to(work) for t in (q, k, v, go, out, lse))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     probs = torch.exp(torch.matmul(qf, kf.transpose(-2, -1)) * scale - lse.unsqueeze(-1))  # (B, H, Sq, Sk)
-    if bool(as_number(a["is_causal"])):
+    if is_causal:
         s_q, s_k = probs.shape[-2:]
-        probs = probs.masked_fill(~torch.ones(s_q, s_k, dtype=torch.bool).tril(diagonal=s_k - s_q), 0.0)
+        probs = probs.masked_fill(~torch.ones(s_q, s_k, dtype=torch.bool, device=probs.device).tril(diagonal=s_k - s_q), 0.0)
     drop = keep.to(work) / (1.0 - p) if keep is not None else None
     dropped = probs if drop is None else probs * drop
     gv = torch.matmul(dropped.transpose(-2, -1), gof)

@@ -23,6 +23,10 @@ gelu_backward          its backward, with ``pow(x, 2.0)``                   ``at
 causal_attention       √scale muls, matmul, iota ``ge`` mask, where,        ``F.scaled_dot_product_attention``
                        softmax, matmul (``attention_kernel.py``)             (is_causal), or its math when the
                                                                             backward keeps the probabilities
+flash_attention        ``sdpfa_fwd`` without bias, mask or dropout (the     ``aten._scaled_dot_product_flash_``
+                       reference backend's trace claims attention whole)    ``attention_for_cpu``
+flash_attention_       ``sdpfa_bwd`` likewise, from (out, logsumexp)        its ``_backward``
+backward
 =====================  ===================================================  ==================================
 
 together with the LayerNorm, tanh-GELU and softmax patterns of ``patterns.py`` (which also
@@ -56,7 +60,7 @@ from nvtp.errors import InputError
 # The values of ``nvtp.jit(..., compile=...)``: what runs each rank's fusions on the reference backend.
 MODES = {
     "kernels": "each group of ops that eager PyTorch runs as one kernel (cross-entropy, the embedding's gradient, layer and "
-               "RMS norm, softmax, causal attention, GELU, SiLU) runs as that kernel, the other ops one by one",
+               "RMS norm, softmax, causal attention (torch's flash kernels), GELU, SiLU) runs as that kernel, the other ops one by one",
     "none": "every op one by one, by its own implementation (the interpreter, slower)",
 }
 DEFAULT = "kernels"

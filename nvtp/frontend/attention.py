@@ -2,7 +2,11 @@
 
 Claimed, as Thunder's nvFuser executor does with ``nv_enable_sdpa``, for half-precision
 causal or full attention without a mask; other attention Thunder decomposes into matmuls and
-softmax, which nvtp fuses like any other ops.
+softmax, which nvtp fuses like any other ops. Two traces claim more (any float dtype, float32
+included, without mask, GQA or dropout): one for a cp axis (``claim_for_ring``: the axis runs the
+attention by ring) and one for the reference backend (``claim_flash``: torch's CPU flash kernels
+run it, ``nvtp.execute.attention_kernel``), so the forward hands the backward the output and
+logsumexp instead of the [B, h, T, T] probabilities Thunder's decomposition saves.
 """
 
 from __future__ import annotations
@@ -38,6 +42,27 @@ def claim_for_ring():
         RING_CLAIM.reset(token)
 
 
+# Set while tracing for the reference backend (nvtp.driver.trace(flash=True)); see claim_flash.
+FLASH_CLAIM: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_flash_claim", default=False)
+
+
+@contextlib.contextmanager
+def claim_flash():
+    """Claim every causal or full attention without mask, GQA or dropout as
+    ``sdpfa_fwd``/``sdpfa_bwd``, in any float dtype; the rest stays Thunder's decomposition
+    (attention dropout is drawn as eager's ``nn.Dropout`` would be only there)."""
+    token = FLASH_CLAIM.set(True)
+    try:
+        yield
+    finally:
+        FLASH_CLAIM.reset(token)
+
+
+def flash_claim_active() -> bool:
+    """Whether a trace for the reference backend's flash kernels is under way (``claim_flash``)."""
+    return FLASH_CLAIM.get()
+
+
 def ring_claim_active() -> bool:
     """Whether a trace for a cp axis is under way (``claim_for_ring``)."""
     return RING_CLAIM.get() is not None
@@ -61,6 +86,8 @@ def _check(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     ring = RING_CLAIM.get()
     if ring is not None:
         return _check_ring(ring, query, key, value, attn_mask, dropout_p, enable_gqa)
+    if FLASH_CLAIM.get():
+        return _check_ring([], query, key, value, attn_mask, dropout_p, enable_gqa)
     if attn_mask is not None or enable_gqa:
         return False
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 for t in (query, key, value)):

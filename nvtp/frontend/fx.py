@@ -58,7 +58,7 @@ import thunder
 import torch._dynamo as dynamo
 
 from nvtp.errors import InputError
-from nvtp.frontend.attention import ring_claim_active
+from nvtp.frontend.attention import flash_claim_active, ring_claim_active
 from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.frontend.fused import split_fused_projections
 from nvtp.frontend.fx_calls import call_structure, check_call, without_cache  # noqa: F401 - the route's call API
@@ -289,7 +289,8 @@ def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported
     linears(g, attrs)
     decompose(g)
     refuse_lacking(g, type(module).__name__)
-    if ring_claim_active():  # traced for a cp axis: attention masks that are causal, read as is_causal=True
+    if ring_claim_active() or flash_claim_active():  # attention claimed whole (a cp axis's ring, the reference
+        # backend's flash kernels): attention masks that are causal, read as is_causal=True
         causal_masks(g)
     return Exported(g, attrs, in_spec, out_spec, leaf_names)
 
