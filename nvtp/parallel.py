@@ -50,7 +50,7 @@ from nvtp.frontend import fx, recompute as recomputation, user_code
 from nvtp.frontend.lengths import Lengths, horizon
 from nvtp.frontend.tied import aliases
 from nvtp.mesh import check_world, make_mesh
-from nvtp.parameters import full_tensor, gather, hold_part, replace_parameter, retarget
+from nvtp.parameters import full_tensor, gather, hold_part, on_process_group, place, replace_parameter, retarget
 from nvtp.program import Program
 from nvtp.sharding import axes
 from nvtp.sharding.placements import REPLICATE, DeviceMesh, FusedParts, Placement, is_replicate
@@ -180,10 +180,7 @@ class ShardedModule(torch.nn.Module):
     @property
     def uses_dtensor(self) -> bool:
         """Whether parameters become DTensors: on torch.distributed's own group (not a simulated ``comm``)."""
-        comm = self._comm
-        on_groups = comm is None or isinstance(comm, DistComm) or (
-            isinstance(comm, MeshComm) and all(isinstance(c, DistComm) for c in comm.axes))
-        return on_groups and dist.is_available() and dist.is_initialized()
+        return on_process_group(self._comm, self.mesh.size)
 
     def _device_mesh(self):
         """torch's DeviceMesh the DTensor parameters live on (the one given, or one over the default group)."""
@@ -264,14 +261,10 @@ class ShardedModule(torch.nn.Module):
                 if isinstance(placement, FusedParts):  # where each part's rows lie in this rank's tensor
                     self._part_rows.update(part_rows(label, placement, self.mesh.size))
                 part = p.data if _whole(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.rank)
-                if self.uses_dtensor:
-                    shape = self._global_shapes[label]
-                    new = torch.nn.Parameter(_dt.as_dtensor(part, placement, self._device_mesh(), shape), requires_grad=p.requires_grad)
+                new = place(p, part, placement, self._global_shapes[label], self.comm,
+                            self._device_mesh() if self.uses_dtensor else None)
+                if new is not p:
                     replace_parameter(self.module, p, new)
-                else:
-                    with torch.no_grad():
-                        p.data = part
-                    hold_part(p, placement, self._global_shapes[label], self.comm)
             elif not _whole(placement) and (label in buffers or label in driver.tensor_attributes(self.module)):
                 raise ShardingError(f"buffer {label} would be split ({placement}); nvtp keeps buffers (and tensor attributes) whole")
 

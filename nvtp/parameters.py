@@ -7,13 +7,14 @@ whole."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import spmd
-from nvtp.execute.collectives import Comm
+from nvtp.execute.collectives import Comm, DistComm, MeshComm
 from nvtp.sharding.placements import Placement, axis_split
 
 # Each parameter of an nvtp.jit module -> (placement, whole shape, comm), for full_tensor; weak,
@@ -71,6 +72,30 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if owner is None:
         return t
     return gather(t, *owner)
+
+
+def on_process_group(comm: Comm | None, size: int) -> bool:
+    """Whether a runtime on ``comm`` (None: the default group's) over ``size`` devices holds its
+    parameters as DTensors: on torch.distributed's own groups, not a simulated ``comm`` (ranks as
+    threads) and not one process. ``nvtp.jit`` and ``nvtp.ShardingTransform`` decide alike."""
+    on_groups = comm is None or isinstance(comm, DistComm) or (
+        isinstance(comm, MeshComm) and all(isinstance(c, DistComm) for c in comm.axes))
+    return size > 1 and on_groups and dist.is_available() and dist.is_initialized()
+
+
+def place(p: torch.nn.Parameter, part: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm,
+          torch_mesh=None) -> torch.nn.Parameter:
+    """Parameter ``p`` made this rank's ``part`` of it (whole ``shape``, placed ``placement``): a new
+    DTensor parameter on ``torch_mesh`` (an optimizer holding ``p`` is pointed at it), or, with no
+    torch mesh, ``p`` itself holding the part as a plain tensor (``hold_part``). Returns the parameter."""
+    if torch_mesh is not None:
+        new = torch.nn.Parameter(_dt.as_dtensor(part, placement, torch_mesh, shape), requires_grad=p.requires_grad)
+        retarget(p, new)
+        return new
+    with torch.no_grad():
+        p.data = part
+    hold_part(p, placement, shape, comm)
+    return p
 
 
 def hold_part(p: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm) -> None:

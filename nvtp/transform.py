@@ -70,7 +70,7 @@ from nvtp.execute.step import RankProgram, part_rows
 from nvtp.frontend import interpret, user_code
 from nvtp.frontend.capture import module_state
 from nvtp.mesh import MeshError, check_world, make_mesh
-from nvtp.parameters import gather, hold_part, retarget
+from nvtp.parameters import gather, on_process_group, place, retarget
 from nvtp.program import Program
 from nvtp.sharding.placements import FusedParts, Placement, is_replicate, local_shape
 from nvtp.sharding.plans import check_plan
@@ -252,16 +252,10 @@ class ShardingTransform(Transform):
             self._placements[label] = placement
             p = model._overrides_parameters[label]
             part = p.data if is_replicate(placement) else spmd.shard_tensor(p.data, placement, self.mesh, self.comm.rank)
-            if self._uses_dtensor():
-                new = torch.nn.Parameter(self._as_dtensor(part, label), requires_grad=p.requires_grad)
-                for alias, q in list(model._overrides_parameters.items()):  # every name of a tied parameter
-                    if q is p:
-                        model._overrides_parameters[alias] = new
-                retarget(p, new)  # an optimizer made from jm.parameters() before the first call
-            else:
-                with torch.no_grad():
-                    p.data = part
-                hold_part(p, placement, self._whole_shapes[label], self.comm)
+            new = place(p, part, placement, self._whole_shapes[label], self.comm, self._mesh_of(part) if self._uses_dtensor() else None)
+            for alias, q in list(model._overrides_parameters.items()):  # every name of a tied parameter
+                if q is p:
+                    model._overrides_parameters[alias] = new
         if self._released:
             return
         self._released = True
@@ -278,15 +272,14 @@ class ShardingTransform(Transform):
                 owner._parameters[attr] = metas[id(q)]
 
     def _uses_dtensor(self) -> bool:
-        """Whether parameters become DTensors: on torch.distributed's default group (not a simulated
-        ``comm``, not one process)."""
-        return (self.mesh.size > 1 and isinstance(self.comm, DistComm) and dist.is_available() and dist.is_initialized())
+        """Whether parameters become DTensors (``nvtp.parameters.on_process_group``, as under ``nvtp.jit``)."""
+        return on_process_group(self.comm, self.mesh.size)
 
-    def _as_dtensor(self, part: torch.Tensor, label: str) -> torch.Tensor:
-        """``part`` (this rank's part of parameter ``label``) as the DTensor placed as the Program places it."""
+    def _mesh_of(self, part: torch.Tensor):
+        """torch's DeviceMesh of the DTensor parameters (made once, on ``part``'s device type)."""
         if self._torch_mesh is None:
             self._torch_mesh = _dt.torch_mesh(self.mesh, part.device.type)
-        return _dt.as_dtensor(part, self._placements[label], self._torch_mesh, self._whole_shapes[label])
+        return self._torch_mesh
 
     def _rewrite_checks(self, model, prologue_trace, computation_trace, call: _Call) -> None:
         """The prologue checks each parameter against what the ThunderModule holds now (this
@@ -447,7 +440,7 @@ class ShardingTransform(Transform):
             if placement is not None and not is_replicate(placement):
                 v = spmd.shard_tensor(v, placement, self.mesh, self.comm.rank)
             if placement is not None and self._uses_dtensor():
-                v = self._as_dtensor(v, prefix + k)
+                v = _dt.as_dtensor(v, placement, self._mesh_of(v), self._whole_shapes[prefix + k])
             out[k] = v
         return out
 

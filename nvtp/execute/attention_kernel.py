@@ -213,7 +213,8 @@ def _flash_backward_check(m: Match):
     causal, scale = found
 
     def kernel(g, q, k, v, out, lse):
-        if q.is_cpu:
+        if q.is_cpu:  # torch's kernel takes the logsumexp in its accumulation type: float64 inputs, float64 (nvFuser's is float32)
+            lse = lse.to(torch.promote_types(q.dtype, torch.float32))
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal,
                                                                                             scale=scale)
         else:
