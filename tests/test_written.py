@@ -43,7 +43,7 @@ def _check_like_eager(got: dict, want: dict, tol: float = 1e-5) -> None:
 
 # -- 1. every parameter its own gradient ------------------------------------------------------------
 
-@pytest.mark.parametrize("regional", [True, False])
+@pytest.mark.parametrize("regional", [True, pytest.param(False, marks=pytest.mark.slow)])  # whole traces: test_logits_and_loss's (False, False)
 def test_two_biases_with_one_gradient_each_get_it(regional):
     """GPT-J's parallel residual: both output projections' biases add into the residual, so Thunder
     returns one gradient for both; each must get it (one got None before, silently)."""
@@ -630,7 +630,7 @@ def test_a_tensor_attribute_the_program_reads_gone_from_the_module_is_named():
         jitted(idx)
 
 
-@pytest.mark.parametrize("plan", ["replicate", "megatron"])
+@pytest.mark.parametrize("plan", [pytest.param("replicate", marks=pytest.mark.slow), "megatron"])  # megatron's is the sharded case
 def test_cross_entropy_ignores_targets_of_minus_one_as_eager(plan):
     """nanoGPT's ``F.cross_entropy(..., ignore_index=-1)``: the mean over the other targets, and no
     gradient from the ignored ones; megatron splits the vocabulary (a parallel cross entropy)."""
