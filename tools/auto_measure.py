@@ -39,7 +39,8 @@ from nvtp.models import gpt  # noqa: E402
 
 
 def _cfg(args) -> gpt.GPTConfig:
-    return replace(gpt.config(args.config, n_layer=args.layers), batch=args.batch)
+    cfg = replace(gpt.config(args.config, n_layer=args.layers), batch=args.batch)
+    return replace(cfg, n_embd=args.hidden) if getattr(args, "hidden", None) else cfg
 
 
 def _model(cfg) -> torch.nn.Module:
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--config", default="tiny")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=None, help="the hidden size (n_embd; default: the config's)")
     p.add_argument("--batch", type=int, default=8, help="the whole step's batch (every rank passes it)")
     p.add_argument("--count", type=int, default=6, help="how many candidates to run (default 6)")
     p.add_argument("--candidates", nargs="*", default=None, help="run these (their text in the table) instead")
