@@ -184,17 +184,25 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans(ep2_step)
     program = m.last
     planned = [s for s in program.steps() if s.kind == "alltoall"]
     per_rank = len(sent) // mesh.size
-    # 2 layers, each 3 exchanges per op: the forward's 2 gather_mm; the backward's 2 recomputed
-    # (Thunder rematerialises them), 2 for the rows' gradients and 2 gather_mm_wgrad
-    assert len(planned) == per_rank == 2 * 3 * (2 + 6)
+    # Per layer the rows cross once each way per pass, kept on their experts' ranks across the MLP
+    # (gather_mm, GELU, gather_mm): the forward's counts, dispatch of the token rows, combine of the
+    # expert output; the backward's counts, dispatch of the output's gradient, combine of the input's,
+    # and the two that Thunder's recomputation of the forward costs (the rows again, and the expert
+    # output the routing weights' gradient reads). Dropless at P=2, a destination's block holds all
+    # 64 rows a rank routes: [2, 64, 64] fp32, of which a rank sends one block, 16 KiB.
+    block = 64 * 64 * 4
+    assert sorted((s.phase, s.tensor, s.bytes) for s in planned) == sorted(
+        [("forward", "counts", 16), ("forward", "dispatch", block), ("forward", "combine", block)] * 2
+        + [("backward", "counts", 16)] * 2 + [("backward", "dispatch", block), ("backward", "combine", block)] * 4)
     assert sorted(sent) == sorted([(s.tensor, s.bytes) for s in planned] * mesh.size)  # (counts|dispatch|combine, bytes)
-    assert sum(s.bytes for s in planned) > 0
+    # the analytical volume: 4 crossings per layer of the half of a rank's 64 rows that go to the other rank
+    assert sum(s.bytes for s in planned) - 4 * 16 == 2 * 6 * block == 3 * (2 * 4 * 32 * 64 * 4)
     reduced = [s.tensor for s in tensor_steps("backward", program.backward) if s.kind == "allreduce"]
     assert "grad(gpt.h.0.moe.router.gate.weight)" in reduced, reduced  # dense weights: partial sums over ep
     assert not [t for t in reduced if "experts" in t], reduced  # an expert's gradient is whole on its rank: every rank's rows came to it
     text = program.as_text()
     assert "gpt.h.0.moe.experts, gpt.h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in text
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 96.00 KiB, combine 96.00 KiB" in text, text
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 32.00 KiB, combine 32.00 KiB" in text, text
     assert "expert weights w_fc ep S(0), w_proj ep S(0)" in text, text
     # The same trace planned for (dp, ep) = (2, 2) (its batch of 4 as two dp ranks' 2): dp splits
     # each ep part of the batch again, the experts are whole over dp and only dp reduces their gradients.
@@ -268,7 +276,7 @@ def test_capacity_factor_drops_the_rows_megatron_drops_and_shrinks_the_all_to_al
     steps = [s for s in capped.steps() if s.kind == "alltoall"]
     before = [s for s in dropless.steps() if s.kind == "alltoall"]
     assert [(s.phase, s.value, s.tensor) for s in steps] == [(s.phase, s.value, s.tensor) for s in before]
-    assert len(steps) == 2 * 3 * (2 + 6)
+    assert len(steps) == 2 * (3 + 5)  # per layer: forward counts, dispatch, combine; backward counts, 2 dispatches, 2 combines
     for s, b in zip(steps, before):
         if s.tensor == "counts":
             assert s.shape == b.shape == (n, experts // n) and s.bytes == b.bytes == n * (experts // n) * 8 * (n - 1) // n
@@ -463,12 +471,12 @@ def test_nvtp_explain_with_an_ep_axis_prints_experts_per_rank_and_all_to_all_byt
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "h.0.moe.experts, h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in run.stdout
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 48.00 KiB, combine 48.00 KiB" in run.stdout
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 16.00 KiB, combine 16.00 KiB" in run.stdout
     capped = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
                              "ep=2", "--capacity-factor", "1"], capture_output=True, text=True, timeout=900)
     assert capped.returncode == 0, capped.stderr[-3000:]
     assert "capacity factor 1: each expert takes at most ceil(1 x a rank's routed rows / experts)" in capped.stdout, capped.stdout
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 24.00 KiB, combine 24.00 KiB" in capped.stdout
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 8.00 KiB, combine 8.00 KiB" in capped.stdout
     assert "    dropped past the experts' capacity: rank 0 " in capped.stdout, capped.stdout
     bad = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
                           "ep=2", "--capacity-factor", "0"], capture_output=True, text=True, timeout=900)
