@@ -366,6 +366,50 @@ def _moe_fusion(experts: int, dense: bool = False):
     return driver.of_fusions(b.build())
 
 
+def _gated_experts_fusion():
+    """A gated expert MLP by hand (Mixtral's shape): rows [16, 4], gate|up [4 experts, 4, 2 x 6]
+    sliced into its halves, silu(gate) * up, down [4, 6, 4]."""
+    b = FusionBuilder("gated_experts")
+    x = b.define_tensor((16, 4), DType.Float)
+    w1 = b.define_tensor((4, 4, 12), DType.Float)
+    w2 = b.define_tensor((4, 6, 4), DType.Float)
+    index = b.define_tensor((16,), DType.Int)
+    y = b.op("gather_mm", x, w1, index)
+    gate = b.op("slice", y, start_indices=[0, 0], end_indices=[16, 6], strides=[1, 1])
+    up = b.op("slice", y, start_indices=[0, 6], end_indices=[16, 12], strides=[1, 1])
+    b.add_output(b.op("gather_mm", b.op("mul", b.op("silu", gate), up), w2, index))
+    return driver.of_fusions(b.build())
+
+
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_a_gated_expert_mlp_keeps_its_rows_on_the_experts_ranks_between_its_matmuls(factor):
+    """ep=2, simulated ranks: the rows are dispatched once before the gate|up matmul, stay on their
+    experts' ranks through the slices, silu and product (run there in runs of a rank's rows) and the
+    down matmul, and are combined once: counts, dispatch and combine, each [2, block, 4], the bytes
+    the run sends; the result equals each row times its experts' weights in eager PyTorch (with
+    capacity_factor=1.0: each expert keeps the first ceil(8 / 4) = 2 of a rank's 8 rows, the
+    others give zero)."""
+    traced = _gated_experts_fusion()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    plan = driver.shard(traced, "replicate", mesh, axis_options={} if factor is None else {"capacity_factor": factor})
+    block = 8 if factor is None else 2 * 2  # a destination's rows: all a rank's 8, or its 2 experts' 2 slots
+    planned = [(s.tensor, s.shape, s.bytes) for s in plan.steps() if s.kind == "alltoall"]
+    assert planned == [("counts", (2, 2), 16), ("dispatch", (2, block, 4), block * 16), ("combine", (2, block, 4), block * 16)]
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(16, 4, generator=g), torch.randn(4, 4, 12, generator=g), torch.randn(4, 6, 4, generator=g)
+    index = torch.tensor([3, 3, 2, 3, 0, 3, 2, 2, 3, 2, 3, 3, 2, 1, 3, 2])
+    with ep_run.recording() as sent:
+        outs, _ = spmd.run_simulated(plan.forward, [x, w1, w2, index])
+    assert sorted(sent) == sorted([(t, b) for t, _, b in planned] * 2)
+    y = torch.bmm(x[:, None], w1[index])[:, 0]
+    want = torch.bmm((F.silu(y[:, :6]) * y[:, 6:])[:, None], w2[index])[:, 0]
+    if factor is not None:  # Megatron's "position" policy, per rank: an expert's rows past its first 2 give zero
+        keep = torch.tensor([list(index[r * 8:s + 1]).count(index[s]) <= 2 for r in range(2) for s in range(r * 8, r * 8 + 8)])
+        assert int((~keep).sum()) == 6
+        want = want * keep[:, None]
+    assert relative_error(torch.cat([o[0] for o in outs]), want)[0] <= 1e-5
+
+
 @pytest.mark.parametrize("experts, ep, words", [
     (3, 2, "3 experts, which the ep axis of size 2 cannot split evenly; use an ep size that divides 3"),
     (4, 8, "the ep axis has 8 ranks and the MoE layer of"),

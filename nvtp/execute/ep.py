@@ -189,18 +189,31 @@ class Experts:
             y = torch.where((local < w.shape[0]).unsqueeze(1), gather_mm(x, w, local), 0)  # padding rows: no expert: zero
         else:  # a ROWWISE op of held rows: on them (padding rows compute what they compute; nothing reads them)
             index = self.layout.held[name]
-            a = dict(args)
-            for arg, v in op.args:
-                if getattr(v, "name", None) in self.layout.held:
-                    a[arg] = self.held[v.name]
-            y = impl(ctx, op, a)
-            y = y[0] if isinstance(y, tuple) else y
+            y = self._rowwise(ctx, op, args, impl)
         y = y.to(ctx.dtype(op.outputs[0].dtype))  # the dtype the op table infers, as reference.execute_op casts
         self.held[name] = y
         if name in self.layout.combined:
             route = self.routes[index][0]
             return (route.back(all_to_all(y, self.comm, "combine", ctx.log, name, self.layout.axis)),)
         return (y,)
+
+
+    def _rowwise(self, ctx: Any, op: Any, args: dict[str, Any], impl: Any) -> torch.Tensor:
+        """A ``ROWWISE`` op on held rows: its implementation called on runs of as many rows as the
+        fusion's value holds on this rank (the shapes it is written for; tp's splits inside a row
+        included), the last run padded with zeros, the results joined and cut."""
+        held = [(arg, v) for arg, v in op.args if getattr(v, "name", None) in self.layout.held]
+        rows = ctx.local_shape(op.outputs[0])[0]
+        total = self.held[held[0][1].name].shape[0]
+        out = []
+        for start in range(0, total, rows):
+            a = dict(args)
+            for arg, v in held:
+                part = self.held[v.name][start:start + rows]
+                a[arg] = part if part.shape[0] == rows else torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            y = impl(ctx, op, a)
+            out.append(y[0] if isinstance(y, tuple) else y)
+        return torch.cat(out)[:total]
 
 
 _LAYOUTS: dict[tuple[int, int], tuple[Any, Any, Layout | None, float | None]] = {}

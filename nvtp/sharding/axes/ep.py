@@ -42,6 +42,7 @@ from typing import Any
 
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.ir.ops.elementwise import POINTWISE
+from nvtp.ir.ops.shapes import pad_pairs, slice_bounds
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, passes, register
 from nvtp.sharding.moe import module_of, moe_layers
 from nvtp.sharding.passes import backward_annotations, shard
@@ -179,9 +180,25 @@ def _with_options(sharded: ShardedFusion, run: AxisPass) -> ShardedFusion:
 # ---------------------------------------------------------------------------------------------
 # where the expert rows live, and the exchanges that move them, as the plan and the run share them
 
-# Ops whose result row s is computed from their operands' rows s alone: run on the rows where they
-# are held (a ``set`` reshards, so it is none of them).
-ROWWISE = frozenset(POINTWISE) - {"set", "segment_set"}
+def _same_rows(op: Any) -> bool:
+    """Every row operand has the result's shape (no broadcast across rows)."""
+    return all(a.shape == op.outputs[0].shape for a in _row_operands(op))
+
+
+def _slice_keeps_rows(op: Any) -> bool:
+    x = op.operands[0]
+    return slice_bounds(x, op.arg("start_indices"), op.arg("end_indices"), op.arg("strides"))[0] == (0, x.shape[0], 1)
+
+
+def _pad_keeps_rows(op: Any) -> bool:
+    return pad_pairs(op.operands[0].ndim, op.arg("pad_widths"))[0] == (0, 0)
+
+
+# Ops whose result row s is computed from their operands' rows s alone, when the check holds: run
+# on the rows where they are held (an expert MLP's activation, a gated MLP's gate|up halves and the
+# backward's pads of them). A ``set`` reshards, so it is none of them. Extend with an op and its check.
+ROWWISE: dict[str, Any] = {k: _same_rows for k in POINTWISE - {"set", "segment_set"}} | {
+    "slice": _slice_keeps_rows, "pad": _pad_keeps_rows}
 
 
 @dataclass(frozen=True)
@@ -267,7 +284,7 @@ def expert_layout(fusion: Fusion, shardings: Any, mesh: DeviceMesh, factor: floa
         elif op.kind in ROWWISE and len(op.outputs) == 1:
             rows = _row_operands(op)
             indices = {held.get(a.name) for a in rows}
-            if rows and None not in indices and len(indices) == 1 and all(a.shape == op.outputs[0].shape for a in rows):
+            if rows and None not in indices and len(indices) == 1 and ROWWISE[op.kind](op):
                 held[op.outputs[0].name] = indices.pop()
                 runs.add(op.outputs[0].name)
     combined = {v.name for v in fusion.outputs if v.name in held}
