@@ -429,7 +429,16 @@ def test_an_ep_axis_nvtp_cannot_shard_is_refused_before_any_work(experts, ep, wo
 # -- slow tier: gloo processes, (ep, tp), the CLI ----------------------------------------------------
 
 
-def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None):
+def _mixtral():
+    """transformers' Mixtral from a tiny config (hidden 64, 4 experts, top-2, 2 layers, vocabulary
+    256; its own experts implementation, the load-balancing loss on) and a batch of 4 x 8 tokens."""
+    from tests.test_moe import build
+
+    model = build("mixtral", output_router_logits=True)
+    return model, torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None, family="moe_gpt"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -437,10 +446,14 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
 
     init_group(rank, world, init_method)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, (idx, targets) = moe_gpt()
+    if family == "moe_gpt":
+        model, batch = moe_gpt()
+    else:
+        model, ids = _mixtral()
+        batch = (ids,)
     if "dp" in names:  # each dp rank its half of the batch; the ranks of an ep group pass the same
         d = mesh.get_local_rank("dp")
-        idx, targets = idx[2 * d:2 * d + 2], targets[2 * d:2 * d + 2]
+        batch = tuple(t[2 * d:2 * d + 2] for t in batch)
     sharded = nvtp.jit(model, plan="megatron", mesh=mesh, capacity_factor=capacity_factor)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     losses = []
@@ -448,7 +461,7 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
         for step in range(3):
             if step == 1:  # the first call also runs nvtp.jit's first-call check (nvtp.guard): count the steps after it
                 sent.clear()
-            _, loss = sharded(idx, targets)
+            loss = sharded(*batch)[1] if family == "moe_gpt" else sharded(*batch, labels=batch[0]).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -463,36 +476,62 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
     return 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
-                                                  ((2, 2), ("dp", "ep"), 1.0)],
-                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1"])
-def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
-    """2 gloo processes at ep=2, 4 at (dp, ep) = (2, 2) (all_to_all_single on gloo): 3 SGD steps,
-    every loss and final weight as eager's on the whole batch; the experts split over ep (whole
-    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte.
-    With capacity_factor=1.0, as an eager model that drops the same rows (``capped_experts``: each
-    of the dp x ep ranks routes one sequence of the batch and drops past its own capacity)."""
+def _trains_like_one_process(tmp_path, shape, names, factor=None, family="moe_gpt") -> dict:
+    """``_gloo_worker`` on prod(shape) gloo processes, 3 SGD steps, against the model in eager
+    PyTorch on the whole batch: every loss and final weight within 1e-5; the all-to-alls rank 0
+    sent in steps 2 and 3 are its Program's steps, byte for byte. Returns what rank 0 saved."""
     out = tmp_path / "got.pt"
-    world = 1
-    for n in shape:
-        world *= n
-    assert spawn(_gloo_worker, world, str(out), shape, names, factor) == [0] * world
+    world = math.prod(shape)
+    assert spawn(_gloo_worker, world, str(out), shape, names, factor, family) == [0] * world
     got = torch.load(out)
-    model, batch = moe_gpt()
-    ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
+    if family == "moe_gpt":
+        model, batch = moe_gpt()
+        ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
+        loss_of = lambda m: m(*batch)[1]  # noqa: E731
+    else:
+        ref, ids = _mixtral()
+        loss_of = lambda m: m(ids, labels=ids).loss  # noqa: E731
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
-        _, loss = ref(*batch)
+        loss = loss_of(ref)
         opt.zero_grad()
         loss.backward()
         opt.step()
         assert abs(got["losses"][step] - loss.item()) <= 1e-5 * abs(loss.item()), (got["losses"], step, loss.item())
     for name, p in ref.named_parameters():
         assert relative_error(got["params"][name], p.detach())[0] <= 1e-5, name
-    split = "S(0)"
-    assert got["placements"]["gpt.h.0.moe.experts.w_fc"] == ([split] if len(shape) == 1 else ["R", split])
     assert sorted(got["sent"]) == sorted(got["planned"]) and got["sent"]
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
+                                                  ((2, 2), ("dp", "ep"), 1.0), ((4,), ("ep",), None), ((2, 2), ("ep", "tp"), None)],
+                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1", "ep4", "ep2xtp2"])
+def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
+    """2 gloo processes at ep=2, 4 at ep=4, (dp, ep) = (2, 2) and (ep, tp) = (2, 2)
+    (all_to_all_single on gloo): 3 SGD steps, every loss and final weight as eager's on the whole
+    batch; the experts split over ep (whole over dp, split inside over tp); the all-to-alls rank 0
+    sent in steps 2 and 3 are its Program's steps, byte for byte. With capacity_factor=1.0, as an
+    eager model that drops the same rows (``capped_experts``: each of the dp x ep ranks routes one
+    sequence of the batch and drops past its own capacity)."""
+    got = _trains_like_one_process(tmp_path, shape, names, factor)
+    want = {("ep",): ["S(0)"], ("dp", "ep"): ["R", "S(0)"], ("ep", "tp"): ["S(0)", "S(2)"]}[names]
+    assert got["placements"]["gpt.h.0.moe.experts.w_fc"] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, names", [((4,), ("ep",)), ((2, 2), ("dp", "ep")), ((2, 2), ("ep", "tp"))],
+                         ids=["ep4", "dp2xep2", "ep2xtp2"])
+def test_mixtral_trains_on_4_gloo_processes_like_one_process(tmp_path, shape, names):
+    """Issue 35, item 4: transformers' Mixtral (tiny config, its own experts implementation, the
+    load-balancing loss) on 4 gloo processes at ep=4, (dp, ep) = (2, 2) and (ep, tp) = (2, 2): 3 SGD
+    steps, every loss and final weight within 1e-5 of eager Mixtral on one process; the experts
+    split along their expert axis over ep; the all-to-alls sent are the Program's steps."""
+    pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    got = _trains_like_one_process(tmp_path, shape, names, family="mixtral")
+    experts = [n for n in got["placements"] if "experts" in n]
+    assert experts and all("S(0)" in got["placements"][n][names.index("ep")] for n in experts), got["placements"]
 
 
 @pytest.mark.slow

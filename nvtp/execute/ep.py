@@ -3,25 +3,28 @@ axis splits (``nvtp.sharding.axes.ep`` plans them; ``nvtp.sharding.rules_moe`` s
 
 Each of the P ranks of an ep group holds its routed rows (its tokens' choices, ``index`` the
 global expert of each) and a contiguous block of E/P experts: rank r holds experts
-``[r E/P, (r+1) E/P)``, so a row's destination is ``index // (E/P)``. One ``gather_mm``:
+``[r E/P, (r+1) E/P)``, so a row's destination is ``index // (E/P)``. The plan
+(``nvtp.sharding.axes.ep.expert_layout``) says which values are held on the experts' ranks;
+``Experts`` runs one fusion's expert ops and the row-wise ops between them on those rows:
 
-1. the rows sorted by expert (stable), so grouped by destination, each destination's rows in a
-   block of ``capacity`` rows (a static bound: every row a rank holds; dropless), padded past
-   its count: a send buffer ``[P, capacity, K]`` written by ``index_copy`` on the device;
-2. ``alltoall`` of the per-expert counts (``[P, E/P]`` integers) and ``alltoall`` of the rows (the
-   dispatch): equal blocks, so no split size is read by the host;
-3. the local grouped matmul of the received rows, each row's local expert found from the counts
-   on the device (padding rows belong to none: zero, adding nothing to a gradient);
-4. ``alltoall`` back (the combine) and the inverse of step 1.
+1. per routing index, once: the rows sorted by expert (stable), so grouped by destination, each
+   destination's rows in a block of ``capacity`` rows (a static bound: every row a rank holds;
+   dropless), padded past its count; ``alltoall`` of the per-expert counts (``[P, E/P]``
+   integers), each received row's local expert found from them on the device (padding rows
+   belong to none: zero, adding nothing to a gradient);
+2. a row operand not held: written into a send buffer ``[P, capacity, K]`` by ``index_copy`` and
+   sent by one ``alltoall`` (the dispatch), once per value and index; equal blocks, so no split
+   size is read by the host;
+3. ``gather_mm`` on the received rows (its local grouped matmul), ``gather_mm_wgrad`` (this rank's
+   experts' gradient ``[E/P, K, N]``, no combine), row-wise ops in runs of the rank's row count;
+4. a held value another op reads: ``alltoall`` back (the combine), put back in the rows' order.
 
 With a capacity factor (``nvtp.sharding.axes.ep.capacity``: ``capacity`` rows per expert per
 source rank), step 1 gives each destination block E/P slots of ``capacity`` rows, one per local
 expert; an expert's rows past its capacity (the later ones in the rank's row order) are dropped:
 not sent, and their result is zero. The counts sent are the rows kept.
 
-``gather_mm_wgrad`` dispatches its two row operands the same way and returns its experts' weight
-gradient ``[E/P, K, N]`` (no combine): every row routed to them, from every rank. Each exchange
-is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
+Each exchange is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
 of the simulated tier, an exchange of the buffers), counted in ``recording()`` and the run's log
 with the bytes a rank sends to the others, as ``nvtp.sharding.axes.ep.exchanges`` plans them.
 """

@@ -18,11 +18,14 @@ weight gradients need no reduction over ep: the rows of every rank are dispatche
 (dp, ep) mesh dp splits each ep rank's tokens again (``Shard`` inside ep's: ``_StridedShard``), and
 the experts' gradients are all-reduced over dp only (their replicas).
 
-Each exchange is a step of the Program with its bytes (``exchanges``): per ``gather_mm``, an
-all-to-all of the per-expert counts, one of the rows (the dispatch) and one of the results (the
-combine); per ``gather_mm_wgrad`` the counts and its two row operands. The exchanges are of
-equal blocks of a static capacity (every row a rank holds: dropless, no host synchronisation),
-so the planned bytes are the bytes a run sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
+Where the routed rows live is planned per fusion (``expert_layout``): a ``gather_mm``'s result is
+held on its experts' ranks, and so is every row-wise op of held rows (``ROWWISE``: an expert
+MLP's activation, a gated MLP's halves); an expert op's row operand not held is dispatched once
+per routing index, a held value read by any other op is combined once. Each exchange is a step of
+the Program with its bytes (``exchanges``): per routing index and fusion the per-expert counts,
+then the dispatches and combines. The exchanges are of equal blocks of a static capacity (every
+row a rank holds: dropless, no host synchronisation), so the planned bytes are the bytes a run
+sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
 
 ``capacity_factor=c`` (the axis's option: ``nvtp.jit(..., capacity_factor=1.25)``): each expert
 takes at most ``capacity(c, rows, E) = ceil(c * rows / E)`` of a rank's ``rows`` routed rows
