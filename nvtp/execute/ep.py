@@ -200,7 +200,6 @@ class Experts:
             return (route.back(all_to_all(y, self.comm, "combine", ctx.log, name, self.layout.axis)),)
         return (y,)
 
-
     def _rowwise(self, ctx: Any, op: Any, args: dict[str, Any], impl: Any) -> torch.Tensor:
         """A ``ROWWISE`` op on held rows: its implementation called on runs of as many rows as the
         fusion's value holds on this rank (the shapes it is written for; tp's splits inside a row
@@ -219,7 +218,8 @@ class Experts:
         return torch.cat(out)[:total]
 
 
-_LAYOUTS: dict[tuple[int, int], tuple[Any, Any, Layout | None, float | None]] = {}
+_LAYOUTS: dict[tuple[int, int], tuple[Any, Any, Layout | None, float | None]] = {}  # (fusion, shardings, layout, factor)
+_KEEP = 16  # layouts kept (a program has a forward and a backward per region)
 
 
 def experts_for(fusion: Any, shardings: Any, mesh: Any, comm: Any, options: Any) -> Experts | None:
@@ -232,10 +232,6 @@ def experts_for(fusion: Any, shardings: Any, mesh: Any, comm: Any, options: Any)
     factor = (options or {}).get(CAPACITY_FACTOR)
     if got is None or got[0] is not fusion or got[1] is not shardings or got[3] != factor:
         got = _LAYOUTS[key] = (fusion, shardings, expert_layout(fusion, shardings, mesh, factor), factor)
-        del_after = list(_LAYOUTS)[:-_KEEP]
-        for k in del_after:
-            _LAYOUTS.pop(k, None)
+        for k in list(_LAYOUTS)[:-_KEEP]:
+            del _LAYOUTS[k]
     return None if got[2] is None else Experts(got[2], comm)
-
-
-_KEEP = 16  # layouts kept (a program has a forward and a backward per region)
