@@ -57,6 +57,9 @@ def _max(input, *args, **kwargs):
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
                                   torch.histc: decompositions.histc,  # the load-balancing loss's count (nvtp/frontend/decompose.py)
+                                  # nn.RMSNorm (DiffLlama's groupnorm): dynamo writes torch.rms_norm, which Thunder 0.2.6
+                                  # does not know (NotImplementedError); F.rms_norm, the same call, it decomposes to prims
+                                  torch.rms_norm: torch.nn.functional.rms_norm,
                                   **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum,
                           "histc": decompositions.histc, **decompositions.CONVERSIONS,  # MoE code's (nvtp/frontend/decompose.py)
