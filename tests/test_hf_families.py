@@ -31,7 +31,7 @@ KNOWN: dict[str, str] = {
     family: "convolution" for family in ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba",
                                           "kimi_linear", "mamba", "nemotron_h", "olmo_hybrid", "qwen3_5_text", "qwen3_next",
                                           "recurrent_gemma")
-} | {"diffllama": "Thunder cannot trace DiffLlamaForCausalLM.forward"}  # the whole trace (no spliced variant), after 8 min
+}
 
 DECODERS = [(t, c) for t, c in families() if not not_decoder_only(t, c)]
 
