@@ -130,3 +130,39 @@ def test_an_op_thunder_does_not_know_in_dynamos_graph_is_a_capture_error_not_a_c
     monkeypatch.delitem(fx_forms.DECOMPOSITIONS, torch.rms_norm)
     with pytest.raises(CaptureError, match=r"_Normed.forward.*torch.rms_norm, but it is not yet supported"):
         nvtp.jit(_Normed(), plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(torch.randn(2, 3, 8))
+
+
+class _DetachedTable(torch.nn.Module):
+    """XGLM's positions: rows of a buffer read under ``torch.no_grad()`` and detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(16, 8), persistent=False)
+
+    @torch.no_grad()
+    def positions(self, n: int) -> torch.Tensor:
+        return self.table.index_select(0, torch.arange(n, device=self.table.device)).detach()
+
+    def forward(self, x):
+        return (self.lin(x) + self.positions(x.shape[1])).pow(2).sum()
+
+
+def test_a_detach_of_a_value_needing_no_gradient_on_the_fx_route_is_the_value():
+    """nvtp has no op for ``detach`` (XGLM failed: "operations nvtp cannot compile: detach"); of a value that
+    needs no gradient it is the value, and the FX route drops it."""
+    from nvtp.dump import relative_error
+    from nvtp.sharding.placements import DeviceMesh
+
+    torch.manual_seed(0)
+    model, x = _DetachedTable(), torch.randn(2, 5, 8)
+    ref = _DetachedTable()
+    ref.load_state_dict(model.state_dict())
+    ref.table.copy_(model.table)
+    got = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
+    got.backward()
+    want = ref(x)
+    want.backward()
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(nvtp.full_tensor(p.grad), q.grad)[0] <= 1e-5, name
