@@ -83,11 +83,13 @@ def on_process_group(comm: Comm | None, size: int) -> bool:
     return size > 1 and on_groups and dist.is_available() and dist.is_initialized()
 
 
-def place(p: torch.nn.Parameter, part: torch.Tensor, placement: Placement, shape: tuple[int, ...], comm: Comm,
-          torch_mesh=None) -> torch.nn.Parameter:
-    """Parameter ``p`` made this rank's ``part`` of it (whole ``shape``, placed ``placement``): a new
-    DTensor parameter on ``torch_mesh`` (an optimizer holding ``p`` is pointed at it), or, with no
-    torch mesh, ``p`` itself holding the part as a plain tensor (``hold_part``). Returns the parameter."""
+def place(p: torch.nn.Parameter, part: torch.Tensor, placement: Placement | tuple, shape: tuple[int, ...],
+          comm: Comm | None, torch_mesh=None) -> torch.nn.Parameter:
+    """Parameter ``p`` made this rank's ``part`` of it (whole ``shape``, placed ``placement``, one per
+    axis of ``torch_mesh``): a new DTensor parameter on ``torch_mesh`` (an optimizer holding ``p`` is
+    pointed at it; ``nvtp.jit``, the Thunder transform and pipelines alike), or, with no torch mesh,
+    ``p`` itself holding the part as a plain tensor whose ``comm`` gathers it (``hold_part``).
+    Returns the parameter."""
     if torch_mesh is not None:
         new = torch.nn.Parameter(_dt.as_dtensor(part, placement, torch_mesh, shape), requires_grad=p.requires_grad)
         retarget(p, new)

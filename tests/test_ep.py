@@ -184,17 +184,25 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans(ep2_step)
     program = m.last
     planned = [s for s in program.steps() if s.kind == "alltoall"]
     per_rank = len(sent) // mesh.size
-    # 2 layers, each 3 exchanges per op: the forward's 2 gather_mm; the backward's 2 recomputed
-    # (Thunder rematerialises them), 2 for the rows' gradients and 2 gather_mm_wgrad
-    assert len(planned) == per_rank == 2 * 3 * (2 + 6)
+    # Per layer the rows cross once each way per pass, kept on their experts' ranks across the MLP
+    # (gather_mm, GELU, gather_mm): the forward's counts, dispatch of the token rows, combine of the
+    # expert output; the backward's counts, dispatch of the output's gradient, combine of the input's,
+    # and the two that Thunder's recomputation of the forward costs (the rows again, and the expert
+    # output the routing weights' gradient reads). Dropless at P=2, a destination's block holds all
+    # 64 rows a rank routes: [2, 64, 64] fp32, of which a rank sends one block, 16 KiB.
+    block = 64 * 64 * 4
+    assert sorted((s.phase, s.tensor, s.bytes) for s in planned) == sorted(
+        [("forward", "counts", 16), ("forward", "dispatch", block), ("forward", "combine", block)] * 2
+        + [("backward", "counts", 16)] * 2 + [("backward", "dispatch", block), ("backward", "combine", block)] * 4)
     assert sorted(sent) == sorted([(s.tensor, s.bytes) for s in planned] * mesh.size)  # (counts|dispatch|combine, bytes)
-    assert sum(s.bytes for s in planned) > 0
+    # the analytical volume: 4 crossings per layer of the half of a rank's 64 rows that go to the other rank
+    assert sum(s.bytes for s in planned) - 4 * 16 == 2 * 6 * block == 3 * (2 * 4 * 32 * 64 * 4)
     reduced = [s.tensor for s in tensor_steps("backward", program.backward) if s.kind == "allreduce"]
     assert "grad(gpt.h.0.moe.router.gate.weight)" in reduced, reduced  # dense weights: partial sums over ep
     assert not [t for t in reduced if "experts" in t], reduced  # an expert's gradient is whole on its rank: every rank's rows came to it
     text = program.as_text()
     assert "gpt.h.0.moe.experts, gpt.h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in text
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 96.00 KiB, combine 96.00 KiB" in text, text
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 32.00 KiB, combine 32.00 KiB" in text, text
     assert "expert weights w_fc ep S(0), w_proj ep S(0)" in text, text
     # The same trace planned for (dp, ep) = (2, 2) (its batch of 4 as two dp ranks' 2): dp splits
     # each ep part of the batch again, the experts are whole over dp and only dp reduces their gradients.
@@ -268,7 +276,7 @@ def test_capacity_factor_drops_the_rows_megatron_drops_and_shrinks_the_all_to_al
     steps = [s for s in capped.steps() if s.kind == "alltoall"]
     before = [s for s in dropless.steps() if s.kind == "alltoall"]
     assert [(s.phase, s.value, s.tensor) for s in steps] == [(s.phase, s.value, s.tensor) for s in before]
-    assert len(steps) == 2 * 3 * (2 + 6)
+    assert len(steps) == 2 * (3 + 5)  # per layer: forward counts, dispatch, combine; backward counts, 2 dispatches, 2 combines
     for s, b in zip(steps, before):
         if s.tensor == "counts":
             assert s.shape == b.shape == (n, experts // n) and s.bytes == b.bytes == n * (experts // n) * 8 * (n - 1) // n
@@ -358,6 +366,50 @@ def _moe_fusion(experts: int, dense: bool = False):
     return driver.of_fusions(b.build())
 
 
+def _gated_experts_fusion():
+    """A gated expert MLP by hand (Mixtral's shape): rows [16, 4], gate|up [4 experts, 4, 2 x 6]
+    sliced into its halves, silu(gate) * up, down [4, 6, 4]."""
+    b = FusionBuilder("gated_experts")
+    x = b.define_tensor((16, 4), DType.Float)
+    w1 = b.define_tensor((4, 4, 12), DType.Float)
+    w2 = b.define_tensor((4, 6, 4), DType.Float)
+    index = b.define_tensor((16,), DType.Int)
+    y = b.op("gather_mm", x, w1, index)
+    gate = b.op("slice", y, start_indices=[0, 0], end_indices=[16, 6], strides=[1, 1])
+    up = b.op("slice", y, start_indices=[0, 6], end_indices=[16, 12], strides=[1, 1])
+    b.add_output(b.op("gather_mm", b.op("mul", b.op("silu", gate), up), w2, index))
+    return driver.of_fusions(b.build())
+
+
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_a_gated_expert_mlp_keeps_its_rows_on_the_experts_ranks_between_its_matmuls(factor):
+    """ep=2, simulated ranks: the rows are dispatched once before the gate|up matmul, stay on their
+    experts' ranks through the slices, silu and product (run there in runs of a rank's rows) and the
+    down matmul, and are combined once: counts, dispatch and combine, each [2, block, 4], the bytes
+    the run sends; the result equals each row times its experts' weights in eager PyTorch (with
+    capacity_factor=1.0: each expert keeps the first ceil(8 / 4) = 2 of a rank's 8 rows, the
+    others give zero)."""
+    traced = _gated_experts_fusion()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    plan = driver.shard(traced, "replicate", mesh, axis_options={} if factor is None else {"capacity_factor": factor})
+    block = 8 if factor is None else 2 * 2  # a destination's rows: all a rank's 8, or its 2 experts' 2 slots
+    planned = [(s.tensor, s.shape, s.bytes) for s in plan.steps() if s.kind == "alltoall"]
+    assert planned == [("counts", (2, 2), 16), ("dispatch", (2, block, 4), block * 16), ("combine", (2, block, 4), block * 16)]
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(16, 4, generator=g), torch.randn(4, 4, 12, generator=g), torch.randn(4, 6, 4, generator=g)
+    index = torch.tensor([3, 3, 2, 3, 0, 3, 2, 2, 3, 2, 3, 3, 2, 1, 3, 2])
+    with ep_run.recording() as sent:
+        outs, _ = spmd.run_simulated(plan.forward, [x, w1, w2, index])
+    assert sorted(sent) == sorted([(t, b) for t, _, b in planned] * 2)
+    y = torch.bmm(x[:, None], w1[index])[:, 0]
+    want = torch.bmm((F.silu(y[:, :6]) * y[:, 6:])[:, None], w2[index])[:, 0]
+    if factor is not None:  # Megatron's "position" policy, per rank: an expert's rows past its first 2 give zero
+        keep = torch.tensor([list(index[r * 8:s + 1]).count(index[s]) <= 2 for r in range(2) for s in range(r * 8, r * 8 + 8)])
+        assert int((~keep).sum()) == 6
+        want = want * keep[:, None]
+    assert relative_error(torch.cat([o[0] for o in outs]), want)[0] <= 1e-5
+
+
 @pytest.mark.parametrize("experts, ep, words", [
     (3, 2, "3 experts, which the ep axis of size 2 cannot split evenly; use an ep size that divides 3"),
     (4, 8, "the ep axis has 8 ranks and the MoE layer of"),
@@ -377,7 +429,16 @@ def test_an_ep_axis_nvtp_cannot_shard_is_refused_before_any_work(experts, ep, wo
 # -- slow tier: gloo processes, (ep, tp), the CLI ----------------------------------------------------
 
 
-def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None):
+def _mixtral():
+    """transformers' Mixtral from a tiny config (hidden 64, 4 experts, top-2, 2 layers, vocabulary
+    256; its own experts implementation, the load-balancing loss on) and a batch of 4 x 8 tokens."""
+    from tests.test_moe import build
+
+    model = build("mixtral", output_router_logits=True)
+    return model, torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=None, family="moe_gpt"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -385,10 +446,14 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
 
     init_group(rank, world, init_method)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, (idx, targets) = moe_gpt()
+    if family == "moe_gpt":
+        model, batch = moe_gpt()
+    else:
+        model, ids = _mixtral()
+        batch = (ids,)
     if "dp" in names:  # each dp rank its half of the batch; the ranks of an ep group pass the same
         d = mesh.get_local_rank("dp")
-        idx, targets = idx[2 * d:2 * d + 2], targets[2 * d:2 * d + 2]
+        batch = tuple(t[2 * d:2 * d + 2] for t in batch)
     sharded = nvtp.jit(model, plan="megatron", mesh=mesh, capacity_factor=capacity_factor)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     losses = []
@@ -396,7 +461,7 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
         for step in range(3):
             if step == 1:  # the first call also runs nvtp.jit's first-call check (nvtp.guard): count the steps after it
                 sent.clear()
-            _, loss = sharded(idx, targets)
+            loss = sharded(*batch)[1] if family == "moe_gpt" else sharded(*batch, labels=batch[0]).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -411,36 +476,62 @@ def _gloo_worker(rank, world, init_method, out, shape, names, capacity_factor=No
     return 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
-                                                  ((2, 2), ("dp", "ep"), 1.0)],
-                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1"])
-def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
-    """2 gloo processes at ep=2, 4 at (dp, ep) = (2, 2) (all_to_all_single on gloo): 3 SGD steps,
-    every loss and final weight as eager's on the whole batch; the experts split over ep (whole
-    over dp); the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte.
-    With capacity_factor=1.0, as an eager model that drops the same rows (``capped_experts``: each
-    of the dp x ep ranks routes one sequence of the batch and drops past its own capacity)."""
+def _trains_like_one_process(tmp_path, shape, names, factor=None, family="moe_gpt") -> dict:
+    """``_gloo_worker`` on prod(shape) gloo processes, 3 SGD steps, against the model in eager
+    PyTorch on the whole batch: every loss and final weight within 1e-5; the all-to-alls rank 0
+    sent in steps 2 and 3 are its Program's steps, byte for byte. Returns what rank 0 saved."""
     out = tmp_path / "got.pt"
-    world = 1
-    for n in shape:
-        world *= n
-    assert spawn(_gloo_worker, world, str(out), shape, names, factor) == [0] * world
+    world = math.prod(shape)
+    assert spawn(_gloo_worker, world, str(out), shape, names, factor, family) == [0] * world
     got = torch.load(out)
-    model, batch = moe_gpt()
-    ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
+    if family == "moe_gpt":
+        model, batch = moe_gpt()
+        ref = eager(model) if factor is None else eager_capped(model, world, factor)[0]  # every rank routes its own rows
+        loss_of = lambda m: m(*batch)[1]  # noqa: E731
+    else:
+        ref, ids = _mixtral()
+        loss_of = lambda m: m(ids, labels=ids).loss  # noqa: E731
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
-        _, loss = ref(*batch)
+        loss = loss_of(ref)
         opt.zero_grad()
         loss.backward()
         opt.step()
         assert abs(got["losses"][step] - loss.item()) <= 1e-5 * abs(loss.item()), (got["losses"], step, loss.item())
     for name, p in ref.named_parameters():
         assert relative_error(got["params"][name], p.detach())[0] <= 1e-5, name
-    split = "S(0)"
-    assert got["placements"]["gpt.h.0.moe.experts.w_fc"] == ([split] if len(shape) == 1 else ["R", split])
     assert sorted(got["sent"]) == sorted(got["planned"]) and got["sent"]
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, names, factor", [((2,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2,), ("ep",), 1.0),
+                                                  ((2, 2), ("dp", "ep"), 1.0), ((4,), ("ep",), None), ((2, 2), ("ep", "tp"), None)],
+                         ids=["ep2", "dp2xep2", "ep2-capacity1", "dp2xep2-capacity1", "ep4", "ep2xtp2"])
+def test_moe_gpt_trains_on_gloo_processes_like_one_process(tmp_path, shape, names, factor):
+    """2 gloo processes at ep=2, 4 at ep=4, (dp, ep) = (2, 2) and (ep, tp) = (2, 2)
+    (all_to_all_single on gloo): 3 SGD steps, every loss and final weight as eager's on the whole
+    batch; the experts split over ep (whole over dp, split inside over tp); the all-to-alls rank 0
+    sent in steps 2 and 3 are its Program's steps, byte for byte. With capacity_factor=1.0, as an
+    eager model that drops the same rows (``capped_experts``: each of the dp x ep ranks routes one
+    sequence of the batch and drops past its own capacity)."""
+    got = _trains_like_one_process(tmp_path, shape, names, factor)
+    want = {("ep",): ["S(0)"], ("dp", "ep"): ["R", "S(0)"], ("ep", "tp"): ["S(0)", "S(2)"]}[names]
+    assert got["placements"]["gpt.h.0.moe.experts.w_fc"] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, names", [((4,), ("ep",)), ((2, 2), ("dp", "ep")), ((2, 2), ("ep", "tp"))],
+                         ids=["ep4", "dp2xep2", "ep2xtp2"])
+def test_mixtral_trains_on_4_gloo_processes_like_one_process(tmp_path, shape, names):
+    """Issue 35, item 4: transformers' Mixtral (tiny config, its own experts implementation, the
+    load-balancing loss) on 4 gloo processes at ep=4, (dp, ep) = (2, 2) and (ep, tp) = (2, 2): 3 SGD
+    steps, every loss and final weight within 1e-5 of eager Mixtral on one process; the experts
+    split along their expert axis over ep; the all-to-alls sent are the Program's steps."""
+    pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    got = _trains_like_one_process(tmp_path, shape, names, family="mixtral")
+    experts = [n for n in got["placements"] if "experts" in n]
+    assert experts and all("S(0)" in got["placements"][n][names.index("ep")] for n in experts), got["placements"]
 
 
 @pytest.mark.slow
@@ -463,12 +554,12 @@ def test_nvtp_explain_with_an_ep_axis_prints_experts_per_rank_and_all_to_all_byt
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "h.0.moe.experts, h.1.moe.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in run.stdout
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 48.00 KiB, combine 48.00 KiB" in run.stdout
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 16.00 KiB, combine 16.00 KiB" in run.stdout
     capped = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
                              "ep=2", "--capacity-factor", "1"], capture_output=True, text=True, timeout=900)
     assert capped.returncode == 0, capped.stderr[-3000:]
     assert "capacity factor 1: each expert takes at most ceil(1 x a rank's routed rows / experts)" in capped.stdout, capped.stdout
-    assert "forward all-to-all bytes per rank per step: counts 64 B, dispatch 24.00 KiB, combine 24.00 KiB" in capped.stdout
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 8.00 KiB, combine 8.00 KiB" in capped.stdout
     assert "    dropped past the experts' capacity: rank 0 " in capped.stdout, capped.stdout
     bad = subprocess.run([sys.executable, "-m", "nvtp", "explain", "--module", "nvtp.models.moe:tiny", "--plan", "megatron", "--mesh",
                           "ep=2", "--capacity-factor", "0"], capture_output=True, text=True, timeout=900)

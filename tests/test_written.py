@@ -270,6 +270,56 @@ def test_logits_and_loss_returned_together_train_as_eager(tie, regional):
     assert sorted(f.label(v.name) for v in f.outputs if f.role(v.name) == "output") == ["y[0]", "y[1]"]
 
 
+def _tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _dp_llama_worker(rank, world, init_method, out):
+    """One rank of ``test_a_transformers_model_on_a_dp_mesh_of_processes_trains_as_eager``: its own rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    inner = _tiny_llama()
+    model = nvtp.jit(inner, plan="replicate", mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[rank * 2:(rank + 1) * 2]
+    output = model(mine, labels=mine)
+    output.loss.backward()  # torch gives the logits' gradient as None: the backward needs zeros of this rank's rows
+    grads = _grads(inner)
+    if rank == 0:
+        torch.save({"logits": output.logits.detach(), "grads": grads}, out)
+    dist.destroy_process_group()
+    return 0
+
+
+def test_a_transformers_model_on_a_dp_mesh_of_processes_trains_as_eager(tmp_path):
+    """A transformers Llama on a dp mesh of 2 processes, each passing its own rows, the loss
+    differentiated and not the logits: the gradients of the mean loss over the whole batch, as
+    eager's. The logits' missing gradient was made for the whole batch (``The size of tensor a (4)
+    must match the size of tensor b (2)`` in the backward, on FX-traced models)."""
+    pytest.importorskip("transformers")
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "r.pt"
+    codes = spawn(_dp_llama_worker, 2, str(out))
+    assert list(codes) == [0, 0], codes.summary()
+    got = torch.load(out, weights_only=False)
+    ref = _tiny_llama()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(ids, labels=ids)
+    want.loss.backward()
+    assert relative_error(got["logits"], want.logits[:2])[0] <= 1e-5
+    _check_like_eager(got["grads"], _grads(ref), tol=1e-4)
+
+
 def test_a_loss_of_both_outputs_sends_each_its_own_gradient():
     cfg = GPTConfig(tie=False, n_layer=1)
     torch.manual_seed(0)

@@ -39,15 +39,35 @@ from nvtp.models import gpt  # noqa: E402
 
 
 def _cfg(args) -> gpt.GPTConfig:
-    return replace(gpt.config(args.config, n_layer=args.layers), batch=args.batch)
+    if args.family != "gpt":
+        size = {"num_hidden_layers": args.layers} | ({"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden} if args.hidden else {})
+        return {"family": args.family, "overrides": size, "batch": args.batch}
+    cfg = replace(gpt.config(args.config, n_layer=args.layers), batch=args.batch)
+    return replace(cfg, n_embd=args.hidden) if getattr(args, "hidden", None) else cfg
 
 
 def _model(cfg) -> torch.nn.Module:
     torch.manual_seed(0)
+    if isinstance(cfg, dict):  # a transformers family (nvtp.models.hf), e.g. Llama from a tiny config
+        from nvtp.models import hf
+        config_cls, model_cls, kwargs = hf.CONFIGS[cfg["family"]]
+        transformers = hf._transformers()
+        config = getattr(transformers, config_cls)(**(kwargs | cfg["overrides"]), use_cache=False, bos_token_id=0, eos_token_id=0)
+        return getattr(transformers, model_cls)(config)
     return gpt.GPT(cfg)
 
 
+def _call(cfg) -> tuple[tuple, dict]:
+    """The whole batch's call: nvtp's GPT (idx, targets); a transformers model (ids, labels=ids)."""
+    if isinstance(cfg, dict):
+        ids = torch.randint(0, 256, (cfg["batch"], 16), generator=torch.Generator().manual_seed(0))
+        return (ids,), {"labels": ids}
+    return gpt.example_tokens(cfg), {}
+
+
 def _loss(out):
+    if hasattr(out, "loss"):
+        return out.loss
     return out[1] if isinstance(out, tuple) else out
 
 
@@ -94,11 +114,11 @@ def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out,
     sm = AutoModule(model, world, candidate=Candidate(tuple(extents), tuple(options)), timeout=600.0)
     opt = (torch.optim.AdamW(sm.parameters(), lr=1e-3) if optimizer == "adamw"  # Adam's state: what the planner counts
            else torch.optim.SGD(sm.parameters(), lr=0.1))
-    whole = gpt.example_tokens(cfg)
+    whole, kw = _call(cfg)
     times, losses = [], []
 
     def step():
-        loss = _loss(sm(*whole))
+        loss = _loss(sm(*whole, **kw))
         loss.backward()
         opt.step()
         return loss
@@ -153,8 +173,10 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--family", default="gpt", help="gpt (nvtp's GPT), or a transformers family of nvtp.models.hf (llama, ...) from its tiny config")
     p.add_argument("--config", default="tiny")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=None, help="the hidden size (n_embd; default: the config's)")
     p.add_argument("--batch", type=int, default=8, help="the whole step's batch (every rank passes it)")
     p.add_argument("--count", type=int, default=6, help="how many candidates to run (default 6)")
     p.add_argument("--candidates", nargs="*", default=None, help="run these (their text in the table) instead")
@@ -168,7 +190,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     cfg = _cfg(args)
     t0 = time.perf_counter()
-    choice = search(_model(cfg), gpt.example_tokens(cfg), devices=args.devices)
+    call, kw = _call(cfg)
+    choice = search(_model(cfg), call, kw, devices=args.devices)
     planned = time.perf_counter() - t0
     print(choice.as_text(top=12), flush=True)
     if args.candidates:

@@ -26,20 +26,23 @@ The model of one training step (forward, backward, optimizer), in one place:
   weight, gradient and two moments, write the weight and moments, 4 bytes each).
 * **Memory per rank** (bytes, the rank's part of each tensor): parameters; gradients (the
   parameters' dtype); Adam's state (two fp32 moments, and an fp32 master copy of 16-bit weights:
-  12 bytes an element, 8 for fp32, as ``nvtp.report`` counts); the activations the forward
-  keeps for the backward, times the microbatches a pipeline stage holds at once; and the largest
-  set of values alive at once besides them (forward: its transients; backward: the gradients
-  made so far and its transients, plus one block's recomputed values).
+  12 bytes an element, 8 for fp32, as ``nvtp.report`` counts); and the fullest moment of the
+  step as the runtime allocates it (``nvtp.auto.memory``): the forward's end, holding every
+  activation it saves for the backward, or the backward's fullest moment, holding the gradients,
+  the saved activations not yet freed, its own values and its collectives' buffers (DDP's flat
+  copy of a gradient bucket, FSDP's gathered weights and gradient chunks: each a term named by
+  its axis strategy, ``Strategy.memory_label``), plus one block's recomputed values; a pipeline
+  stage's other microbatches in flight keep their activations.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from nvtp import driver
 from nvtp.auto.candidate import Candidate
+from nvtp.auto.memory import ACTIVATIONS, VALUES, Peak, live_peak, local_bytes
 from nvtp.auto.sample import Facts, Sample
 from nvtp.frontend.recompute import layers_of, plan_recompute, sequence_of
 from nvtp.ir.graph import TensorValue, defines_input
@@ -47,7 +50,7 @@ from nvtp.pipeline.stages import Cost, balance, op_cost
 from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import plan_rings
 from nvtp.sharding.cost import Sizes, simulate
-from nvtp.sharding.overlap import schedule_collectives
+from nvtp.sharding.overlap import BUCKET_BYTES, schedule_collectives
 from nvtp.sharding.placements import axis_split, local_shape
 
 OPTIMIZER_BYTES = 28  # Adam: read weight, gradient, two moments; write weight, two moments (4 bytes each)
@@ -168,6 +171,7 @@ class Costing:
         self._blocks: dict[tuple, _Blocks] = {}
         self._cuts: dict[tuple, tuple[int, ...]] = {}
         self._recompute: dict[tuple, Any] = {}
+        self._peaks: dict[tuple, tuple[Peak, Peak]] = {}
         self.shardings = 0
 
     # -- programs ---------------------------------------------------------------------------
@@ -284,8 +288,9 @@ class Costing:
                 for a, w in pw.items():
                     waited[a] = waited.get(a, 0.0) + w
             recompute = sum(k * rec["seconds"][b] for b, k in enumerate(mult))
+            peaks = self.transients(c, sample, priced, scale, mult, mem["saved_names"])
             stages.append(StageCost((bounds[s], bounds[s + 1]), compute, waited, recompute,
-                                    self.stage_memory(c, s, len(bounds) - 1, mult, mem, rec)))
+                                    self.stage_memory(c, s, len(bounds) - 1, mult, mem, rec, peaks)))
         worst = max(stages, key=lambda st: st.memory["total"])
         params = worst.memory["parameter_elements"]
         costed = Costed(c, self.machine, self.facts, stages, m, *self.junction(sample, priced, scale),
@@ -343,7 +348,7 @@ class Costing:
                     continue
                 i = p.at.get(v)
                 b = p.block[i] if i is not None else 0
-                out[key_][b] += _local_bytes(p.sharded, t_forward.value(v), sizes)
+                out[key_][b] += local_bytes(p.sharded, t_forward.value(v), sizes)
         return out
 
     def _set_seconds(self, sharded: Any, name: str, factor: Any) -> float:
@@ -372,7 +377,7 @@ class Costing:
                 continue
             label = src.label(v.name)
             b = sample.blocks.parameters.get(label, 0)
-            nbytes = _local_bytes(f.sharded, v, None)
+            nbytes = local_bytes(f.sharded, v, None)
             if weights is None or label in weights or label.split("[", 1)[0] in weights:
                 params[b] += nbytes
                 elements[b] += nbytes / v.dtype.itemsize
@@ -393,18 +398,46 @@ class Costing:
                 continue
             i = f.at.get(name)
             b = f.block[i] if i is not None else 0
-            saved[b] += _local_bytes(f.sharded, v, factor)
-        fwd_peak = _transient(f.sharded, factor, exclude=saved_names)
-        bwd_peak = 0.0
-        if "backward" in priced.phases:
-            bk = priced.phases["backward"]
-            outs = {v.name for v in bk.sharded.fusion.outputs}  # the gradients: counted as the parameters' bytes
-            bwd_peak = _transient(bk.sharded, Sizes(scale, sample.batched).factor_of(bk.sharded), exclude=outs)
+            saved[b] += local_bytes(f.sharded, v, factor)
         return {"parameters": params, "elements": elements, "elements16": bytes16, "buffers": buffers, "saved": saved,
-                "forward_transient": fwd_peak, "backward_transient": bwd_peak}
+                "saved_names": saved_names}
+
+    def transients(self, c: Candidate, sample: Sample, priced: _Priced, scale: float, mult: list[int], saved: set[str]) -> tuple[Peak, Peak]:
+        """The fullest moment of the forward (besides what it saves) and of the backward (besides
+        the gradients it returns), as the runtime allocates them (``nvtp.auto.memory``), for a
+        stage of ``mult`` blocks per sample block."""
+        cm = c.opts.get("collective_matmul", False)
+        key = (id(priced), cm, scale, tuple(mult))
+        if key not in self._peaks:
+            schedules = self.schedule(priced, cm)
+            out = []
+            for phase in ("forward", "backward"):
+                p = priced.phases.get(phase)
+                if p is None:
+                    out.append(Peak())
+                    continue
+                mesh = p.sharded.mesh
+                exclude = saved if phase == "forward" else {v.name for v in p.sharded.fusion.outputs}
+                held = None
+                if phase == "backward":  # the saved activations, each freed after its last reader
+                    f, src = priced.phases["forward"], p.sharded.source
+                    held = {}
+                    for v in src.inputs:
+                        if src.role(v.name) == "saved":
+                            i = f.at.get(src.info[v.name].source)
+                            held[v.name] = float(mult[f.block[i]] if i is not None else 1)
+
+                def label(kind: str, axis: int, parameter: bool, names=mesh.names) -> str | None:
+                    s = axes.AXES.get(names[axis])
+                    return s.memory_label(kind, parameter) if s is not None else None
+
+                out.append(live_peak(p.sharded, schedules.get(phase), Sizes(scale, sample.batched).factor_of(p.sharded),
+                                     exclude=exclude, block=p.block, mult=mult, label=label, cap=BUCKET_BYTES, held=held))
+            self._peaks[key] = tuple(out)
+        return self._peaks[key]
 
     def stage_memory(self, c: Candidate, stage: int, stages: int, mult: list[int], mem: dict[str, Any],
-                     rec: dict[str, list[float]]) -> dict[str, float]:
+                     rec: dict[str, list[float]], peaks: tuple[Peak, Peak]) -> dict[str, float]:
         def total(key: str) -> float:
             return sum(k * mem[key][b] for b, k in enumerate(mult))
 
@@ -418,12 +451,23 @@ class Costing:
         if c.pipelined:
             pp = next(s for s, _ in c.used() if s.cuts_stages)
             held = pp.in_flight(stage, stages, c.microbatches, c.opts.get("schedule", "1f1b"))
-        activations = per_mb * held
         recomputed = max(rec["dropped"]) if any(rec["dropped"]) else 0.0
         accumulated = grads if c.pipelined else 0.0  # the pipeline sums each microbatch's gradients into a buffer
-        peak = max(mem["forward_transient"], grads + accumulated + mem["backward_transient"] + recomputed)
+        forward, backward = peaks
+        # The forward ends holding every saved activation; the backward frees each after its last
+        # reader (``backward.parts[ACTIVATIONS]``: those alive at its fullest moment), while the
+        # other microbatches in flight keep theirs.
+        changed = sum(k * (rec["kept"][b] - rec["dropped"][b]) for b, k in enumerate(mult))
+        others = per_mb * (held - 1) + grads + accumulated + recomputed + changed  # alive through the backward besides its own values
+        if per_mb * held + forward.bytes >= others + backward.bytes:
+            at, activations, peak = forward, per_mb * held, forward.bytes
+        else:
+            at, peak = backward, backward.bytes - backward.parts.get(ACTIVATIONS, 0.0) + grads + accumulated + recomputed
+            activations = per_mb * (held - 1) + backward.parts.get(ACTIVATIONS, 0.0) + changed
+        parts = {k: v for k, v in at.parts.items() if k not in (VALUES, ACTIVATIONS)}  # each axis's named term (its collectives' buffers)
+        transient = peak - sum(parts.values())
         return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
-                "peak_transient": peak, "total": params + optimizer + activations + peak, "parameter_elements": elements}
+                "peak_transient": transient, **parts, "total": params + optimizer + activations + peak, "parameter_elements": elements}
 
     def junction(self, sample: Sample, priced: _Priced, scale: float) -> tuple[float, float]:
         """(bytes per rank of what one block hands the next, per microbatch; seconds to make it whole over
@@ -532,39 +576,6 @@ def _shares(p: _Phase, schedule: Any, factor: Any) -> dict[int, tuple[tuple[int,
         for name in issue.sets:
             out[index[name]] = parts
     return out
-
-
-def _local_bytes(sharded: Any, v: TensorValue, factor: Any) -> float:
-    sharding = sharded.shardings.get(v.name)
-    shape = v.shape if sharding is None else local_shape(v.shape, sharding, sharded.mesh)
-    return math.prod(shape) * v.dtype.itemsize * (factor(v.name) if factor is not None else 1.0)
-
-
-def _transient(sharded: Any, factor: Any, exclude: set[str]) -> float:
-    """The most bytes of values alive at once while ``sharded`` runs, leaving out its inputs and
-    ``exclude`` (a value lives from its op to its last reader; an output to the end)."""
-    f = sharded.fusion
-    last_use: dict[str, int] = {}
-    for i, op in enumerate(f.ops):
-        for v in op.operands:
-            last_use[v.name] = i
-    outputs = {v.name for v in f.outputs}
-    live = peak = 0.0
-    dying: dict[int, float] = {}
-    for i, op in enumerate(f.ops):
-        if defines_input(op):
-            continue
-        for v in op.outputs:
-            if not isinstance(v, TensorValue) or v.name in exclude:
-                continue
-            n = _local_bytes(sharded, v, factor)
-            live += n
-            if v.name not in outputs:
-                end = last_use.get(v.name, i)
-                dying[end] = dying.get(end, 0.0) + n
-        peak = max(peak, live)
-        live -= dying.pop(i, 0.0)
-    return peak
 
 
 __all__ = ["Costing", "Costed", "StageCost", "sample_block", "OPTIMIZER_BYTES"]

@@ -138,7 +138,7 @@ class Choice:
                  "  memory: " + ", ".join(f"{k} {size_text(v)}" for k, v in b.memory.items())]
         notes = {}
         for s, _ in b.candidate.used():
-            notes.update(s.memory_terms(b))
+            notes.update((k, v) for k, v in s.memory_terms(b).items() if k not in b.memory)  # the memory line names the rest
         if notes:
             lines.append("  " + ", ".join(f"{k} {size_text(v)}" for k, v in notes.items()))
         lines += ["", f"{'rank':>4}  {'candidate':<52} {'step ms':>10} {'memory':>10}  why not chosen"]

@@ -3,25 +3,28 @@ axis splits (``nvtp.sharding.axes.ep`` plans them; ``nvtp.sharding.rules_moe`` s
 
 Each of the P ranks of an ep group holds its routed rows (its tokens' choices, ``index`` the
 global expert of each) and a contiguous block of E/P experts: rank r holds experts
-``[r E/P, (r+1) E/P)``, so a row's destination is ``index // (E/P)``. One ``gather_mm``:
+``[r E/P, (r+1) E/P)``, so a row's destination is ``index // (E/P)``. The plan
+(``nvtp.sharding.axes.ep.expert_layout``) says which values are held on the experts' ranks;
+``Experts`` runs one fusion's expert ops and the row-wise ops between them on those rows:
 
-1. the rows sorted by expert (stable), so grouped by destination, each destination's rows in a
-   block of ``capacity`` rows (a static bound: every row a rank holds; dropless), padded past
-   its count: a send buffer ``[P, capacity, K]`` written by ``index_copy`` on the device;
-2. ``alltoall`` of the per-expert counts (``[P, E/P]`` integers) and ``alltoall`` of the rows (the
-   dispatch): equal blocks, so no split size is read by the host;
-3. the local grouped matmul of the received rows, each row's local expert found from the counts
-   on the device (padding rows belong to none: zero, adding nothing to a gradient);
-4. ``alltoall`` back (the combine) and the inverse of step 1.
+1. per routing index, once: the rows sorted by expert (stable), so grouped by destination, each
+   destination's rows in a block of ``capacity`` rows (a static bound: every row a rank holds;
+   dropless), padded past its count; ``alltoall`` of the per-expert counts (``[P, E/P]``
+   integers), each received row's local expert found from them on the device (padding rows
+   belong to none: zero, adding nothing to a gradient);
+2. a row operand not held: written into a send buffer ``[P, capacity, K]`` by ``index_copy`` and
+   sent by one ``alltoall`` (the dispatch), once per value and index; equal blocks, so no split
+   size is read by the host;
+3. ``gather_mm`` on the received rows (its local grouped matmul), ``gather_mm_wgrad`` (this rank's
+   experts' gradient ``[E/P, K, N]``, no combine), row-wise ops in runs of the rank's row count;
+4. a held value another op reads: ``alltoall`` back (the combine), put back in the rows' order.
 
 With a capacity factor (``nvtp.sharding.axes.ep.capacity``: ``capacity`` rows per expert per
 source rank), step 1 gives each destination block E/P slots of ``capacity`` rows, one per local
 expert; an expert's rows past its capacity (the later ones in the rank's row order) are dropped:
 not sent, and their result is zero. The counts sent are the rows kept.
 
-``gather_mm_wgrad`` dispatches its two row operands the same way and returns its experts' weight
-gradient ``[E/P, K, N]`` (no combine): every row routed to them, from every rank. Each exchange
-is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
+Each exchange is a collective of equal blocks (``all_to_all_single`` on torch.distributed; between the threads
 of the simulated tier, an exchange of the buffers), counted in ``recording()`` and the run's log
 with the bytes a rank sends to the others, as ``nvtp.sharding.axes.ep.exchanges`` plans them.
 """
@@ -35,7 +38,7 @@ import torch
 
 from nvtp.execute.collectives import PROGRESS, Communication, DistComm, ThreadComm, on_axis
 from nvtp.execute.grouped import gather_mm, gather_mm_wgrad
-from nvtp.sharding.axes.ep import CAPACITY_FACTOR, capacity
+from nvtp.sharding.axes.ep import CAPACITY_FACTOR, NAME, Layout, capacity, expert_layout
 
 _RECORDS: list[list[tuple[str, int]]] = []  # open ``recording()`` lists
 
@@ -138,28 +141,97 @@ def _received_experts(counts: torch.Tensor, capacity: int) -> torch.Tensor:
     return (j[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)  # [P * capacity]
 
 
-def _exchange_route(ctx: Any, op: Any, axis: int, index: torch.Tensor, experts: int) -> tuple[Any, _Route, torch.Tensor]:
-    comm = on_axis(ctx.comm, axis)
-    factor = ctx.options.get(CAPACITY_FACTOR)  # as planned (ShardedFusion.options)
-    route = _Route(index, experts, comm.size, None if factor is None else capacity(factor, index.shape[0], experts))
-    counts = all_to_all(route.counts.reshape(-1).contiguous(), comm, "counts", ctx.log, op.outputs[0].name, axis)
-    return comm, route, route.received_experts(counts.reshape(comm.size, route.local))
+class Experts:
+    """One run's expert rows on this rank (``reference.run`` makes one per run of an ep program):
+    the routes by index, the rows held on this rank's experts by value name. ``execute`` runs the
+    ops of ``layout.runs`` on held rows, dispatching a row operand not held (once) and combining
+    a result ``layout.combined`` names (once, where it is made); the exchanges are the layout's,
+    in its order."""
+
+    def __init__(self, layout: Layout, comm: Any):
+        self.layout, self.comm = layout, on_axis(comm, layout.axis)
+        self.routes: dict[str, tuple[_Route, torch.Tensor]] = {}  # index -> its route, each received row's local expert
+        self.held: dict[str, torch.Tensor] = {}  # value -> its rows as this rank's experts received them
+        self.dispatched: dict[tuple[str, str], torch.Tensor] = {}
+
+    def runs(self, op: Any) -> bool:
+        return bool(op.outputs) and op.outputs[0].name in self.layout.runs
+
+    def _route(self, ctx: Any, op: Any, index: torch.Tensor, experts: int) -> tuple[_Route, torch.Tensor]:
+        name = op.arg("index").name
+        if name not in self.routes:
+            factor = ctx.options.get(CAPACITY_FACTOR)  # as planned (ShardedFusion.options)
+            route = _Route(index, experts, self.comm.size, None if factor is None else capacity(factor, index.shape[0], experts))
+            counts = all_to_all(route.counts.reshape(-1).contiguous(), self.comm, "counts", ctx.log, op.outputs[0].name, self.layout.axis)
+            self.routes[name] = route, route.received_experts(counts.reshape(self.comm.size, route.local))
+        return self.routes[name]
+
+    def _rows(self, ctx: Any, op: Any, v: Any, x: torch.Tensor, index: str) -> torch.Tensor:
+        """Operand ``v`` (``x`` as the fusion holds it) on this rank's experts: held, or dispatched once."""
+        if self.layout.held.get(v.name) == index:
+            return self.held[v.name]
+        key = (v.name, index)
+        if key not in self.dispatched:
+            route = self.routes[index][0]
+            self.dispatched[key] = all_to_all(route.send(x), self.comm, "dispatch", ctx.log, op.outputs[0].name, self.layout.axis)
+        return self.dispatched[key]
+
+    def execute(self, ctx: Any, op: Any, args: dict[str, Any], impl: Any) -> tuple[torch.Tensor]:
+        """``op``'s result: computed on held rows; as the fusion holds it where it is combined
+        (else the held rows, which no op outside ``layout.runs`` reads)."""
+        name = op.outputs[0].name
+        if op.kind in ("gather_mm", "gather_mm_wgrad"):
+            w = args["arg2"]
+            experts = w.shape[0] * self.comm.size if op.kind == "gather_mm" else args["groups"]
+            route, local = self._route(ctx, op, args["index"], experts)
+            index = op.arg("index").name
+            x = self._rows(ctx, op, op.arg("arg1"), args["arg1"], index)
+            if op.kind == "gather_mm_wgrad":  # this rank's experts' gradient [E/P, K, N]: no combine
+                g = gather_mm_wgrad(x, self._rows(ctx, op, op.arg("arg2"), w, index), local, route.local)
+                return (g.to(ctx.dtype(op.outputs[0].dtype)),)
+            y = torch.where((local < w.shape[0]).unsqueeze(1), gather_mm(x, w, local), 0)  # padding rows: no expert: zero
+        else:  # a ROWWISE op of held rows: on them (padding rows compute what they compute; nothing reads them)
+            index = self.layout.held[name]
+            y = self._rowwise(ctx, op, args, impl)
+        y = y.to(ctx.dtype(op.outputs[0].dtype))  # the dtype the op table infers, as reference.execute_op casts
+        self.held[name] = y
+        if name in self.layout.combined:
+            route = self.routes[index][0]
+            return (route.back(all_to_all(y, self.comm, "combine", ctx.log, name, self.layout.axis)),)
+        return (y,)
+
+    def _rowwise(self, ctx: Any, op: Any, args: dict[str, Any], impl: Any) -> torch.Tensor:
+        """A ``ROWWISE`` op on held rows: its implementation called on runs of as many rows as the
+        fusion's value holds on this rank (the shapes it is written for; tp's splits inside a row
+        included), the last run padded with zeros, the results joined and cut."""
+        held = [(arg, v) for arg, v in op.args if getattr(v, "name", None) in self.layout.held]
+        rows = ctx.local_shape(op.outputs[0])[0]
+        total = self.held[held[0][1].name].shape[0]
+        out = []
+        for start in range(0, total, rows):
+            a = dict(args)
+            for arg, v in held:
+                part = self.held[v.name][start:start + rows]
+                a[arg] = part if part.shape[0] == rows else torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            y = impl(ctx, op, a)
+            out.append(y[0] if isinstance(y, tuple) else y)
+        return torch.cat(out)[:total]
 
 
-def dispatched_gather_mm(ctx: Any, op: Any, axis: int, x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``gather_mm`` of this rank's rows ``x`` with the experts of the whole ep group, this rank
-    holding ``w``, its block of them: dispatch, local grouped matmul, combine."""
-    comm, route, local = _exchange_route(ctx, op, axis, index, w.shape[0] * on_axis(ctx.comm, axis).size)
-    name = op.outputs[0].name
-    rows = all_to_all(route.send(x), comm, "dispatch", ctx.log, name, axis)
-    y = torch.where((local < w.shape[0]).unsqueeze(1), gather_mm(rows, w, local), 0)  # padding rows: no expert (unset by grouped_mm): zero
-    return route.back(all_to_all(y, comm, "combine", ctx.log, name, axis))
+_LAYOUTS: dict[tuple[int, int], tuple[Any, Any, Layout | None, float | None]] = {}  # (fusion, shardings, layout, factor)
+_KEEP = 16  # layouts kept (a program has a forward and a backward per region)
 
 
-def dispatched_wgrad(ctx: Any, op: Any, axis: int, x: torch.Tensor, g: torch.Tensor, index: torch.Tensor, experts: int) -> torch.Tensor:
-    """This rank's experts' weight gradient ``[E/P, K, N]`` from the rows of every rank routed to them."""
-    comm, route, local = _exchange_route(ctx, op, axis, index, experts)
-    name = op.outputs[0].name
-    xs = all_to_all(route.send(x), comm, "dispatch", ctx.log, name, axis)
-    gs = all_to_all(route.send(g), comm, "dispatch", ctx.log, name, axis)
-    return gather_mm_wgrad(xs, gs, local, route.local)
+def experts_for(fusion: Any, shardings: Any, mesh: Any, comm: Any, options: Any) -> Experts | None:
+    """A run's ``Experts`` for ``fusion`` on ``mesh`` (None: no expert an ep axis splits); the
+    layout planned once per fusion and placements (``nvtp.sharding.axes.ep.expert_layout``)."""
+    if shardings is None or mesh is None or NAME not in mesh.names:
+        return None
+    key = (id(fusion), id(shardings))
+    got = _LAYOUTS.get(key)
+    factor = (options or {}).get(CAPACITY_FACTOR)
+    if got is None or got[0] is not fusion or got[1] is not shardings or got[3] != factor:
+        got = _LAYOUTS[key] = (fusion, shardings, expert_layout(fusion, shardings, mesh, factor), factor)
+        for k in list(_LAYOUTS)[:-_KEEP]:
+            del _LAYOUTS[k]
+    return None if got[2] is None else Experts(got[2], comm)

@@ -48,6 +48,7 @@ class Context:
     steps: Mapping[str, Any] | None = None  # a set's result -> its ReshardStep (nvtp.sharding.reshard), as planned
     rings: Mapping[str, int] = field(default_factory=dict)  # an attention run by ring (its first result) -> its mesh axis, as planned
     options: Mapping[str, Any] = field(default_factory=dict)  # the axis options the program was planned with (ShardedFusion.options)
+    experts: Any = None  # an ep program's expert rows (nvtp.execute.ep.Experts): the ops they run, on them
 
     # -- placements -----------------------------------------------------------------------
     def sharding(self, v: Value) -> tuple[Placement, ...] | None:

@@ -38,11 +38,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, exit_code_for
 from nvtp.execute.watchdog import (HEARTBEAT_S, PeerFailure, Watchdog, _record, describe_exit,  # noqa: F401 - re-exported
                                    looks_like_communication, recorded_failures, say)
 
+# What the fork server imports once, so that a rank starts in a fraction of a second instead of importing
+# torch, Thunder and nvtp again (about 10 s a rank on 2 cores; each rank of every launch paid it). Importing
+# Thunder counts CUDA devices, after which a forked process cannot use CUDA: it is preloaded only where no
+# GPU is (a rank on a GPU imports it itself).
+PRELOAD = ("torch", "torch.distributed", "nvtp.execute.reference")
+PRELOAD_WITHOUT_GPU = ("thunder", "nvtp.driver")
 GRACE_S = 5.0  # how long the launcher lets the other ranks stop by themselves after a failure
 JOIN_TIMEOUT_S = 120.0  # how long a rank waits for the others to join (importing torch and tracing take a while)
 
@@ -228,7 +235,43 @@ def run_rank(rank: int, body: Callable[[], int | None]) -> int:
     return code
 
 
-def _entry(rank: int, fn: Callable, world: int, init_method: str, args: tuple) -> None:
+@functools.cache
+def _context():
+    """The ranks' start method: a fork server that imported ``PRELOAD`` once (started by the first
+    launch, kept for the process's life), or ``spawn`` where the platform has no fork server. A
+    rank forked from the server gets the launcher's environment, standard output and error as
+    they are at the launch (``_Inherited``), as a spawned one would."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD) + ([] if torch.cuda.is_available() else list(PRELOAD_WITHOUT_GPU)))
+    return ctx
+
+
+class _Inherited:
+    """The launcher's standard output and error and its environment, carried to a rank: the fork
+    server's own are those of the first launch (under pytest, an earlier test's capture files)."""
+
+    def __init__(self):
+        self.env = dict(os.environ)
+
+    def __reduce__(self):  # the file descriptors travel with the process when it is pickled at its start
+        return _Inherited._received, (self.env, reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _received(env: dict, out, err) -> dict:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+            if fd != target:  # spawn hands the descriptor itself over
+                os.dup2(fd, target)
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        return env
+
+
+def _entry(rank: int, fn: Callable, world: int, init_method: str, args: tuple, inherited: Any = None) -> None:
     code = run_rank(rank, lambda: fn(rank, world, init_method, *args))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -276,15 +319,16 @@ def _failure_code(code: int) -> int:
 
 
 def spawn(fn: Callable[..., int], world: int, *args: Any, grace: float = GRACE_S) -> ExitCodes:
-    """Run ``fn(rank, world, init_method, *args)`` in ``world`` processes; their exit codes.
+    """Run ``fn(rank, world, init_method, *args)`` in ``world`` processes (forked from a server
+    that imported torch, Thunder and nvtp once: ``_context``); their exit codes.
 
     When a rank exits non-zero or is killed, the launcher records how in the mesh's store (the
     other ranks' watchdogs name it), waits up to ``grace`` seconds for the others to stop, then
     terminates them (SIGTERM, then SIGKILL)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     init_method = f"nvtp://127.0.0.1:{store.port}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, fn, world, init_method, args), name=f"nvtp-rank{r}", daemon=False)
+    ctx = _context()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world, init_method, args, _Inherited()), name=f"nvtp-rank{r}", daemon=False)
              for r in range(world)]
     start = time.monotonic()
     for p in procs:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from nvtp.execute import impls_nn, impls_tensor, moe, sets  # noqa: F401 - registers every op in IMPLS
+from nvtp.execute import ep
 from nvtp.execute import kernels
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
@@ -63,6 +64,8 @@ def execute_op(ctx: Context, op: Op, args: dict[str, Any], strict: bool = False)
     if fn is None:
         raise ExecutionError(f"the reference backend has no implementation of fd.ops.{op.kind}; add one to nvtp/execute/reference.py")
     try:
+        if ctx.experts is not None and ctx.experts.runs(op):  # on the rows an ep axis holds on its experts' ranks
+            return ctx.experts.execute(ctx, op, args, fn)
         result = fn(ctx, op, args)
     except ExecutionError:
         raise
@@ -293,12 +296,13 @@ def run(
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
     inputs = [as_input(x, v.shape, v.dtype) if isinstance(v, TensorValue) else x for v, x in zip(fusion.inputs, inputs)]
     options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None, schedule=schedule)
-    fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS
+    experts = ep.experts_for(fusion, shardings, mesh, comm, axis_options)  # None: no expert rows to move (nvtp/execute/ep.py)
+    fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS and experts is None
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
     ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, held=lowered.held, steps=steps,
-                  rings=dict(rings or {}), options=dict(axis_options or {}))
+                  rings=dict(rings or {}), options=dict(axis_options or {}), experts=experts)
     if log is not None:
         ctx.log = log
     try:

@@ -183,8 +183,12 @@ class RankProgram:
         local_grads = []
         dp = self.dp_axis
         for v, g in zip(grad_inputs, grads):
-            g = torch.zeros(v.shape, dtype=v.dtype.torch, device=device) if g is None else g.detach()
-            local = spmd.shard_tensor(g, self.callers(bwd, v.name), bwd.mesh, self.rank)
+            if g is None:  # an output the loss does not use: zeros of this rank's part (on a dp axis the caller's
+                # output is its own rows, not the whole batch's)
+                whole = torch.zeros(v.shape, dtype=v.dtype.torch, device=device)
+                local_grads.append(spmd.shard_tensor(whole, bwd.sharding(v.name), bwd.mesh, self.rank))
+                continue
+            local = spmd.shard_tensor(g.detach(), self.callers(bwd, v.name), bwd.mesh, self.rank)
             if dp is not None and axis_split(bwd.sharding(v.name)[dp]) is not None:
                 # Each rank's loss is over its own batch and DDP averages gradients over dp: the
                 # whole-batch program's loss is their mean, so a batch-split output's gradient is 1/dp of the rank's.

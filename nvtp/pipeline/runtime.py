@@ -42,7 +42,7 @@ from nvtp.execute.launch import start_watchdog
 from nvtp.execute.step import RankProgram
 from nvtp.frontend import user_code
 from nvtp.frontend.recompute import check_mode as recompute_mode
-from nvtp.parameters import full_tensor, replace_parameter
+from nvtp.parameters import full_tensor, place, replace_parameter
 from nvtp.frontend.tied import aliases
 from nvtp.pipeline import calls, schedule as sched
 from nvtp.sharding.axes.pp import layout_of
@@ -199,8 +199,7 @@ class PipelineModule(torch.nn.Module):
                 if not whole.ndim:
                     raise InputError(f"{name}: a 0-dimensional parameter cannot be held by one pipeline stage; make it a "
                                      "1-element tensor (shape [1])")
-                new = torch.nn.Parameter(_dt.as_dtensor(mine.contiguous(), (_dt.OnStage(0, owner), *sharding), mesh3, whole.shape),
-                                         requires_grad=p.requires_grad)
+                new = place(p, mine.contiguous(), (_dt.OnStage(0, owner), *sharding), tuple(whole.shape), None, mesh3)
                 replace_parameter(self.module, p, new)
             else:
                 with torch.no_grad():

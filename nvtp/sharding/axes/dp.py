@@ -146,11 +146,25 @@ class DataParallel(Strategy):
         return [{"fsdp": False}, {"fsdp": True}] if extent > 1 else [{}]
 
 
+    def memory_label(self, kind: str, parameter: bool) -> str | None:
+        """DDP's all-reduce of a bucket of gradients copies them into one flat buffer; FSDP's
+        gather holds every rank's part of a bucket of weights and makes each weight whole where it
+        is used; its reduce-scatter copies a bucket of whole gradients into per-rank chunks."""
+        return _MEMORY_LABELS.get((kind, parameter)) or super().memory_label(kind, parameter)
+
     def report_lines(self, report: Any, axis: int) -> list[str]:
         return _traffic_text(dp_traffic(report, axis))
 
     def report_json(self, report: Any, axis: int) -> dict[str, Any]:
         return {"dp_traffic": dp_traffic(report, axis)}
+
+
+_MEMORY_LABELS = {  # (reshard step, gathers a weight) -> the term's name (nvtp.auto.memory says what each holds)
+    ("allreduce", False): "dp: gradient bucket, flat copy (DDP all-reduce)",
+    ("reduce_scatter", False): "dp: gradient bucket, per-rank chunks (FSDP reduce-scatter)",
+    ("allgather", True): "dp: weight bucket, every rank's part (FSDP all-gather)",
+    ("allgather result", True): "dp: gathered whole weights (FSDP)",
+}
 
 
 def dp_traffic(report: Any, dp_axis: int) -> dict[str, Any]:

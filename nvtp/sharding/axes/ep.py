@@ -18,11 +18,14 @@ weight gradients need no reduction over ep: the rows of every rank are dispatche
 (dp, ep) mesh dp splits each ep rank's tokens again (``Shard`` inside ep's: ``_StridedShard``), and
 the experts' gradients are all-reduced over dp only (their replicas).
 
-Each exchange is a step of the Program with its bytes (``exchanges``): per ``gather_mm``, an
-all-to-all of the per-expert counts, one of the rows (the dispatch) and one of the results (the
-combine); per ``gather_mm_wgrad`` the counts and its two row operands. The exchanges are of
-equal blocks of a static capacity (every row a rank holds: dropless, no host synchronisation),
-so the planned bytes are the bytes a run sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
+Where the routed rows live is planned per fusion (``expert_layout``): a ``gather_mm``'s result is
+held on its experts' ranks, and so is every row-wise op of held rows (``ROWWISE``: an expert
+MLP's activation, a gated MLP's halves); an expert op's row operand not held is dispatched once
+per routing index, a held value read by any other op is combined once. Each exchange is a step of
+the Program with its bytes (``exchanges``): per routing index and fusion the per-expert counts,
+then the dispatches and combines. The exchanges are of equal blocks of a static capacity (every
+row a rank holds: dropless, no host synchronisation), so the planned bytes are the bytes a run
+sends: ``(P-1)/P`` of the send buffer ``[P, rows, width]``.
 
 ``capacity_factor=c`` (the axis's option: ``nvtp.jit(..., capacity_factor=1.25)``): each expert
 takes at most ``capacity(c, rows, E) = ceil(c * rows / E)`` of a rank's ``rows`` routed rows
@@ -37,10 +40,12 @@ planned bytes and the run agree.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nvtp.ir.graph import Fusion, TensorValue
+from nvtp.ir.ops.elementwise import POINTWISE
+from nvtp.ir.ops.shapes import pad_pairs, slice_bounds
 from nvtp.sharding.axes.strategy import AxisPass, Strategy, passes, register
 from nvtp.sharding.moe import module_of, moe_layers
 from nvtp.sharding.passes import backward_annotations, shard
@@ -176,57 +181,165 @@ def _with_options(sharded: ShardedFusion, run: AxisPass) -> ShardedFusion:
 
 
 # ---------------------------------------------------------------------------------------------
-# the exchanges, as the plan and the report count them
+# where the expert rows live, and the exchanges that move them, as the plan and the run share them
+
+def _same_rows(op: Any) -> bool:
+    """Every row operand has the result's shape (no broadcast across rows)."""
+    return all(a.shape == op.outputs[0].shape for a in _row_operands(op))
 
 
-def dispatched(sharded: ShardedFusion, axis: int) -> list[tuple[int, Any]]:
+def _slice_keeps_rows(op: Any) -> bool:
+    x = op.operands[0]
+    return slice_bounds(x, op.arg("start_indices"), op.arg("end_indices"), op.arg("strides"))[0] == (0, x.shape[0], 1)
+
+
+def _pad_keeps_rows(op: Any) -> bool:
+    return pad_pairs(op.operands[0].ndim, op.arg("pad_widths"))[0] == (0, 0)
+
+
+# Ops whose result row s is computed from their operands' rows s alone, when the check holds: run
+# on the rows where they are held (an expert MLP's activation, a gated MLP's gate|up halves and the
+# backward's pads of them). A ``set`` reshards, so it is none of them. Extend with an op and its check.
+ROWWISE: dict[str, Any] = {k: _same_rows for k in POINTWISE - {"set", "segment_set"}} | {
+    "slice": _slice_keeps_rows, "pad": _pad_keeps_rows}
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One all-to-all of an ep program: ``part`` "counts" (the per-expert counts of ``index``'s
+    rows, ``[P, E/P]`` int64), "dispatch" (``value``'s rows to their experts' ranks) or "combine"
+    (``value``'s rows back); issued at op ``position`` (its first result ``op``), a send buffer of
+    ``shape`` ``[P, block, width]`` of which a rank sends the P - 1 blocks for the others."""
+
+    part: str
+    position: int
+    op: str
+    value: str
+    index: str
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+
+    @property
+    def bytes(self) -> int:
+        return _numel(self.shape) * self.itemsize * (self.shape[0] - 1) // self.shape[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an ep program's routed rows live (``expert_layout``). A value in ``held`` (name ->
+    its routing index's name) is held on its experts' ranks, in the received order: a
+    ``gather_mm``'s result on the experts it splits, and every ``ROWWISE`` op of such values (an
+    expert MLP's activation, the backward's products), computed there. ``runs``: the ops (first
+    result) the run computes on held rows (``nvtp.execute.ep``). A row operand of those ops that
+    is not held is dispatched once (``exchanges``); a held value any other op reads, or the
+    fusion returns, is combined back once, where it is made (``combined``)."""
+
+    axis: int
+    held: dict[str, str]
+    runs: frozenset[str]
+    combined: frozenset[str]
+    exchanges: tuple[Exchange, ...]
+
+
+def _split_experts(fusion: Fusion, shardings: Any, axis: int) -> list[tuple[int, Any]]:
     """(index, op) of each ``gather_mm`` / ``gather_mm_wgrad`` whose experts the ep axis ``axis`` splits."""
-    mesh, out = sharded.mesh, []
-    if mesh.shape[axis] == 1:
-        return out
-    for i, op in enumerate(sharded.fusion.ops):
+    out = []
+    for i, op in enumerate(fusion.ops):
         experts = op.arg("arg2") if op.kind == "gather_mm" else op.outputs[0] if op.kind == "gather_mm_wgrad" else None
         if experts is None:
             continue
-        split = axis_split(sharded.shardings[experts.name][axis])
+        split = axis_split(shardings[experts.name][axis])
         if split is not None:
             if split[0] != 0:
-                raise ShardingError(f"{op}: the ep axis places its experts {sharded.shardings[experts.name][axis]}; it splits "
+                raise ShardingError(f"{op}: the ep axis places its experts {shardings[experts.name][axis]}; it splits "
                                     "their expert axis (Shard(0))")
             out.append((i, op))
     return out
 
 
-def exchanges(phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
-    """The all-to-alls of ``sharded``'s dispatched experts, in the order a rank runs them
-    (``nvtp.execute.ep``), as the report's communication records: per op the counts (``[P, E/P]``
-    int64), then the dispatch of each row operand and, for ``gather_mm``, the combine of its
-    result; each a send buffer of P blocks of the rank's rows (dropless) or, with a capacity
-    factor, of E/P experts' ``capacity`` rows each, of which a rank sends the P - 1 blocks for
-    the others."""
-    mesh, out = sharded.mesh, []
+def _row_operands(op: Any) -> list[TensorValue]:
+    return [a for _, a in op.args if isinstance(a, TensorValue) and a.ndim > 0]
+
+
+def expert_layout(fusion: Fusion, shardings: Any, mesh: DeviceMesh, factor: float | None = None) -> Layout | None:
+    """The layout of ``fusion``'s routed rows on ``mesh``'s ep axis (None: no expert it splits).
+
+    Requires the fusion's ops in run order; ensures each exchange is listed once, in the order a
+    rank issues them: at an op that runs on held rows, the counts of its index (first use), then
+    the dispatch of each row operand not yet held or dispatched; after an op whose result is
+    combined, the combine. The blocks: every row a rank holds (dropless), or with capacity factor
+    ``factor`` E/P experts' ``capacity`` rows each."""
+    if NAME not in mesh.names or mesh.shape[mesh.names.index(NAME)] == 1:
+        return None
+    axis = mesh.names.index(NAME)
+    split = dict(_split_experts(fusion, shardings, axis))
+    if not split:
+        return None
     n = mesh.shape[axis]
-    factor = capacity_factor(sharded)
-    for i, op in dispatched(sharded, axis):
-        rows = op.arg("arg1")
-        local_rows = local_shape(rows.shape, sharded.shardings[rows.name], mesh)[0]
-        experts = op.arg("arg2").shape[0] if op.kind == "gather_mm" else op.arg("groups")
-        block = local_rows if factor is None else experts // n * capacity(factor, local_rows, experts)  # a destination's rows
-        moved = [("counts", (n, experts // n), "int64", COUNT_BYTES)]
-        sent = [rows, op.arg("arg2")] if op.kind == "gather_mm_wgrad" else [rows]
-        for v in sent:
-            width = local_shape(v.shape, sharded.shardings[v.name], mesh)[1]
-            moved.append(("dispatch", (n, block, width), v.dtype.value, v.dtype.itemsize))
-        if op.kind == "gather_mm":
-            y = op.outputs[0]
-            moved.append(("combine", (n, block, local_shape(y.shape, sharded.shardings[y.name], mesh)[1]), y.dtype.value,
-                          y.dtype.itemsize))
-        for what, shape, dtype, itemsize in moved:
-            total = _numel(shape) * itemsize
-            sent_bytes = total * (n - 1) // n
-            out.append({"kind": "alltoall", "tensor": f"{op.outputs[0].name}/{what}", "label": f"{what} of {op.outputs[0].name}",
-                        "shape": list(shape), "dtype": dtype, "bytes": sent_bytes, "tensor_bytes": total, "payload": total,
-                        "from": f"{NAME} ranks", "to": f"{NAME} ranks", "position": i, "value": op.outputs[0].name, "part": what})
+    held: dict[str, str] = {}
+    runs: set[str] = set()
+    for i, op in enumerate(fusion.ops):
+        if i in split:
+            runs.add(op.outputs[0].name)
+            if op.kind == "gather_mm":
+                held[op.outputs[0].name] = op.arg("index").name
+        elif op.kind in ROWWISE and len(op.outputs) == 1:
+            rows = _row_operands(op)
+            indices = {held.get(a.name) for a in rows}
+            if rows and None not in indices and len(indices) == 1 and ROWWISE[op.kind](op):
+                held[op.outputs[0].name] = indices.pop()
+                runs.add(op.outputs[0].name)
+    combined = {v.name for v in fusion.outputs if v.name in held}
+    for i, op in enumerate(fusion.ops):
+        reads_held = {a.name for _, a in op.args if isinstance(a, TensorValue) and a.name in held}
+        if not reads_held:
+            continue
+        if op.outputs and op.outputs[0].name in runs:
+            index = held.get(op.outputs[0].name) or op.arg("index").name
+            ok = {a.name for a in ([op.arg("arg1")] if op.kind == "gather_mm" else [op.arg("arg1"), op.arg("arg2")]
+                                   if op.kind == "gather_mm_wgrad" else _row_operands(op)) if held.get(a.name) == index}
+            combined |= reads_held - ok
+        else:
+            combined |= reads_held
+
+    def local(v: TensorValue) -> tuple[int, ...]:
+        return local_shape(v.shape, shardings[v.name], mesh)
+
+    out: list[Exchange] = []
+    routed: dict[str, int] = {}  # index -> a destination's block of rows
+    sent: set[tuple[str, str]] = set()
+    for i, op in enumerate(fusion.ops):
+        name = op.outputs[0].name if op.outputs else None
+        if i in split:
+            index = op.arg("index")
+            if index.name not in routed:
+                experts = op.arg("arg2").shape[0] if op.kind == "gather_mm" else op.arg("groups")
+                rows = local(index)[0]
+                routed[index.name] = rows if factor is None else experts // n * capacity(factor, rows, experts)
+                out.append(Exchange("counts", i, name, index.name, index.name, (n, experts // n), "int64", COUNT_BYTES))
+            for v in [op.arg("arg1")] + ([op.arg("arg2")] if op.kind == "gather_mm_wgrad" else []):
+                if held.get(v.name) != index.name and (v.name, index.name) not in sent:
+                    sent.add((v.name, index.name))
+                    out.append(Exchange("dispatch", i, name, v.name, index.name, (n, routed[index.name], local(v)[1]),
+                                        v.dtype.value, v.dtype.itemsize))
+        if name in combined:
+            v = op.outputs[0]
+            out.append(Exchange("combine", i, name, name, held[name], (n, routed[held[name]], local(v)[1]), v.dtype.value,
+                                v.dtype.itemsize))
+    return Layout(axis, held, frozenset(runs), frozenset(combined), tuple(out))
+
+
+def exchanges(phase: str, sharded: ShardedFusion, axis: int) -> list[dict[str, Any]]:
+    """The all-to-alls of ``sharded``'s expert rows (``expert_layout``), in the order a rank runs
+    them (``nvtp.execute.ep``), as the report's communication records."""
+    layout = expert_layout(sharded.fusion, sharded.shardings, sharded.mesh, capacity_factor(sharded))
+    out = []
+    for x in layout.exchanges if layout is not None else ():
+        total = _numel(x.shape) * x.itemsize
+        out.append({"kind": "alltoall", "tensor": f"{x.value}/{x.part}", "label": f"{x.part} of {x.value}",
+                    "shape": list(x.shape), "dtype": x.dtype, "bytes": x.bytes, "tensor_bytes": total, "payload": total,
+                    "from": f"{NAME} ranks", "to": f"{NAME} ranks", "position": x.position, "value": x.op, "part": x.part})
     return out
 
 
@@ -264,7 +377,7 @@ def expert_lines(report: Any, axis: int) -> list[str]:
                 uniform = rows // n if factor is None else round(rows / factor)  # capped: each expert c times its even share
                 rest = "the rest pads the static capacity" if factor is None else f"the capacity factor {factor:g} sizes the buffers"
                 lines.append(f"  {phase} all-to-all bytes per rank per step: " + ", ".join(f"{k} {size_text(b)}" for k, b in sent.items())
-                             + f" (dispatch and combine of the routed rows alone, routed uniformly: {size_text(uniform)}; {rest})")
+                             + f" (the same exchanges of the routed rows alone, routed uniformly: {size_text(uniform)}; {rest})")
     return lines
 
 
@@ -275,4 +388,4 @@ def _numel(shape) -> int:
     return out
 
 
-__all__ = ["ExpertError", "ExpertParallel", "NAME", "batch_inputs", "dispatched", "exchanges", "expert_weights"]
+__all__ = ["ExpertError", "ExpertParallel", "NAME", "Exchange", "Layout", "batch_inputs", "exchanges", "expert_layout", "expert_weights"]

@@ -105,7 +105,7 @@ class PipelineParallel(Strategy):
         return {f"{self.name} transfers": m * sends[slowest], f"{self.name} bubble": step - m * t[slowest]}
 
     def memory_terms(self, costed: Any) -> dict[str, float]:
-        return {f"{self.name}: activations of in-flight microbatches": costed.in_flight_bytes}
+        return {f"{self.name}: activations of in-flight microbatches": costed.in_flight_bytes, **super().memory_terms(costed)}
 
 
 @dataclass(frozen=True)

@@ -170,9 +170,17 @@ class Strategy:
         default what the step waits for this axis's collectives, the schedule having hidden the rest."""
         return {f"{self.name} communication": costed.waited(self.name)}
 
+    def memory_label(self, kind: str, parameter: bool) -> str | None:
+        """The name of what a collective on this axis holds at run time (``nvtp.auto.memory``), a
+        term of a candidate's memory: ``kind`` a reshard step ("allreduce", "allgather",
+        "reduce_scatter") for its buffers, or "<step> result" for the value it makes (None: an
+        ordinary value); ``parameter``: it gathers a weight. Names start with the axis's name."""
+        return None if kind.endswith(" result") else f"{self.name}: {kind.replace('_', '-')} buffers"
+
     def memory_terms(self, costed: Any) -> dict[str, float]:
-        """This axis's terms of a candidate's memory per rank (bytes), for the report: what it saves or adds."""
-        return {}
+        """This axis's terms of a candidate's memory per rank (bytes), for the report: what it
+        holds at the fullest moment (its collectives' buffers, ``memory_label``)."""
+        return {k: v for k, v in costed.memory.items() if k.startswith(f"{self.name}:")}
 
 
 AXES: dict[str, Strategy] = {}
