@@ -82,3 +82,87 @@ def test_an_op_thunder_cannot_differentiate_is_the_models_not_the_arguments():
     model = nvtp.jit(_Remainder(), plan="replicate")
     with pytest.raises(MissingOpError, match=r"_Remainder.forward uses remainder, which Thunder cannot differentiate.*What to do"):
         model.compile(torch.randn(2, 8))
+
+
+class _Normed(torch.nn.Module):
+    """``nn.RMSNorm`` with and without a weight (DiffLlama's per-head ``groupnorm`` has none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.RMSNorm(8, eps=1e-5)
+        self.plain = torch.nn.RMSNorm(4, eps=1e-5, elementwise_affine=False)
+
+    def forward(self, x):
+        h = self.norm(self.lin(x))
+        return self.plain(h.view(*h.shape[:-1], 2, 4)).pow(2).sum()
+
+
+def test_rms_norm_on_the_fx_route_is_traced_as_eager_computes_it():
+    """dynamo writes ``nn.RMSNorm`` as ``torch.rms_norm``, which Thunder 0.2.6 does not know ("Trying to call
+    function torch.rms_norm, but it is not yet supported": DiffLlama failed so, after a 10-minute trace);
+    the FX route writes it as ``F.rms_norm``, which Thunder decomposes."""
+    from nvtp.dump import relative_error
+    from nvtp.sharding.placements import DeviceMesh
+
+    torch.manual_seed(0)
+    model, x = _Normed(), torch.randn(2, 3, 8)
+    ref = _Normed()
+    ref.load_state_dict(model.state_dict())
+    got = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
+    got.backward()
+    want = ref(x)
+    want.backward()
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(nvtp.full_tensor(p.grad), q.grad)[0] <= 1e-5, name
+
+
+def test_an_op_thunder_does_not_know_in_dynamos_graph_is_a_capture_error_not_a_crash(monkeypatch):
+    """Without the rewrite above, Thunder raises inside the graph module's code, whose ``__call__``
+    (``torch.fx``'s ``_WrappedCall``) formats the error with ``traceback.format_exc``; Thunder interpreted
+    that too and failed with ``IndexError`` or crashed the process (segmentation fault). ``capture``
+    calls a graph module as a plain module, so Thunder's own error reaches the user."""
+    from nvtp.frontend import fx_forms
+    from nvtp.frontend.failures import CaptureError
+    from nvtp.sharding.placements import DeviceMesh
+
+    monkeypatch.delitem(fx_forms.DECOMPOSITIONS, torch.rms_norm)
+    with pytest.raises(CaptureError, match=r"_Normed.forward.*torch.rms_norm, but it is not yet supported"):
+        nvtp.jit(_Normed(), plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(torch.randn(2, 3, 8))
+
+
+class _DetachedTable(torch.nn.Module):
+    """XGLM's positions: rows of a buffer read under ``torch.no_grad()`` and detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(16, 8), persistent=False)
+
+    @torch.no_grad()
+    def positions(self, n: int) -> torch.Tensor:
+        return self.table.index_select(0, torch.arange(n, device=self.table.device)).detach()
+
+    def forward(self, x):
+        return (self.lin(x) + self.positions(x.shape[1])).pow(2).sum()
+
+
+def test_a_detach_of_a_value_needing_no_gradient_on_the_fx_route_is_the_value():
+    """nvtp has no op for ``detach`` (XGLM failed: "operations nvtp cannot compile: detach"); of a value that
+    needs no gradient it is the value, and the FX route drops it."""
+    from nvtp.dump import relative_error
+    from nvtp.sharding.placements import DeviceMesh
+
+    torch.manual_seed(0)
+    model, x = _DetachedTable(), torch.randn(2, 5, 8)
+    ref = _DetachedTable()
+    ref.load_state_dict(model.state_dict())
+    ref.table.copy_(model.table)
+    got = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
+    got.backward()
+    want = ref(x)
+    want.backward()
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(nvtp.full_tensor(p.grad), q.grad)[0] <= 1e-5, name

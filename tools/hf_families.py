@@ -18,6 +18,7 @@ fall back silently in one process (docs: /work/shared/ENVIRONMENT.md), and a cra
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import os
@@ -113,7 +114,7 @@ def check(model_type: str, class_name: str) -> dict:
     try:
         model = build(model_type, class_name)
         idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-        model(idx, labels=idx)  # eager runs it, or it is no model to check
+        runs_eagerly(model, idx)
     except Exception as e:  # noqa: BLE001 - any failure to build or run eagerly: not a tiny CPU build
         record.update(result="no tiny build", error=_line(e))
         return record | {"seconds": round(time.perf_counter() - start, 1)}
@@ -125,6 +126,14 @@ def check(model_type: str, class_name: str) -> dict:
     except Exception as e:  # noqa: BLE001 - the record says what failed
         record.update(result="FAIL", error=f"{type(e).__name__}: {_line(e)}")
     return record | {"seconds": round(time.perf_counter() - start, 1)}
+
+
+def runs_eagerly(model, idx) -> None:
+    """Run ``model(idx, labels=idx)`` eagerly on a copy (raises what eager raises), leaving ``model`` as built: a
+    forward may leave state on the model (RecurrentGemma keeps its last recurrent state, a tensor with autograd
+    history, as an attribute), which ``copy.deepcopy`` refuses ("Only Tensors created explicitly by the user
+    (graph leaves) support the deepcopy protocol"), and the ranks and the eager reference are copies of it."""
+    copy.deepcopy(model)(idx, labels=idx)
 
 
 def parity(model, mesh, idx) -> dict:

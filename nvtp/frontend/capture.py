@@ -9,6 +9,7 @@ incoming gradients, and which parameter each backward output is the gradient of.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -245,6 +246,26 @@ def _flat(x) -> list:
     return [p.name if hasattr(p, "name") else None for p in tree_flatten(x)[0]]
 
 
+@contextlib.contextmanager
+def _plain_call(module: torch.nn.Module):
+    """An FX graph module called as any module is while Thunder interprets it. Its class's ``__call__``
+    (``torch.fx.graph_module._WrappedCall``) catches an error raised in the graph's code and formats it with
+    ``traceback.format_exc`` under ``torch._dynamo.disable``, which Thunder's interpreter then interprets too:
+    that failed with ``IndexError: list index out of range`` or crashed the process (a segmentation fault)
+    instead of raising the error, such as Thunder's "Trying to call function torch.rms_norm, but it is not
+    yet supported" (DiffLlama, before ``fx_forms.DECOMPOSITIONS`` wrote it as ``F.rms_norm``)."""
+    cls = type(module)
+    wrapped = isinstance(module, torch.fx.GraphModule) and "__call__" in vars(cls)
+    if wrapped:
+        call = vars(cls)["__call__"]
+        cls.__call__ = torch.nn.Module.__call__
+    try:
+        yield
+    finally:
+        if wrapped:
+            cls.__call__ = call
+
+
 def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: bool = True, outputs: bool = True,
             **kwargs: Any) -> Captured:
     """Trace ``module(*args)`` with Thunder and nvtp's executor; return its labelled fusions.
@@ -264,7 +285,8 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
             # fused projections of unequal parts, one per part, when asked (nvtp/frontend/parts.py)
             transforms = [ComplexAsReal()] + ([parts.SplitFusedLinears()] if parts.enabled() else [])
             jitted = thunder.jit(module, executors=[executor()], transforms=transforms)
-            out = jitted(*args, **kwargs)
+            with _plain_call(module):
+                out = jitted(*args, **kwargs)
             if backward:  # every tensor of the output object (a tuple, dict, dataclass) that needs a gradient
                 outs = [o for _, o in output_tensors(out) if o.requires_grad]
                 if outs:

@@ -57,6 +57,9 @@ def _max(input, *args, **kwargs):
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
                                   torch.histc: decompositions.histc,  # the load-balancing loss's count (nvtp/frontend/decompose.py)
+                                  # nn.RMSNorm (DiffLlama's groupnorm): dynamo writes torch.rms_norm, which Thunder 0.2.6
+                                  # does not know (NotImplementedError); F.rms_norm, the same call, it decomposes to prims
+                                  torch.rms_norm: torch.nn.functional.rms_norm,
                                   **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum,
                           "histc": decompositions.histc, **decompositions.CONVERSIONS,  # MoE code's (nvtp/frontend/decompose.py)
@@ -107,8 +110,21 @@ def linears(g: fx.Graph, attrs: dict[str, Any]) -> int:
     return count
 
 
+def _needless_detach(node: fx.Node) -> bool:
+    """``x.detach()`` (or ``torch.detach(x)``) of a value that needs no gradient: the value itself. XGLM's
+    sinusoidal positions are a buffer's rows under ``torch.no_grad()``, detached; nvtp has no op for detach, which
+    a value needing a gradient keeps (a stop-gradient: refused, ``MissingOpError``)."""
+    is_detach = (node.op == "call_method" and node.target == "detach") or (node.op == "call_function" and node.target is torch.detach)
+    value = example(node.args[0]) if is_detach and len(node.args) == 1 and not node.kwargs else None
+    return isinstance(value, torch.Tensor) and not value.requires_grad
+
+
 def decompose(g: fx.Graph) -> None:
-    for node in g.nodes:
+    for node in list(g.nodes):
+        if _needless_detach(node):
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            continue
         if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
             node.args = (node.args[0], one_index_as_slice(node.args[1]))  # x[..., [k], :] a slice, as on the Thunder route
         if node.op == "call_function" and node.target in DECOMPOSITIONS:
