@@ -158,7 +158,8 @@ def _train_on_simulated_mesh(model: nn.Module, batch: tuple, d: int, plan, steps
     return ranks
 
 
-@pytest.mark.parametrize("regional", [True, False])
+# The default (spliced) trace in the default tier; the whole trace (regional=False, 9 s) in the slow tier
+@pytest.mark.parametrize("regional", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_head_tied_to_the_embedding_gets_the_sum_of_both_gradients_and_stays_tied(regional):
     cfg = GPTConfig(tie=True)
     torch.manual_seed(0)
