@@ -98,17 +98,11 @@ class _Normed(torch.nn.Module):
         return self.plain(h.view(*h.shape[:-1], 2, 4)).pow(2).sum()
 
 
-def test_rms_norm_on_the_fx_route_is_traced_as_eager_computes_it():
-    """dynamo writes ``nn.RMSNorm`` as ``torch.rms_norm``, which Thunder 0.2.6 does not know ("Trying to call
-    function torch.rms_norm, but it is not yet supported": DiffLlama failed so, after a 10-minute trace);
-    the FX route writes it as ``F.rms_norm``, which Thunder decomposes."""
+def _fx_route_matches_eager(model: torch.nn.Module, ref: torch.nn.Module, x: torch.Tensor) -> None:
+    """``model`` through nvtp.jit's FX route on one device gives eager ``ref``'s scalar output and gradients."""
     from nvtp.dump import relative_error
     from nvtp.sharding.placements import DeviceMesh
 
-    torch.manual_seed(0)
-    model, x = _Normed(), torch.randn(2, 3, 8)
-    ref = _Normed()
-    ref.load_state_dict(model.state_dict())
     got = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
     got.backward()
     want = ref(x)
@@ -116,6 +110,17 @@ def test_rms_norm_on_the_fx_route_is_traced_as_eager_computes_it():
     assert relative_error(got.detach(), want.detach())[0] <= 1e-6
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert relative_error(nvtp.full_tensor(p.grad), q.grad)[0] <= 1e-5, name
+
+
+def test_rms_norm_on_the_fx_route_is_traced_as_eager_computes_it():
+    """dynamo writes ``nn.RMSNorm`` as ``torch.rms_norm``, which Thunder 0.2.6 does not know ("Trying to call
+    function torch.rms_norm, but it is not yet supported": DiffLlama failed so, after a 10-minute trace);
+    the FX route writes it as ``F.rms_norm``, which Thunder decomposes."""
+    torch.manual_seed(0)
+    model, x = _Normed(), torch.randn(2, 3, 8)
+    ref = _Normed()
+    ref.load_state_dict(model.state_dict())
+    _fx_route_matches_eager(model, ref, x)
 
 
 def test_an_op_thunder_does_not_know_in_dynamos_graph_is_a_capture_error_not_a_crash(monkeypatch):
@@ -151,18 +156,9 @@ class _DetachedTable(torch.nn.Module):
 def test_a_detach_of_a_value_needing_no_gradient_on_the_fx_route_is_the_value():
     """nvtp has no op for ``detach`` (XGLM failed: "operations nvtp cannot compile: detach"); of a value that
     needs no gradient it is the value, and the FX route drops it."""
-    from nvtp.dump import relative_error
-    from nvtp.sharding.placements import DeviceMesh
-
     torch.manual_seed(0)
     model, x = _DetachedTable(), torch.randn(2, 5, 8)
     ref = _DetachedTable()
     ref.load_state_dict(model.state_dict())
     ref.table.copy_(model.table)
-    got = nvtp.jit(model, plan="replicate", mesh=DeviceMesh.of_size(1), frontend="fx")(x)
-    got.backward()
-    want = ref(x)
-    want.backward()
-    assert relative_error(got.detach(), want.detach())[0] <= 1e-6
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert relative_error(nvtp.full_tensor(p.grad), q.grad)[0] <= 1e-5, name
+    _fx_route_matches_eager(model, ref, x)
