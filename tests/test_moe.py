@@ -203,6 +203,20 @@ def test_mixtral_with_its_load_balancing_loss_at_tp2_matches_eager(caplog):
     assert "gather_mm_wgrad" in {op.kind for op in program.backward.fusion.ops}
 
 
+def test_output_hooks_skip_modules_the_registry_answers_none_for(monkeypatch):
+    """transformers 5.17's ``_CAN_RECORD_REGISTRY.get`` answers None for a module that records
+    nothing (5.23 an empty mapping): installing the recorders must skip it, not fail before tracing
+    (a transformers Llama failed so on the GPU machine's image; docs/gpu.md 2026-11-27)."""
+    output_capturing = pytest.importorskip("transformers.utils.output_capturing")
+    model = build("mixtral")
+    real = output_capturing._CAN_RECORD_REGISTRY.get
+    assert any(not real(m) for m in model.modules()), "every module records: the None answer is not exercised"
+    monkeypatch.setattr(output_capturing._CAN_RECORD_REGISTRY, "get", lambda m: real(m) or None)
+    frontend_moe.install_output_hooks(model, {"output_router_logits": True})
+    hooked = [m for m in model.modules() if any(getattr(h, "__name__", "") == "output_capturing_hook" for h in m._forward_hooks.values())]
+    assert hooked, "the model's router-logit recorders were not installed"
+
+
 def test_moe_gpt_with_idle_experts_trains_at_dp2_like_one_process():
     """nvtp's MoE GPT on the thunder.jit route at (dp, tp) = (2, 1): each dp rank its half of the
     batch, the load-balancing loss over the whole batch (its sums all-reduced), 2 SGD steps.

@@ -86,6 +86,19 @@ def test_other_blocks_pair_their_projections(name):
     assert (column, row) == expected
 
 
+@pytest.mark.parametrize("placement", [Shard(1), Partial("sum")])
+def test_assemble_builds_the_whole_tensor_on_the_parts_device(placement):
+    """The parts' device, not the CPU: the first-call check gathers CUDA parameters through it (a
+    GPU run of nvtp.jit(backend="nvfuser") failed on a CPU whole; docs/gpu.md 2026-11-27). Meta
+    parts stand in for a device the CPU suite does not have."""
+    whole = torch.arange(24.0).reshape(4, 6)
+    mesh = DeviceMesh.of_size(2)
+    parts = [spmd.shard_tensor(whole, placement, mesh, r) for r in range(2)]
+    assert torch.equal(spmd.assemble(parts, placement, whole.shape, mesh), whole)
+    out = spmd.assemble([p.to("meta") for p in parts], placement, whole.shape, mesh)
+    assert out.device.type == "meta" and tuple(out.shape) == (4, 6)
+
+
 def test_explicit_plans_take_globs_placements_and_torch_styles(tiny_capture):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

@@ -61,7 +61,7 @@ def assemble(parts: Sequence[torch.Tensor], placement: Placement | Sequence[Plac
         index: list[Any] = held(shape, sharding, mesh, coords)
         if out is None:
             fill = 0 if op in (None, "sum") else float("-inf") if op == "max" else float("inf")
-            out = torch.full(tuple(shape), fill, dtype=part.dtype)
+            out = torch.full(tuple(shape), fill, dtype=part.dtype, device=part.device)
         where = _index_tuple(index, shape)
         if op is None:
             out[where] = part

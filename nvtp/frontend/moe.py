@@ -158,7 +158,7 @@ def install_output_hooks(module: torch.nn.Module, kwargs: dict) -> None:
     except ImportError:  # another transformers: nothing to install
         return
     for m in module.modules():
-        keys = _CAN_RECORD_REGISTRY.get(m)
+        keys = _CAN_RECORD_REGISTRY.get(m) or ()  # transformers 5.17 answers None for a module that records nothing
         config = getattr(m, "config", None)
         if not any(kwargs.get(f"output_{k}") or getattr(config, f"output_{k}", False) for k in keys):
             continue

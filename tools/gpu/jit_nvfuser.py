@@ -1,8 +1,8 @@
 """``nvtp.jit(model, backend="nvfuser")`` on one GPU: parity with eager, a profile, and a timing.
 
-    python3 tools/gpu/jit_nvfuser.py parity     # tiny GPT, fp32, dropout 0: 10 SGD steps against eager
+    python3 tools/gpu/jit_nvfuser.py parity [gpt|moe|llama]  # fp32, 10 SGD steps against eager: tiny GPT, MoE GPT, transformers Llama
     python3 tools/gpu/jit_nvfuser.py profile    # torch.profiler of one step: whose kernels run
-    python3 tools/gpu/jit_nvfuser.py bench      # bf16 GPT step: nvtp, thunder.jit, torch.compile, eager, interleaved
+    python3 tools/gpu/jit_nvfuser.py bench [N]  # N layers (4); bf16 GPT step: nvtp, thunder.jit, torch.compile, eager, interleaved
 
 Run on the lent GPU machine (tools/gpu/run_jit.sh installs nvFuser and Thunder there first).
 """
@@ -19,26 +19,45 @@ import nvtp
 from nvtp.models import gpt
 
 
-def parity(steps: int = 10) -> None:
-    cfg = gpt.config("tiny", dropout=0.0)
+def _case(name: str):
+    """(eager model on the GPU, batch(step), loss(model, batch)) for ``name``: gpt, moe (nvtp's MoE GPT) or llama (transformers)."""
     torch.manual_seed(0)
-    eager = gpt.GPT(cfg).cuda()
-    model = nvtp.jit(copy.deepcopy(eager), plan="megatron", backend="nvfuser")
-    print(f"backend {model.backend}, mesh {model.mesh}", flush=True)
+    g = torch.Generator().manual_seed(1)
+    if name == "llama":
+        from nvtp.models import hf
+
+        return hf.build("llama").cuda(), lambda step: (hf.batch(step).cuda(),), lambda m, b: m(input_ids=b[0], labels=b[0]).loss
+    if name == "moe":
+        from nvtp.models import moe
+
+        cfg = moe.config("tiny")
+        model = moe.MoEGPT(cfg).cuda()
+    else:
+        cfg = gpt.config("tiny", dropout=0.0)
+        model = gpt.GPT(cfg).cuda()
+
+    def batch(step):
+        return tuple(torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g).cuda() for _ in range(2))
+
+    return model, batch, lambda m, b: m(*b)
+
+
+def parity(name: str = "gpt", steps: int = 10) -> None:
+    eager, batch, loss_of = _case(name)
+    model = nvtp.jit(copy.deepcopy(eager), backend="nvfuser")
+    print(f"{name}: backend {model.backend}, mesh {model.mesh}", flush=True)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
     worst = 0.0
-    g = torch.Generator().manual_seed(1)
     for step in range(steps):
-        idx = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g).cuda()
-        tgt = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq_len), generator=g).cuda()
+        b = batch(step)
         start = time.perf_counter()
-        loss = model(idx, tgt)
+        loss = loss_of(model, b)
         opt.zero_grad()
         loss.backward()
         opt.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        want = eager(idx, tgt)
+        want = loss_of(eager, b)
         ref_opt.zero_grad()
         want.backward()
         ref_opt.step()
@@ -49,7 +68,7 @@ def parity(steps: int = 10) -> None:
     program = model.last
     print(f"program: backend {program.backend}, forward {len(program.forward.fusion.ops)} ops, backward {len(program.backward.fusion.ops)} ops, "
           f"traced: {program.traced.how}")
-    print(f"PARITY worst loss rel {worst:.2e}, final parameters max |diff| {params:.2e}: {'PASSED' if worst <= 1e-4 else 'FAILED'} (tolerance 1e-4)")
+    print(f"PARITY {name} worst loss rel {worst:.2e}, final parameters max |diff| {params:.2e}: {'PASSED' if worst <= 1e-4 else 'FAILED'} (tolerance 1e-4)")
 
 
 def profile() -> None:
@@ -78,8 +97,8 @@ def profile() -> None:
         print(f"  {sum(times) / 1e3:8.3f} ms  x{len(times):3d}  {name[:110]}")
 
 
-def bench(rounds: int = 5, iters: int = 10) -> None:
-    cfg = gpt.config("gpt2", n_layer=4, dropout=0.0, batch=4)
+def bench(n_layer: int = 4, only: str = "eager,nvtp,compile,thunder", rounds: int = 5, iters: int = 10) -> None:
+    cfg = gpt.config("gpt2", n_layer=n_layer, dropout=0.0, batch=4)
     torch.manual_seed(0)
     base = gpt.GPT(cfg).cuda().to(torch.bfloat16)
     idx, tgt = (t.cuda() for t in gpt.example_tokens(cfg))
@@ -87,6 +106,8 @@ def bench(rounds: int = 5, iters: int = 10) -> None:
     made = {}
 
     def add(name, make):
+        if {"nvtp.jit nvfuser": "nvtp", "torch.compile": "compile", "thunder.jit": "thunder"}.get(name, name) not in only.split(","):
+            return
         start = time.perf_counter()
         try:
             m = make(copy.deepcopy(base))
@@ -104,6 +125,11 @@ def bench(rounds: int = 5, iters: int = 10) -> None:
     add("torch.compile", lambda m: torch.compile(m))
 
     def thunder_jit(m):
+        import nvfuser_direct
+
+        # Thunder 0.2.6's nvFuser executor still imports the legacy module for one helper
+        # (nvfuserex_impl: `from nvfuser import compute_tensor_descriptor`); nvfuser_direct has it.
+        sys.modules.setdefault("nvfuser", nvfuser_direct)
         import thunder
 
         return thunder.jit(m)
@@ -141,4 +167,10 @@ def bench(rounds: int = 5, iters: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    {"parity": parity, "profile": profile, "bench": bench}[sys.argv[1]]()
+    step, *args = sys.argv[1:]
+    if step == "parity":
+        parity(*args)
+    elif step == "bench":
+        bench(int(args[0]) if args else 4, *args[1:])
+    else:
+        profile()
