@@ -20,9 +20,10 @@ class Pair:
     want_x_grad: torch.Tensor  # the eager input's gradient
 
 
-def jit_and_eager(model: torch.nn.Module, x: torch.Tensor) -> Pair:
-    """Both runs of ``model`` on ``x``, each ending in ``output.backward()`` (a scalar output)."""
-    jitted = nvtp.jit(copy.deepcopy(model), plan="replicate")
+def jit_and_eager(model: torch.nn.Module, x: torch.Tensor, **options) -> Pair:
+    """Both runs of ``model`` on ``x``, each ending in ``output.backward()`` (a scalar output);
+    ``options`` go to ``nvtp.jit`` (``frontend="fx"``)."""
+    jitted = nvtp.jit(copy.deepcopy(model), plan="replicate", **options)
     xs = x.clone().requires_grad_()
     y = jitted(xs)
     y.backward()

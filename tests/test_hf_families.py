@@ -34,7 +34,6 @@ KNOWN: dict[str, str] = {
 } | {"xlm": "aten::_assert_scalar",  # get_masks asserts lengths.max().item() <= slen: a value read from the data
      "jetmoe": "aten::_assert_scalar",  # likewise, a value read from the data asserted (dynamo's runtime check)
      "moshi": "2 does not divide 257",  # its vocabulary is the config's + 1: refused with the fix (pad it), by design
-     "hy_v4": "MiscompileError",  # the first call's check refuses it (logits 0.019 relative off eager): an nvtp bug, cause not found
      "xlstm": "unexpected keyword argument 'unbiased'",  # its norm's x.var(..., unbiased=False): Thunder 0.2.6 takes correction=
      "phimoe": "Unknown attribute uniform_"}  # its router's torch.rand_like(s).uniform_() in training: a random draw eager's RNG makes
 

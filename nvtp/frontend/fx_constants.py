@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from nvtp.frontend.fx_inplace import example
+from nvtp.frontend.fx_inplace import example, updates_in_place
 
 
 _RANDOM = re.compile(r"rand|dropout|bernoulli|normal|multinomial|uniform|seed", re.I)
@@ -88,7 +88,7 @@ def fold_constants(gm: fx.GraphModule, values: dict[str, torch.Tensor], first: i
                 isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value)):
             node.replace_all_uses_with(value)
         # anything else (a tuple holding tensors) stays computed in the graph
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or updates_in_place(n))  # a write's result may go unread
     gm.recompile()
     return constants
 

@@ -81,6 +81,25 @@ def _inplace_positional(node: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
+def updates_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor it reads (``x.copy_(y)``, ``x.add_(y)``, ``x += y``,
+    ``x[i] = y``, ``F.relu(x, inplace=True)``): its effect is the write, whether or not its result
+    is read, so dead-code elimination must keep it. torch.fx's own ``Node.is_impure`` calls every
+    ``call_method`` pure, so ``key[..., :d].copy_(k_nope)`` of a tensor filled through views (HY-V4's
+    ``expand_kv``), whose result nobody reads, would be dropped and the tensor left unfilled."""
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS or node.target is operator.setitem:
+            return True
+        if node.kwargs.get("inplace") is True or _inplace_positional(node):
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
 def _node_line(node: fx.Node) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', node.meta.get("stack_trace") or "")
     if not frames:
@@ -89,10 +108,42 @@ def _node_line(node: fx.Node) -> str:
     return f"{path}:{line} in {fn}: `{text.strip()}`"
 
 
-def functionalize(g: fx.Graph, model: str) -> int:
-    """Write each in-place update out of place (see above); returns how many were rewritten."""
-    order = {n: i for i, n in enumerate(g.nodes)}
+def copies_into_items(g: fx.Graph) -> int:
+    """Write each ``x[key].copy_(src)`` as ``x[key] = src`` (``operator.setitem``), which is what it
+    does (``src`` broadcast to ``x[key]``'s shape, cast to its dtype, written into ``x``), and which
+    Thunder functionalizes into a ``copy_with_setitem`` of ``x`` that nvtp writes for keys of
+    integers, slices and an ellipsis (``nvtp.frontend.setitem``); a ``copy_`` into a view Thunder
+    leaves as a write through the view, which no fusion can do. Only where the item is read by
+    nothing else; a read of the copy's result reads ``x[key]`` again where it is read, as eager's
+    view would (later writes into ``x`` included). Returns how many were rewritten."""
     rewritten = 0
+    for node in list(g.nodes):
+        if not (node.op == "call_method" and node.target == "copy_" and len(node.args) == 2 and not node.kwargs):
+            continue
+        item, src = node.args
+        if not (isinstance(item, fx.Node) and item.op == "call_function" and item.target is operator.getitem
+                and list(item.users) == [node] and _storage(item) is not None and _storage(item) == _storage(item.args[0])):
+            continue
+        base, key = item.args
+        with g.inserting_before(node):
+            write = g.call_function(operator.setitem, (base, key, src))
+        write.meta = {k: v for k, v in node.meta.items() if k != "example_value"}
+        for user in list(node.users):  # the view read where it is read: what eager's view holds then
+            with g.inserting_before(user):
+                again = g.call_function(operator.getitem, (base, key))
+            again.meta = dict(item.meta)
+            user.replace_input_with(node, again)
+        g.erase_node(node)
+        g.erase_node(item)
+        rewritten += 1
+    return rewritten
+
+
+def functionalize(g: fx.Graph, model: str) -> int:
+    """Write each in-place update out of place (see above), a copy into an item as a setitem
+    (``copies_into_items``); returns how many were rewritten."""
+    rewritten = copies_into_items(g)
+    order = {n: i for i, n in enumerate(g.nodes)}
     for node in list(g.nodes):
         if _inplace_positional(node):
             params = list(inspect.signature(node.target).parameters)

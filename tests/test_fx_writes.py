@@ -1,0 +1,73 @@
+"""Writes whose result nobody reads, on the FX route (``nvtp.frontend.fx_inplace``, ``fx_constants``).
+
+HY-V4's attention fills its keys through views of a new tensor (``expand_kv``):
+
+    key = kv.new_empty(..., d_nope + d_rope)
+    key[..., :d_nope].copy_(k_nope)
+    key[..., d_nope:].copy_(k_rot)
+
+The copies' results are never read: their effect is the write. torch.fx's dead-code elimination
+(run after constant folding) calls every ``call_method`` pure, so it dropped them and the keys
+stayed unfilled (the first call's check refused the model: logits 0.019 relative off eager). Each
+test here runs such a module through ``nvtp.jit(..., frontend="fx")`` and compares its output and
+gradients with the module run eagerly (computed by torch alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.dump import relative_error
+from tests.one_process import jit_and_eager
+
+
+class Writes(torch.nn.Module):
+    """A module whose forward runs ``body(self, x)`` on ``x [2, 3, 8]``: parameters ``a``, ``b`` [8, 8]."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def copies_into_slices(m, x):  # HY-V4's expand_kv: a new tensor filled by copies into slices, one broadcast
+    nope, rot = x @ m.a, (x @ m.b)[:, :1, :4]
+    key = x.new_empty(2, 3, 12)
+    key[..., :8].copy_(nope)
+    key[..., 8:].copy_(rot.expand(-1, 3, -1))  # [2, 1, 4] broadcast over the 3 rows, as k_rot over heads
+    return (key.softmax(-1) * key).sum()
+
+
+def copy_read_again(m, x):  # the copy's result read afterwards: it is the item, filled
+    key = x.new_empty(2, 3, 12)
+    head = key[..., :8].copy_(x @ m.a)
+    key[..., 8:].copy_(x[..., :4] * 2)
+    return (head * head).sum() + key.sum()
+
+
+def copy_into_a_new_tensor(m, x):  # a whole copy, its result unread
+    h = x @ m.a
+    z = h.new_empty(2, 3, 8)
+    z.copy_(x @ m.b)
+    return (h * z).sum()
+
+
+@pytest.mark.parametrize("body", [copies_into_slices, copy_read_again, copy_into_a_new_tensor])
+def test_writes_whose_result_is_unread_keep_their_effect(body):
+    model = Writes(body)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    run = jit_and_eager(model, x, frontend="fx")
+    assert run.jitted.last.traced.route == "fx"
+    assert relative_error(run.y, run.want)[0] <= 1e-6
+    assert relative_error(run.x_grad, run.want_x_grad)[0] <= 1e-6
+    for name in ("a", "b"):
+        want = getattr(model, name).grad
+        if want is not None:
+            assert relative_error(getattr(run.jitted.module, name).grad, want)[0] <= 1e-6, name
