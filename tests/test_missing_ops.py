@@ -162,3 +162,28 @@ def test_a_detach_of_a_value_needing_no_gradient_on_the_fx_route_is_the_value():
     ref.load_state_dict(model.state_dict())
     ref.table.copy_(model.table)
     _fx_route_matches_eager(model, ref, x)
+
+
+class _UnbiasedNorms(torch.nn.Module):
+    """xLSTM's norm (``x.var(dim=-1, keepdim=True, unbiased=False)``) and torch's other ``unbiased`` forms."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        centered = h - h.mean(dim=-1, keepdim=True)
+        y = centered * torch.rsqrt(h.var(dim=-1, keepdim=True, unbiased=False) + 1e-6)
+        var, mean = torch.var_mean(h, 1, True, True)  # dim, unbiased, keepdim by position
+        return y.pow(2).sum() + (var * mean).sum() + torch.std(h, unbiased=True) + h.std(1, False).sum()
+
+
+def test_var_and_std_with_unbiased_on_the_fx_route_compute_what_eager_does():
+    """Thunder 0.2.6's ``var``/``std`` take ``correction=`` only ("unexpected keyword argument 'unbiased'": xlstm
+    failed so); the FX route writes ``unbiased=b`` as ``correction=1 if b else 0``, positional forms included."""
+    torch.manual_seed(0)
+    model, x = _UnbiasedNorms(), torch.randn(2, 3, 8)
+    ref = _UnbiasedNorms()
+    ref.load_state_dict(model.state_dict())
+    _fx_route_matches_eager(model, ref, x)

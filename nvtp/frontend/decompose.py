@@ -1,6 +1,7 @@
 """torch calls Thunder runs only opaquely, written as the torch ops they compute, for the FX
 route's table (``nvtp.frontend.fx.DECOMPOSITIONS``): ``torch.histc`` (an MoE load-balancing loss
-counts tokens per expert with it), ``x.bool()`` and its kin, and ``x.new_zeros(shape)`` and its kin."""
+counts tokens per expert with it), ``x.bool()`` and its kin, ``x.new_zeros(shape)`` and its kin, and
+``x.var(unbiased=...)`` and its kin."""
 
 from __future__ import annotations
 
@@ -50,3 +51,43 @@ def new_full(x, size, fill_value, *, dtype=None, device=None, **_):
 
 
 CREATIONS = {"new_zeros": new_filled(0), "new_ones": new_filled(1), "new_empty": new_filled(0), "new_full": new_full}
+
+
+def with_correction(fn):
+    """``fn`` (``torch.var``, ``var_mean``; ``std`` and ``std_mean`` as the square root of the
+    variance, which nvtp has no op for) called as Thunder 0.2.6 takes it:
+    ``dim``, then ``keepdim`` and ``correction`` by keyword. torch's older form ``unbiased=b``
+    (xLSTM's norm: ``x.var(dim=-1, keepdim=True, unbiased=False)``; Thunder: "unexpected keyword
+    argument 'unbiased'") is ``correction=1`` if b else 0, by keyword or by position
+    (``x.var(True)``, ``x.var(dim, unbiased, keepdim)``)."""
+    def call(input, *args, dim=None, unbiased=None, keepdim=False, correction=None):
+        rest = list(args)
+        if rest and isinstance(rest[0], bool):  # var(x, unbiased)
+            unbiased = rest.pop(0)
+        elif rest:
+            dim = rest.pop(0)
+        if rest:
+            unbiased = rest.pop(0)
+        if rest:
+            keepdim = rest.pop(0)
+        if unbiased is not None:
+            if correction is not None:
+                raise TypeError(f"{fn.__name__}: unbiased and correction both given")
+            correction = 1 if unbiased else 0
+        return fn(input, dim, keepdim=keepdim, correction=1 if correction is None else correction)
+
+    return call
+
+
+def _std(input, dim=None, *, keepdim=False, correction=1):
+    return torch.var(input, dim, keepdim=keepdim, correction=correction).sqrt()  # nvtp has no std op: sqrt of var
+
+
+def _std_mean(input, dim=None, *, keepdim=False, correction=1):
+    var, mean = torch.var_mean(input, dim, keepdim=keepdim, correction=correction)
+    return var.sqrt(), mean
+
+
+_std.__name__, _std_mean.__name__ = "std", "std_mean"
+VARIANCES = {"var": with_correction(torch.var), "var_mean": with_correction(torch.var_mean),
+             "std": with_correction(_std), "std_mean": with_correction(_std_mean)}

@@ -60,10 +60,13 @@ DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, 
                                   # nn.RMSNorm (DiffLlama's groupnorm): dynamo writes torch.rms_norm, which Thunder 0.2.6
                                   # does not know (NotImplementedError); F.rms_norm, the same call, it decomposes to prims
                                   torch.rms_norm: torch.nn.functional.rms_norm,
-                                  **mha.functions(mha.torch_ops())}  # nn.MultiheadAttention (nvtp/frontend/mha.py)
+                                  **mha.functions(mha.torch_ops()),  # nn.MultiheadAttention (nvtp/frontend/mha.py)
+                                  # unbiased= as correction= (nvtp/frontend/decompose.py: xLSTM's norm)
+                                  **{getattr(torch, n): f for n, f in decompositions.VARIANCES.items()}}
 _METHOD_DECOMPOSITIONS = {"addmm": _addmm, "baddbmm": _baddbmm, "min": _min, "max": _max, "minimum": minimum,
                           "histc": decompositions.histc, **decompositions.CONVERSIONS,  # MoE code's (nvtp/frontend/decompose.py)
-                          **decompositions.CREATIONS}  # x.new_zeros(shape) and its kin
+                          **decompositions.CREATIONS,  # x.new_zeros(shape) and its kin
+                          **decompositions.VARIANCES}  # x.var(unbiased=False) and its kin
 
 
 _MATMULS = (operator.matmul, torch.matmul)
