@@ -34,7 +34,6 @@ KNOWN: dict[str, str] = {
 } | {"xlm": "aten::_assert_scalar",  # get_masks asserts lengths.max().item() <= slen: a value read from the data
      "jetmoe": "aten::_assert_scalar",  # likewise, a value read from the data asserted (dynamo's runtime check)
      "moshi": "2 does not divide 257",  # its vocabulary is the config's + 1: refused with the fix (pad it), by design
-     "xlstm": "unexpected keyword argument 'unbiased'",  # its norm's x.var(..., unbiased=False): Thunder 0.2.6 takes correction=
      "phimoe": "Unknown attribute uniform_"}  # its router's torch.rand_like(s).uniform_() in training: a random draw eager's RNG makes
 
 DECODERS = [(t, c) for t, c in families() if not not_decoder_only(t, c)]
