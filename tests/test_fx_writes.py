@@ -71,3 +71,30 @@ def test_writes_whose_result_is_unread_keep_their_effect(body):
         want = getattr(model, name).grad
         if want is not None:
             assert relative_error(getattr(run.jitted.module, name).grad, want)[0] <= 1e-6, name
+
+
+class _WritesItsBuffer(torch.nn.Module):
+    def __init__(self, whole: bool):
+        super().__init__()
+        self.whole = whole
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("buf", torch.zeros(2, 8))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.whole:
+            self.buf.copy_(h)
+        else:
+            self.buf[:, :4].copy_(h[:, :4])
+        return (h * self.buf).sum()
+
+
+@pytest.mark.parametrize("whole,line", [(True, r"self.buf.copy_\(h\)"), (False, r"self.buf\[:, :4\].copy_\(h\[:, :4\]\)")])
+def test_a_copy_into_a_buffer_is_refused_naming_its_line_not_dropped(whole, line):
+    """The model's state written in forward is refused (no fusion writes it back); the dropped copy
+    was a wrong result instead (the first call's check: relative error 1)."""
+    from nvtp.frontend.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=r"copy_ \(writes into \w+, an argument, parameter or buffer of the model\) at "
+                                           r".*test_fx_writes.py:\d+ in forward: `" + line):
+        nvtp.jit(_WritesItsBuffer(whole), plan="replicate", frontend="fx")(torch.randn(2, 8))
