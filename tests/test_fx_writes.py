@@ -15,6 +15,8 @@ gradients with the module run eagerly (computed by torch alone).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -98,3 +100,34 @@ def test_a_copy_into_a_buffer_is_refused_naming_its_line_not_dropped(whole, line
     with pytest.raises(CaptureError, match=r"copy_ \(writes into \w+, an argument, parameter or buffer of the model\) at "
                                            r".*test_fx_writes.py:\d+ in forward: `" + line):
         nvtp.jit(_WritesItsBuffer(whole), plan="replicate", frontend="fx")(torch.randn(2, 8))
+
+
+class _SetitemAndTargets(torch.nn.Module):
+    """A forward with an in-place update (a setitem) and two arguments of one shape: ``idx`` and ``targets``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        z = torch.zeros_like(h)
+        z[..., :4] = h[..., :4] * 2
+        z[..., 4:] = h[..., 4:]
+        return torch.nn.functional.cross_entropy(self.head(z).view(-1, 16), targets.view(-1))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "thunder"])
+def test_arguments_of_one_shape_stay_apart_in_a_trace_with_an_in_place_update(frontend):
+    """Thunder takes tensors of one storage for aliases, and nvtp traces on meta tensors (one storage
+    pointer, 0, for all): with a setitem in the trace it read ``targets`` as ``idx`` (the loss of
+    ``model(idx, idx)``), and read arguments of other shapes as reshapes of the first (the
+    regional FX route failed so on DeepSeek-V3's blocks once their copies were setitems)."""
+    torch.manual_seed(0)
+    model = _SetitemAndTargets()
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, 16, (2, 5), generator=g), torch.randint(0, 16, (2, 5), generator=g)
+    got = nvtp.jit(copy.deepcopy(model), plan="replicate", frontend=frontend)(idx, targets)
+    want = model(idx, targets)
+    assert relative_error(got.detach(), want.detach())[0] <= 1e-6

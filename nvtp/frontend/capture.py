@@ -10,6 +10,7 @@ incoming gradients, and which parameter each backward output is the gradient of.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -19,6 +20,7 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 import thunder
+import thunder.core.update_aliases as update_aliases
 
 from nvtp.frontend import parts, user_code
 from nvtp.frontend.complex import ComplexAsReal
@@ -266,6 +268,37 @@ def _plain_call(module: torch.nn.Module):
             cls.__call__ = call
 
 
+_ALIASES = threading.Lock()
+_DISTINCT: list[Any] = []  # the captures inside ``_distinct_arguments`` now (threads: a simulated mesh's ranks)
+_GROUPED = update_aliases.replace_args_with_alias_map
+
+
+def _no_groups(trace, alias_tensor_indices):
+    return _GROUPED(trace, [])
+
+
+@contextlib.contextmanager
+def _distinct_arguments():
+    """While inside, Thunder takes a call's tensor arguments for distinct tensors. Thunder groups them
+    by storage pointer and, in a trace with an in-place update, reads every argument of a group as
+    (a reshape of) its first (``update_aliases.replace_args_with_alias_map``). nvtp traces on meta
+    tensors, whose storage pointer is 0 for every one, so a model with an in-place update (a setitem,
+    ``nvtp.frontend.setitem``) read its ``labels`` as its ``input_ids`` where their shapes agreed (a
+    wrong loss, silently) and failed where they did not ("reshape (2, 16, 64) to (1, 16, 8)"). The
+    inputs of nvtp's fusions are distinct values; a write into one is refused (``setitem``)."""
+    with _ALIASES:
+        if not _DISTINCT:
+            update_aliases.replace_args_with_alias_map = _no_groups
+        _DISTINCT.append(None)
+    try:
+        yield
+    finally:
+        with _ALIASES:
+            _DISTINCT.pop()
+            if not _DISTINCT:
+                update_aliases.replace_args_with_alias_map = _GROUPED
+
+
 def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: bool = True, outputs: bool = True,
             **kwargs: Any) -> Captured:
     """Trace ``module(*args)`` with Thunder and nvtp's executor; return its labelled fusions.
@@ -285,7 +318,7 @@ def capture(module: torch.nn.Module, *args: Any, backward: bool = True, strict: 
             # fused projections of unequal parts, one per part, when asked (nvtp/frontend/parts.py)
             transforms = [ComplexAsReal()] + ([parts.SplitFusedLinears()] if parts.enabled() else [])
             jitted = thunder.jit(module, executors=[executor()], transforms=transforms)
-            with _plain_call(module):
+            with _plain_call(module), _distinct_arguments():
                 out = jitted(*args, **kwargs)
             if backward:  # every tensor of the output object (a tuple, dict, dataclass) that needs a gradient
                 outs = [o for _, o in output_tensors(out) if o.requires_grad]
