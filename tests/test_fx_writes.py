@@ -8,9 +8,11 @@ HY-V4's attention fills its keys through views of a new tensor (``expand_kv``):
 
 The copies' results are never read: their effect is the write. torch.fx's dead-code elimination
 (run after constant folding) calls every ``call_method`` pure, so it dropped them and the keys
-stayed unfilled (the first call's check refused the model: logits 0.019 relative off eager). Each
-test here runs such a module through ``nvtp.jit(..., frontend="fx")`` and compares its output and
-gradients with the module run eagerly (computed by torch alone).
+stayed unfilled (the first call's check refused the model: logits 0.019 relative off eager). The
+tests here run such modules through ``nvtp.jit(..., frontend="fx")`` and compare their output and
+gradients with the module run eagerly (computed by torch alone); a copy into the model's own buffer
+is refused naming its line; and a trace with an in-place update keeps its arguments apart (both
+routes: Thunder took every meta argument for an alias of the first).
 """
 
 from __future__ import annotations
