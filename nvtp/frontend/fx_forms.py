@@ -57,6 +57,7 @@ def _max(input, *args, **kwargs):
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
                                   torch.histc: decompositions.histc,  # the load-balancing loss's count (nvtp/frontend/decompose.py)
+                                  torch._weight_norm: decompositions.weight_norm,  # torch.nn.utils' weight_norm, both forms
                                   # nn.RMSNorm (DiffLlama's groupnorm): dynamo writes torch.rms_norm, which Thunder 0.2.6
                                   # does not know (NotImplementedError); F.rms_norm, the same call, it decomposes to prims
                                   torch.rms_norm: torch.nn.functional.rms_norm,
