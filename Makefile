@@ -30,8 +30,11 @@ demo: $(VENV)/.synced
 # The default tier (what CI runs): every feature, in-process or on small gloo meshes. The slow
 # tier (@pytest.mark.slow: multi-process training, torchrun, checkpoints, the other transformers
 # families) runs with `make test-all`.
+# Two pytest workers (pytest-xdist), each a whole file at a time (--dist loadfile: a file's
+# module-scoped fixtures are made once): the tests are single-threaded Python (Thunder's
+# interpreter) and this machine has 2 cores.
 test: $(VENV)/.synced
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(VENV)/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 test-all: $(VENV)/.synced
 	$(VENV)/bin/python -m pytest -q
