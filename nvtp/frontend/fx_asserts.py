@@ -17,7 +17,6 @@ read no argument are left to constant folding (``nvtp.frontend.fx_constants``).
 
 from __future__ import annotations
 
-import operator
 import re
 from typing import Any, Callable
 
