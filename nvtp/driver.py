@@ -62,7 +62,7 @@ from nvtp.sharding.overlap import schedule_collectives
 from nvtp.sharding.placements import DeviceMesh, Placement, REPLICATE
 from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import Target, as_target
-from nvtp.frontend import fx, fx_regional
+from nvtp.frontend import fx, fx_regional, user_code
 from nvtp.frontend.capture import capture
 
 ROUTES = ("auto", "thunder", "fx")
@@ -73,13 +73,17 @@ ROUTES = ("auto", "thunder", "fx")
 
 
 def route(module: torch.nn.Module, frontend: str = "auto") -> str:
-    """The route a module is traced by: "fx" for transformers models (or when asked), else "thunder"."""
+    """The route a module is traced by: "fx" for transformers models and models with a weight
+    computed at each call (weight_norm, a parametrization: ``user_code.reparametrized``), or when
+    asked; else "thunder". Asked for "thunder" on the second kind: ``UserCodeError``."""
     if frontend not in ROUTES:
         raise ValueError(f"frontend must be one of {', '.join(map(repr, ROUTES))}, not {frontend!r}")
+    if frontend == "thunder" and (refusal := user_code.thunder_refusal(module, "leave frontend out (or frontend='fx'): "
+                                                                      "TorchDynamo's route traces it")):
+        raise refusal
     if frontend != "auto":
         return frontend
-
-    return "fx" if fx.wants_fx(module) else "thunder"
+    return "fx" if fx.wants_fx(module) or user_code.reparametrized(module) else "thunder"
 
 
 def meta_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -65,7 +65,12 @@ TOLERANCE = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-3, 1e-6), torch.bfl
 
 
 class MiscompileError(RuntimeError):
-    """nvtp's compiled program computes something else than the model does eagerly: a bug in nvtp."""
+    """nvtp's compiled program computes something else than the model does eagerly: a bug in nvtp.
+    ``first``: the first value that differs (e.g. "gradient of h.0.attn.weight: max abs error ...")."""
+
+    def __init__(self, first: str, message: str):
+        super().__init__(message)
+        self.first = first
 
 
 @dataclass
@@ -89,14 +94,15 @@ def outcomes(owner: Any) -> list[Outcome]:
 
 # -- nvtp.jit ----------------------------------------------------------------------------------------
 
-def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool | float = True) -> None:
+def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool | float = True) -> Outcome | None:
     """The first call of ``compiled`` (a ``RankProgram``) of ``nvtp.jit`` module ``sm`` with
     ``args``/``kwargs`` (bound as the program takes them): checked against ``sm.module`` run
     eagerly (the module docstring); every rank calls it. Raises ``MiscompileError`` on every rank
-    when a value differs. Once per program: later calls return at once."""
+    when a value differs. Once per program: later calls return None at once; the first returns
+    what it found."""
     seen = _checked(sm)
     if verify is False or id(compiled) in seen:
-        return
+        return None
     seen.add(id(compiled))
     start = time.perf_counter()
     outcome = Outcome(skipped=_unchecked(compiled.program.forward.source, sm) or _planned_apart(compiled.program))
@@ -104,6 +110,14 @@ def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool
         with torch.random.fork_rng(devices=_devices(sm.module)):
             _module_step(sm, compiled, args, kwargs, _rtol(verify), outcome)
     _finish(sm, outcome, start, lambda obj: _gather_json(sm.comm, obj))
+    return outcome
+
+
+def will_check(forward: Any, mesh: Any, axis_options: dict, verify: bool | float) -> bool:
+    """Whether ``check_module`` will compare a program traced as ``forward`` (a Fusion), sharded
+    over ``mesh`` with ``axis_options``, against eager (``verify`` on, no random draws, nothing
+    planned to differ)."""
+    return verify is not False and not _unchecked(forward, None) and not _apart(mesh, axis_options)
 
 
 def _module_step(sm, compiled, args, kwargs, rtol, outcome: Outcome) -> None:
@@ -358,7 +372,7 @@ def _finish(owner: Any, outcome: Outcome, start: float, gather: Callable[[Any], 
     for rank, failures in enumerate(per_rank):
         if failures:
             where = f" (rank {rank})" if len(per_rank) > 1 else ""
-            raise MiscompileError(f"nvtp's compiled program differs from the model run eagerly on the same inputs (the first call's "
+            raise MiscompileError(f"{failures[0]}{where}", f"nvtp's compiled program differs from the model run eagerly on the same inputs (the first call's "
                                   f"check){where}: {failures[0]}. Unless the ranks' models differ (each process must build "
                                   "its model with the same weights: seed them alike, or load one checkpoint; nvtp.jit(..., "
                                   "check_replicas=True) checks it), this is a bug in nvtp: please report it with the model. "
@@ -389,8 +403,12 @@ def _unchecked(forward: Any, owner: Any) -> str:
 def _planned_apart(program: Any) -> str:
     """Why ``program`` computes, by design, something else than eager (an axis's option: ep's
     capacity factor drops tokens), or ''."""
-    for st, _ in axes.passes(program.mesh):
-        why = st.changes_result(program.forward.options)
+    return _apart(program.mesh, program.forward.options)
+
+
+def _apart(mesh: Any, options: dict) -> str:
+    for st, _ in axes.passes(mesh):
+        why = st.changes_result(options)
         if why:
             return why
     return ""

@@ -35,6 +35,7 @@ import hashlib
 import inspect
 import json
 import types
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -225,7 +226,8 @@ class ShardedModule(torch.nn.Module):
         traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
             self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
             like=self.module, flash=as_target(self.backend).flash_attention,  # the backend's attention (sdpfa on the reference's)
-            **axes.trace_options(self.mesh, self.plan)))  # what the mesh's axes need
+            **axes.trace_options(self.mesh, self.plan)),  # what the mesh's axes need
+            eager=lambda t: guard.will_check(t.forward, self.mesh, self.axis_options, self.verify))  # forward's check stands behind it
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute,
                                axis_options=self.axis_options)
@@ -309,6 +311,26 @@ class ShardedModule(torch.nn.Module):
             self._compiled[key] = compiled
         return compiled
 
+    def _checked_for(self, args: tuple, kwargs: Mapping[str, Any]) -> RankProgram:
+        """``_compiled_for``'s program, its first call checked against eager (``nvtp.guard``: raises
+        MiscompileError); a program derived at a new length that fails the check is traced instead
+        (``Lengths.settle``), with a warning, and that one checked."""
+        compiled = self._compiled_for(args, kwargs)
+        try:
+            outcome = guard.check_module(self, compiled, args, kwargs, self.verify)
+        except guard.MiscompileError as e:
+            why = self._lengths.settle(args, kwargs, self._mode(), e.first)
+            if not why:
+                raise
+            warnings.warn(f"nvtp: {why}; traced instead, as every new length of these calls will be", stacklevel=3)
+            del self._compiled[self._signature(args, kwargs)]
+            compiled = self._compiled_for(args, kwargs)
+            guard.check_module(self, compiled, args, kwargs, self.verify)
+            return compiled
+        if outcome is not None:
+            self._lengths.settle(args, kwargs, self._mode(), "" if outcome.compared else "the check compared no value")
+        return compiled
+
     def _check_new_signature(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> None:
         """Refuse arguments unlike those compiled for (unless ``dynamic``), before any work."""
         device = next((p.device.type for p in self.module.parameters()), "cpu")
@@ -351,8 +373,7 @@ class ShardedModule(torch.nn.Module):
         args, kwargs = self._call(args, kwargs)
         if self._dp_axis() is not None and self._signature(args, kwargs) not in self._compiled:
             self._check_batches(args, kwargs)  # every rank's first call with these shapes (compile() skips it)
-        compiled = self._compiled_for(args, kwargs)
-        guard.check_module(self, compiled, args, kwargs, self.verify)  # once per program: raises MiscompileError
+        compiled = self._checked_for(args, kwargs)
         self.last = compiled.program
         named = compiled.module_state(self.module)  # parameters (a part: its parameter), buffers, tensor attributes
         call = compiled.call

@@ -169,6 +169,8 @@ class ShardingTransform(Transform):
         module = model._model
         check_plan(self.plan, driver.plan_names(module), type(module).__name__)
         user_code.check_module(module)  # Python randomness in forward, hooks: refused before anything is traced
+        if refusal := user_code.thunder_refusal(module, "nvtp.jit(model, plan=..., mesh=...) takes such a model, by TorchDynamo"):
+            raise refusal  # weight_norm, a parametrization: Thunder interprets forward before any transform runs
         interpret.cache_off(module)  # a transformers model trains without its KV cache, as under nvtp.jit
         device = next((p.device.type for p in module.parameters()), "cpu")
         self.backend = backends.resolve(self.backend, device).name

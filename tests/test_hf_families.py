@@ -31,8 +31,7 @@ KNOWN: dict[str, str] = {
     family: "convolution" for family in ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba",
                                           "kimi_linear", "mamba", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
                                           "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "inkling_text", "inkling2_text", "lfm3")
-} | {"xlm": "aten::_assert_scalar",  # get_masks asserts lengths.max().item() <= slen: a value read from the data
-     "jetmoe": "aten::_assert_scalar",  # likewise, a value read from the data asserted (dynamo's runtime check)
+} | {"jetmoe": "checks a value it reads from the data",  # expert_size.tolist(): split sizes read from the router's data
      "moshi": "2 does not divide 257",  # its vocabulary is the config's + 1: refused with the fix (pad it), by design
      "phimoe": "Unknown attribute uniform_"}  # its router's torch.rand_like(s).uniform_() in training: a random draw eager's RNG makes
 

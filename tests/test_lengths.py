@@ -2,13 +2,15 @@
 
 A forward at a new sequence length used to trace the model again (19-63 s per length for a
 2-layer model on this machine), so ``generate`` of a few tokens took minutes. Now two traces of a
-call structure (and a third that checks the first derived program) give every later length by
-derivation. Each test compares with the eager model on one process, computed independently.
+call structure give every later length by derivation, each derived program checked against eager
+by nvtp.guard (with ``verify=False``, a third trace checks the first derived program instead).
+Each test compares with the eager model on one process, computed independently.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -68,11 +70,12 @@ def _greedy(step, ids: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_generation_traces_three_lengths_derives_the_rest_and_gives_eagers_tokens_on_2_ranks(monkeypatch):
+def test_generation_traces_two_lengths_derives_the_rest_and_gives_eagers_tokens_on_2_ranks(monkeypatch):
     """Greedy generation of 6 tokens from a prompt of 8 on 2 simulated ranks gives the tokens eager
-    generation gives, with 3 traces a rank for its 6 lengths (two to derive from, one to check the
-    first derived program against), counted at the driver; a later jump to length 31 is derived too, and
-    every output is eager's within 1e-5."""
+    generation gives, with 2 traces a rank for its 6 lengths (the two to derive from; the first-call
+    check against eager stands behind each derived program: before 2026-11-27 a third length was
+    traced to confirm the first derived one), counted at the driver; a later jump to length 31 is
+    derived too, and every output is eager's within 1e-5."""
     torch.manual_seed(0)
     model = TinyLM().eval()
     group, ranks = _ranks(model)
@@ -94,10 +97,69 @@ def test_generation_traces_three_lengths_derives_the_rest_and_gives_eagers_token
     assert torch.equal(got, want), (got, want)
     idx = torch.randint(0, 64, (2, 31), generator=torch.Generator().manual_seed(31))
     assert relative_error(step(idx), model(idx))[0] <= 1e-5
-    assert sorted(traces) == [8, 8, 9, 9, 10, 10], traces  # each rank (a thread here, a process in use) traces its own
+    assert sorted(traces) == [8, 8, 9, 9], traces  # each rank (a thread here, a process in use) traces its own
     family = next(iter(ranks[0]._lengths.families.values()))
-    assert family.checked and not family.why and family.derived == 4, (family.checked, family.why, family.derived)
-    assert [h.startswith("derived at length") for h in hows] == [False] * 3 + [True] * 4, hows
+    assert family.checked and not family.why and family.derived == 5, (family.checked, family.why, family.derived)
+    assert [h.startswith("derived at length") for h in hows] == [False] * 2 + [True] * 5, hows
+
+
+def test_without_an_eager_check_the_first_derived_program_is_confirmed_by_a_trace(monkeypatch):
+    """The decision alone (derivation and comparison stubbed): a length past the two traced ones is
+    derived outright when an eager check will stand behind its program, and traced to confirm the
+    derivation when none will (``verify=False``, dropout in training mode)."""
+    from nvtp.frontend import lengths as lengths_module
+
+    monkeypatch.setattr(lengths_module, "derive", lambda ta, tb, a, b, n: Traced("derived"))
+    monkeypatch.setattr(lengths_module, "same_program", lambda x, y: "")
+    for checked_by_eager, want, traced in ((True, "derived at length 10", [8, 9]), (False, "traced at 10", [8, 9, 10])):
+        calls, lengths = [], Lengths()
+
+        def at(n):
+            return lengths.trace((torch.zeros(1, n, dtype=torch.long),), {}, "eval", lambda: calls.append(n) or Traced(f"traced at {n}"),
+                                 eager=lambda t: checked_by_eager)
+
+        assert [at(8).how, at(9).how] == ["traced at 8", "traced at 9"] and at(10).how.startswith(want) and calls == traced, calls
+        assert at(11).how.startswith("derived at length 11") and calls == traced  # confirmed (by the trace, or the passing check below)
+        if checked_by_eager:
+            assert lengths.settle((torch.zeros(1, 10, dtype=torch.long),), {}, "eval") == ""
+
+
+@dataclasses.dataclass
+class Traced:
+    how: str
+    seconds: float = 0.0
+
+
+@torch.no_grad()
+def test_a_derived_program_that_differs_from_eager_is_traced_instead(monkeypatch):
+    """A derivation gone wrong (here on purpose: the position ids' iota made to start at 1) is
+    caught by the first-call check against eager, and that length is traced instead, with a
+    warning; the outputs are eager's, and the family derives no more (its ``why`` says why)."""
+    from nvtp.frontend import lengths as lengths_module
+
+    real = lengths_module.derive
+
+    def shifted(*a):  # the derived forward's iota (the positions) starts at 1: a wrong program of the right shapes
+        d = real(*a)
+        ops = tuple(dataclasses.replace(op, args=tuple((k, 1 if k == "start" else v) for k, v in op.args)) if op.kind == "iota" else op
+                    for op in d.forward.ops)
+        return dataclasses.replace(d, forward=dataclasses.replace(d.forward, ops=ops))
+
+    monkeypatch.setattr(lengths_module, "derive", shifted)
+    traces = []
+    monkeypatch.setattr(driver, "trace", lambda *a, real=driver.trace, **k: traces.append(a[1][0].shape[1]) or real(*a, **k))
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    jitted = nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=1)
+    for T in (8, 9):
+        jitted(torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T)))
+    idx = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(10))
+    with pytest.warns(UserWarning, match="derived at length 10 differs from the model run eagerly: .*traced instead"):
+        out = jitted(idx)
+    assert relative_error(out, model(idx))[0] <= 1e-5 and traces == [8, 9, 10], traces
+    assert jitted.last.traced.how.startswith("whole trace"), jitted.last.traced.how
+    family = next(iter(jitted._lengths.families.values()))
+    assert family.derived == 0 and "differs from the model run eagerly" in family.why, family.why
 
 
 @pytest.mark.slow
@@ -166,7 +228,7 @@ def test_transformers_generate_on_2_ranks_gives_eagers_tokens():
     for out in outs:
         assert torch.equal(out, want), (out, want)
     family = next(iter(ranks[0]._lengths.families.values()))
-    assert family.checked and family.derived == 3, (family.why, family.derived)
+    assert family.checked and family.derived == 4, (family.why, family.derived)
 
 
 def test_transformers_generate_on_a_sharded_model_runs_the_models_own_loop():

@@ -1,7 +1,7 @@
 """torch calls Thunder runs only opaquely, written as the torch ops they compute, for the FX
 route's table (``nvtp.frontend.fx.DECOMPOSITIONS``): ``torch.histc`` (an MoE load-balancing loss
-counts tokens per expert with it), ``x.bool()`` and its kin, ``x.new_zeros(shape)`` and its kin, and
-``x.var(unbiased=...)`` and its kin."""
+counts tokens per expert with it), ``torch._weight_norm`` (weight normalisation), ``x.bool()`` and
+its kin, ``x.new_zeros(shape)`` and its kin, and ``x.var(unbiased=...)`` and its kin."""
 
 from __future__ import annotations
 
@@ -20,6 +20,20 @@ def histc(input, bins=100, min=0, max=0):
     pos = ((x - min) / (max - min) * bins).clamp(0, bins - 1).to(torch.int64)
     hit = (pos.unsqueeze(-1) == torch.arange(bins, device=x.device)) & inside.unsqueeze(-1)
     return hit.sum(0).to(input.dtype)
+
+
+def weight_norm(v, g, dim=0):
+    """``torch._weight_norm(v, g, dim)``, which both forms of ``torch.nn.utils`` weight
+    normalisation call (the hook of ``weight_norm``, the parametrization of
+    ``parametrizations.weight_norm``): ``v * (g / ||v||)``, the norm over every dimension but
+    ``dim`` (over all of them for ``dim=-1``), as torch's ``norm_except_dim`` (which Thunder runs
+    only opaquely: written here as a sum of squares)."""
+    return v * (g / (v * v).sum(_other_dims(v.ndim, dim), keepdim=True).sqrt())
+
+
+def _other_dims(ndim: int, dim: int) -> list[int]:
+    """Every dimension of an ``ndim``-dimensional tensor but ``dim`` (all of them for -1)."""
+    return [d for d in range(ndim) if dim == -1 or d != dim % ndim]
 
 
 def as_dtype(dtype: torch.dtype):

@@ -63,6 +63,7 @@ from nvtp.frontend.capture import CaptureError, Captured, capture
 from nvtp.frontend.fused import split_fused_projections
 from nvtp.frontend.fx_calls import call_structure, check_call, without_cache  # noqa: F401 - the route's call API
 from nvtp.frontend.fx_constants import causal_masks, fold_constants
+from nvtp.frontend.fx_asserts import drop_proven
 from nvtp.frontend.fx_forms import decompose, linears, refuse_lacking
 from nvtp.frontend.fx_inplace import functionalize
 from nvtp.frontend.moe import gather_mm_experts, install_output_hooks
@@ -288,6 +289,7 @@ def export_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exported
     functionalize(g, type(module).__name__)
     linears(g, attrs)
     decompose(g)
+    drop_proven(g, type(module).__name__)  # checks on values read from the data: proven and dropped, or refused (fx_asserts)
     refuse_lacking(g, type(module).__name__)
     if ring_claim_active() or flash_claim_active():  # attention claimed whole (a cp axis's ring, the reference
         # backend's flash kernels): attention masks that are causal, read as is_causal=True

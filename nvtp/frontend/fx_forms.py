@@ -57,6 +57,7 @@ def _max(input, *args, **kwargs):
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,
                                   torch.histc: decompositions.histc,  # the load-balancing loss's count (nvtp/frontend/decompose.py)
+                                  torch._weight_norm: decompositions.weight_norm,  # torch.nn.utils' weight_norm, both forms
                                   # nn.RMSNorm (DiffLlama's groupnorm): dynamo writes torch.rms_norm, which Thunder 0.2.6
                                   # does not know (NotImplementedError); F.rms_norm, the same call, it decomposes to prims
                                   torch.rms_norm: torch.nn.functional.rms_norm,
@@ -130,10 +131,51 @@ def decompose(g: fx.Graph) -> None:
             continue
         if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
             node.args = (node.args[0], one_index_as_slice(node.args[1]))  # x[..., [k], :] a slice, as on the Thunder route
+        if node.op == "call_function" and node.target is torch.cat:
+            _skip_empty(node)
+        if _bool_compared(g, node):
+            continue
         if node.op == "call_function" and node.target in DECOMPOSITIONS:
             node.target = DECOMPOSITIONS[node.target]
         elif node.op == "call_method" and node.target in _METHOD_DECOMPOSITIONS:
             node.op, node.target = "call_function", _METHOD_DECOMPOSITIONS[node.target]
+
+
+_EQ = {operator.eq, torch.eq, "eq", "__eq__"}
+_NE = {operator.ne, torch.ne, "ne", "__ne__"}
+
+
+def _bool_compared(g: fx.Graph, node: fx.Node) -> bool:
+    """``mask == 0`` of a bool tensor (XLM's attention) is ``~mask``, ``mask != 0`` and ``mask == 1`` are
+    ``mask``: Thunder compares a bool tensor with a number as int8, which nvFuser has no type for.
+    Returns whether ``node`` was rewritten (erased, when it was the mask itself)."""
+    if node.op not in ("call_function", "call_method") or len(node.args) != 2 or node.kwargs or node.target not in _EQ | _NE:
+        return False
+    x, k = node.args
+    v = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    if not (isinstance(v, torch.Tensor) and v.dtype == torch.bool and type(k) in (int, bool) and k in (0, 1)):
+        return False
+    if (node.target in _NE) == (k == 0):  # mask != 0, mask == 1: the mask itself
+        node.replace_all_uses_with(x)
+        g.erase_node(node)
+    else:
+        node.op, node.target, node.args = "call_function", torch.bitwise_not, (x,)
+    return True
+
+
+def _skip_empty(node: fx.Node) -> None:
+    """``torch.cat`` skips a 1-D operand with no elements whatever the others' shapes (transformers'
+    ``DynamicCache`` starts as ``torch.tensor([])`` and concatenates keys ``[B, H, T, D]`` onto it
+    along dim -2: XLM); Thunder refuses the dimension. The operand is left out of the list."""
+    def empty(t: Any) -> bool:
+        v = t.meta.get("example_value", t.meta.get("val")) if isinstance(t, fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.ndim == 1 and v.shape[0] == 0
+
+    tensors = node.args[0] if node.args else None
+    if isinstance(tensors, (list, tuple)):
+        kept = [t for t in tensors if not empty(t)]
+        if kept and len(kept) < len(tensors):
+            node.args = (kept, *node.args[1:])
 
 
 # -- torch calls nvtp has no op for, refused at once -------------------------------------------------

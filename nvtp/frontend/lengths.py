@@ -18,10 +18,15 @@ iota of length ``n``. ``Lengths`` keeps the traces of each call structure and, f
   traces' are the same known pattern (``_PATTERNS``: unchanged, an arange along one axis, a causal
   comparison, within a sliding window or not), else nothing is derived.
 
-Before anything derived is used, it is checked once against a real trace: the first new length
-after the two is traced too and must equal what was derived, op for op and constant for
-constant; a family that fails is traced at every length from then on (``Family.why`` says why).
-From then on a new length costs the derivation and the sharding passes (``tests/test_lengths.py``).
+Nothing derived is used unchecked. By default every compiled program's first call is checked
+against the model run eagerly on the same inputs (``nvtp.guard``), so a derived program is too:
+the caller says so (``trace(..., eager=...)``) and reports each check's outcome (``settle``); a
+derived program that differs from eager (or that the check could not compare) is traced instead,
+and its family is traced at every length from then on (``Family.why`` says why). Where no eager
+check stands behind the program (``verify=False``; a program that draws random numbers), the first
+new length after the two is traced too and must equal what was derived, op for op and constant
+for constant. So generation costs two traces with the check on (the default), three without it;
+every later length costs the derivation and the sharding passes (``tests/test_lengths.py``).
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ class Family:
     first: list[tuple[int, ...]] | None = None  # the first call's tensor shapes
     moved: frozenset = frozenset()  # (leaf, dimension) of the sizes that follow n, from the first two traces
     traces: list[tuple[int, Any]] = field(default_factory=list)  # (n, Traced) of each length traced
-    checked: bool = False  # a derived program equalled a real trace
+    checked: bool = False  # a derived program equalled a real trace, or the model run eagerly
     why: str = ""  # why this family is traced at every length ("" while it may be derived)
     derived: int = 0
+    lengths: set[int] = field(default_factory=set)  # the lengths whose program was derived
 
     def length_of(self, shapes: list[tuple[int, ...]]) -> int | None:
         """The one size ``n`` a call of these shapes has where the first call had another: every
@@ -102,8 +108,12 @@ class Lengths:
         self.families: dict[tuple, Family] = {}
         self.horizon = horizon
 
-    def trace(self, args: tuple, kwargs: dict, mode: Any, trace: Callable[[], Any]) -> Any:
-        """The ``Traced`` of this call: derived when its family allows, else ``trace()``."""
+    def trace(self, args: tuple, kwargs: dict, mode: Any, trace: Callable[[], Any],
+              eager: Callable[[Any], bool] = lambda traced: False) -> Any:
+        """The ``Traced`` of this call: derived when its family allows, else ``trace()``.
+        ``eager(traced)``: whether the program made from ``traced`` will be checked against the
+        model run eagerly before it runs, with the outcome reported to ``settle``; then the first
+        derived program needs no confirming trace."""
         key, shapes = _structure(args, kwargs, mode)
         family = self.families.setdefault(key, Family())
         n = family.length_of(shapes)
@@ -127,7 +137,7 @@ class Lengths:
             return trace()
         seconds = time.perf_counter() - start
         derived = replace(derived, seconds=seconds, how=f"derived at length {n} from the traces at {a} and {b} ({seconds:.2f} s)")
-        if not family.checked:  # the first derived program is checked against a real trace
+        if not family.checked and not eager(derived):  # no eager check stands behind it: a real trace does
             traced = trace()
             diff = same_program(derived, traced)
             if diff:
@@ -135,7 +145,25 @@ class Lengths:
             family.checked = not diff
             return traced
         family.derived += 1
+        family.lengths.add(n)
         return derived
+
+    def settle(self, args: tuple, kwargs: dict, mode: Any, failure: str = "") -> str:
+        """The outcome of the eager check of this call's program (``failure``: what differed, or
+        what kept it from comparing; "" when it passed). Returns why the program must be traced
+        instead when it was derived and failed (its family derives no more), else ""."""
+        key, shapes = _structure(args, kwargs, mode)
+        family = self.families.get(key)
+        n = family.length_of(shapes) if family is not None else None
+        if n is None or n not in family.lengths:
+            return ""  # a traced program: its check's failure is the caller's to raise
+        if not failure:
+            family.checked = True
+            return ""
+        family.lengths.discard(n)
+        family.derived -= 1
+        family.why = f"the program derived at length {n} differs from the model run eagerly: {failure}"
+        return family.why
 
 
 def _structure(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list[tuple[int, ...]]]:

@@ -36,6 +36,7 @@ router's [tokens, k] indices over E experts.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -51,11 +52,18 @@ from nvtp.frontend.translate import TRANSLATORS
 
 
 _LIBRARY: list[Any] = []
+_DEFINING = threading.Lock()  # the ranks of a simulated mesh trace at once, each on its thread
 
 
 def torch_ops() -> Any:
     """``torch.ops.nvtp`` with ``gather_mm`` and ``gather_mm_wgrad`` defined (once, on first use:
-    importing nvtp defines nothing in torch)."""
+    importing nvtp defines nothing in torch; two threads at once define them once)."""
+    with _DEFINING:
+        _define()
+    return torch.ops.nvtp
+
+
+def _define() -> None:
     if not _LIBRARY:
         lib = torch.library.Library("nvtp", "FRAGMENT")
         _LIBRARY.append(lib)
@@ -66,7 +74,6 @@ def torch_ops() -> Any:
         torch.library.register_fake("nvtp::gather_mm", _gather_mm_fake, lib=lib)
         torch.library.register_fake("nvtp::gather_mm_wgrad", _wgrad_fake, lib=lib)
         torch.library.register_autograd("nvtp::gather_mm", _gather_mm_backward, setup_context=_gather_mm_setup, lib=lib)
-    return torch.ops.nvtp
 
 
 def _gather_mm_fake(x, w, index):

@@ -14,7 +14,8 @@ the file and line, and what to write instead (never nvtp's own internals):
 * hooks on the model or its parts (``register_forward_hook``, ``..._pre_hook``, backward hooks):
   a part's computation is fused, so a hook on it cannot run at each call; one registered after
   ``nvtp.jit`` would never fire. Hooks from torch itself (``weight_norm``) are traced as part of
-  the model. A hook on the object ``nvtp.jit`` returns runs at every call, as on any module.
+  the model (by the FX route: ``reparametrized``; Thunder's refuses them, ``thunder_refusal``).
+  A hook on the object ``nvtp.jit`` returns runs at every call, as on any module.
 * in-place updates of the model's state (``self.count += 1`` on a buffer, ``p.mul_()`` on a
   parameter, BatchNorm's running statistics in training mode): the program computes outputs and
   does not write state back. Found in the trace (the operations nvtp could not fuse), and said as
@@ -34,6 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.utils.weight_norm import WeightNorm
 
 from nvtp.errors import InputError
 
@@ -224,6 +226,42 @@ def check_hooks(module: torch.nn.Module, registered_after: bool = True) -> None:
         "to see a part's activations, return them from forward")
 
 
+def reparametrized(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(where, how) of each weight of ``module``'s parts that is computed from others at each call:
+    a parametrization (``torch.nn.utils.parametrize``: ``parametrizations.weight_norm``, ...) or
+    the hook of ``torch.nn.utils.weight_norm``. Thunder's interpreter cannot read the first (the
+    parametrized property fails inside it) and takes the second's write of the weight for an
+    output; TorchDynamo traces both (``nvtp.driver.route`` takes the FX route for them)."""
+    found = []
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        for attr, plist in (getattr(m, "parametrizations", None) or {}).items():
+            kinds = [type(p).__name__ for p in plist]
+            how = ("weight normalisation (torch.nn.utils.parametrizations.weight_norm)" if kinds == ["_WeightNorm"]
+                   else f"a parametrization ({', '.join(kinds)}: torch.nn.utils.parametrize)")
+            found.append((f"{prefix}{attr}", how))
+        for fn in (getattr(m, "_forward_pre_hooks", None) or {}).values():
+            if isinstance(fn, WeightNorm):
+                found.append((f"{prefix}{fn.name}", "weight normalisation (torch.nn.utils.weight_norm)"))
+    return found
+
+
+def thunder_refusal(module: torch.nn.Module, fix: str) -> UserCodeError | None:
+    """The error for a module Thunder's interpreter cannot read because of a reparametrized weight
+    (``reparametrized``), ``fix`` saying the route that can; None when there is none."""
+    found = reparametrized(module)
+    if not found:
+        return None
+    where, how = found[0]
+    *path, attr = where.split(".")
+    target = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path)  # model.blocks[0].fc
+    undo = (f"torch.nn.utils.remove_weight_norm({target}, {attr!r})" if "utils.weight_norm" in how
+            else f"torch.nn.utils.parametrize.remove_parametrizations({target}, {attr!r})")
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return UserCodeError(f"{type(module).__name__}.{where} is computed at each call by {how}{more}, which Thunder's interpreter "
+                         f"cannot trace: {fix}. Or fold it into a plain weight, which then trains as one: {undo}")
+
+
 # ---------------------------------------------------------------------------------------------
 # what the trace left
 
@@ -269,4 +307,4 @@ def _where(module: torch.nn.Module, source: str) -> str:
     return f"{type(module).__name__}'s forward at {at}"
 
 
-__all__ = ["UserCodeError", "check_module", "check_hooks", "hooks", "state_update_message"]
+__all__ = ["UserCodeError", "check_module", "check_hooks", "hooks", "state_update_message", "reparametrized", "thunder_refusal"]
