@@ -57,9 +57,13 @@ _DEFINING = threading.Lock()  # the ranks of a simulated mesh trace at once, eac
 
 def torch_ops() -> Any:
     """``torch.ops.nvtp`` with ``gather_mm`` and ``gather_mm_wgrad`` defined (once, on first use:
-    importing nvtp defines nothing in torch; two threads at once define them once)."""
-    with _DEFINING:
-        _define()
+    importing nvtp defines nothing in torch; two threads at once define them once). The lock is
+    taken only while they are not defined: ``gather_mm`` calls this inside dynamo's export, which
+    cannot enter a lock ("Unsupported context manager": a graph break, every transformers MoE
+    family refused); ``gather_mm_experts`` defines them before the export."""
+    if not _LIBRARY:
+        with _DEFINING:
+            _define()
     return torch.ops.nvtp
 
 
