@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from hf_families import families, not_decoder_only, runs_eagerly  # noqa: E402
+from hf_families import SIZES, build, families, not_decoder_only, runs_eagerly, tiny_sizes  # noqa: E402
 
 # family -> a piece of the error it fails with today (2026-11-27; docs/hf.md's "The families sweep" says why)
 KNOWN: dict[str, str] = {
@@ -71,3 +71,22 @@ def test_the_eager_probe_leaves_the_model_copyable():
     runs_eagerly(model, torch.ones(2, 4, dtype=torch.long))
     assert model.state is None
     copy.deepcopy(model)  # the ranks and the eager reference are copies (RecurrentGemma failed here)
+
+
+# Multi-head latent attention: the tool's MLA sizes, each family's ties (DeepSeek-V3.2: one key and value head per query
+# head; all: head_dim is the rotary width) and AXK1's grouped routing over 4 experts; before, none of these built.
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "axk1"])
+def test_an_mla_family_builds_tiny_and_runs_eagerly(family):
+    model = build(family, dict(families())[family])
+    config = model.config
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.head_dim) == (16, 8, 8), config
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs_eagerly(model, idx)
+
+
+def test_the_mla_sizes_leave_other_families_alone():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    assert tiny_sizes(CONFIG_MAPPING["llama"]) == SIZES  # its default kv heads equal its heads, and the tiny Llama is GQA

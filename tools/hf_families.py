@@ -39,6 +39,19 @@ SIZES = {  # constructor argument -> its tiny value, for whichever names a confi
     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "tie_word_embeddings": False,
 }
+# Multi-head latent attention (DeepSeek-V2/V3 and the families built on it; a config that names ``kv_lora_rank``): the
+# latent ranks and per-head dimensions, whose full defaults (rope 64, nope 128, v 128, kv rank 512) do not fit 4 heads of
+# 16. Set only where the config's own default is a size: a None (Kimi-Linear's q_lora_rank: no query compression) stays.
+MLA = {
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,  # DeepSeek-V3.2's sparse-attention indexer
+}
+# size -> the size an MLA config's defaults may tie it to; where they do (the default values are equal), the tiny config
+# keeps the tie: head_dim is the rotary width qk_rope_head_dim (LongCat-Flash's rotary embedding is head_dim wide, its
+# keys' rotary part qk_rope_head_dim), and one key and value head per query head (DeepSeek-V3.2's indexer mask).
+MLA_TIES = {"head_dim": "qk_rope_head_dim", "num_key_value_heads": "num_attention_heads"}
+# DeepSeek-V3's grouped routing (n_group groups of experts, the best topk_group of them) with 4 experts: 2 groups of 2.
+GROUPS = {"n_group": 2, "topk_group": 1}
 
 
 # Tiny builds have under 30M parameters but Gemma 4 text (135M: per-layer embeddings) and GIT (86M); Fuyu, BLT and
@@ -81,10 +94,11 @@ def build(model_type: str, class_name: str):
 
     config_cls = CONFIG_MAPPING[model_type]
     params = inspect.signature(config_cls.__init__).parameters
-    kwargs = {k: v for k, v in SIZES.items() if k in params}
+    sizes = tiny_sizes(config_cls)
+    kwargs = {k: v for k, v in sizes.items() if k in params}
     kwargs |= {k: 0.0 for k in params if "dropout" in k or "pdrop" in k}
     config = config_cls(**kwargs)
-    for k, v in SIZES.items():  # a config that takes its sizes as **kwargs
+    for k, v in sizes.items():  # a config that takes its sizes as **kwargs
         if k not in params and hasattr(config, k) and isinstance(getattr(config, k), type(v)) and k not in ("dim",) \
                 and not isinstance(getattr(type(config), k, None), property):  # a derived size (Falcon's head_dim)
             setattr(config, k, v)
@@ -100,6 +114,38 @@ def build(model_type: str, class_name: str):
                          f"{', '.join(subs) or 'none'})")
     torch.manual_seed(0)
     return model_cls(config)
+
+
+def tiny_sizes(config_cls) -> dict:
+    """Constructor argument or attribute -> its tiny value, for ``config_cls``: ``SIZES``; for an MLA config (one that
+    names ``kv_lora_rank``) also ``MLA`` where the config's default is not None, the ties of ``MLA_TIES`` its
+    defaults hold, and ``GROUPS`` where its default routes over more than one group. Ensures every tie and size
+    is read from the config's own defaults (its constructor's signature, or the config built with no arguments)."""
+    params = inspect.signature(config_cls.__init__).parameters
+    default = _default(config_cls)
+
+    def default_of(name):  # the default config's value, else the constructor's default; None for neither
+        try:
+            return getattr(default, name)
+        except Exception:  # noqa: BLE001 - no such attribute, or one per layer (Dots 3 Note's num_key_value_heads)
+            return params[name].default if name in params and params[name].default is not inspect.Parameter.empty else None
+
+    sizes = dict(SIZES)
+    if default_of("kv_lora_rank") is None:
+        return sizes
+    sizes |= {k: v for k, v in MLA.items() if default_of(k) is not None}
+    sizes |= {k: sizes[tie] for k, tie in MLA_TIES.items() if default_of(k) is not None and default_of(k) == default_of(tie)}
+    if (default_of("n_group") or 1) > 1:
+        sizes |= GROUPS
+    return sizes
+
+
+def _default(config_cls):
+    """``config_cls`` with its defaults, or None where it needs arguments."""
+    try:
+        return config_cls()
+    except Exception:  # noqa: BLE001 - a config that needs arguments: no default to compare with
+        return None
 
 
 def check(model_type: str, class_name: str) -> dict:
