@@ -52,6 +52,16 @@ MLA = {
 MLA_TIES = {"head_dim": "qk_rope_head_dim", "num_key_value_heads": "num_attention_heads"}
 # DeepSeek-V3's grouped routing (n_group groups of experts, the best topk_group of them) with 4 experts: 2 groups of 2.
 GROUPS = {"n_group": 2, "topk_group": 1}
+# family -> sizes of its own that the tiny sizes above leave inconsistent (each config's validator says so)
+FAMILY = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one global and one local layer: 2 (24 by default)
+    "mamba2": {"expand": 1, "n_groups": 1},  # hidden_size * expand must equal num_heads * head_dim (64)
+    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "dots1": {"n_shared_experts": 1},  # its default None, which the model multiplies
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # its default None, which the model indexes
+    # the last 15 layers (of 2) would reuse earlier layers' keys and values; per-layer embeddings of 262144 tokens
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 256},
+}
 
 
 # Tiny builds have under 30M parameters but Gemma 4 text (135M: per-layer embeddings) and GIT (86M); Fuyu, BLT and
@@ -94,7 +104,7 @@ def build(model_type: str, class_name: str):
 
     config_cls = CONFIG_MAPPING[model_type]
     params = inspect.signature(config_cls.__init__).parameters
-    sizes = tiny_sizes(config_cls)
+    sizes = tiny_sizes(config_cls) | FAMILY.get(model_type, {})
     kwargs = {k: v for k, v in sizes.items() if k in params}
     kwargs |= {k: 0.0 for k in params if "dropout" in k or "pdrop" in k}
     config = config_cls(**kwargs)
