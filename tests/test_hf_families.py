@@ -30,8 +30,11 @@ from hf_families import SIZES, build, families, not_decoder_only, runs_eagerly, 
 KNOWN: dict[str, str] = {
     family: "convolution" for family in ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba",
                                           "kimi_linear", "mamba", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
-                                          "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "inkling_text", "inkling2_text", "lfm3")
+                                          "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "inkling_text", "inkling2_text", "lfm3",
+                                          "lfm2_moe", "mamba2", "zaya")
 } | {"jetmoe": "checks a value it reads from the data",  # expert_size.tolist(): split sizes read from the router's data
+     "gemma3n_text": "updates the parameter or buffer",  # its AltUp clamps prediction_coefs.weight.data in place in forward
+     "longcat_flash": "cannot capture LongcatFlashForCausalLM.forward as one graph",  # its MoE loops over the experts hit
      "moshi": "2 does not divide 257",  # its vocabulary is the config's + 1: refused with the fix (pad it), by design
      "phimoe": "Unknown attribute uniform_"}  # its router's torch.rand_like(s).uniform_() in training: a random draw eager's RNG makes
 

@@ -5,7 +5,8 @@
     python tools/hf_families.py --table sweep.jsonl       # the table of docs/hf.md
 
 A family is built from a tiny config (hidden 64, 4 heads, 2 KV heads, 2 layers, vocabulary 256,
-fp32, seeded, dropout 0; every size the config's constructor names, nothing downloaded) with the
+fp32, seeded, dropout 0; every size the config's constructor names, nothing downloaded; multi-head latent
+attention's sizes and ties for a config that names ``kv_lora_rank``, ``MLA``; a few families' own sizes, ``FAMILY``) with the
 model class ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` gives; one that does not build on the CPU, or
 whose tiny config still builds more than ``MAX_PARAMETERS`` (sub-configs, such as Fuyu's
 ``text_config``, keep their full sizes), is recorded as ``no tiny build``. Then ``nvtp.jit(model, plan="megatron")`` on a simulated mesh of 2
