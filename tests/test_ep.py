@@ -7,7 +7,8 @@ token chose included) within 1e-5, the all-to-all bytes a run sends equal to the
 
 Default tier: nvtp's MoE GPT at ep=2 on simulated ranks (one trace, ~40 s on the shared 2-core
 machine); the refusals (fusions built by hand: milliseconds). Slow tier: gloo processes at ep=2
-and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI.
+and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI; transformers' DeepSeek-V3
+at ep=2, (ep, tp) and (dp, ep) = (2, 2) on gloo processes, 3 AdamW steps, every step's gradients compared.
 """
 
 from __future__ import annotations
@@ -632,3 +633,98 @@ def test_moe_gpt_with_a_capacity_factor_steps_like_an_eager_model_dropping_the_s
         assert relative_error(got, p.grad)[0] <= 1e-5, name
     planned = [(s.tensor, s.bytes) for s in ranks[0].last.steps() if s.kind == "alltoall"]
     assert sorted(sent) == sorted(planned * 2)
+
+
+def _deepseek_v3(implementation: str | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
+    """transformers' DeepSeek-V3 from a tiny config (hidden 64, multi-head latent attention with
+    q_lora_rank 32, kv_lora_rank 16; every layer MoE: 4 routed experts in 2 groups, top-2 from the
+    best group, one shared expert; sigmoid scores, routed scaling 2.5), its router's
+    ``e_score_correction_bias`` set to distinct values (zeros by default, which would not test it),
+    fp32, and a batch of 4 x 8 tokens. ``implementation``: the experts implementation (None:
+    transformers' default)."""
+    t = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    cfg = t.DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
+                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, vocab_size=256,
+                             max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = t.DeepseekV3ForCausalLM._from_config(cfg, **({"experts_implementation": implementation} if implementation else {}))
+    for layer in model.model.layers:
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.05, -0.02, 0.03, -0.04]))
+    return model, torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _adamw_worker(rank, world, init_method, out, shape, names):
+    """DeepSeek-V3 (``_deepseek_v3``) through nvtp.jit on the gloo mesh ``shape``/``names``, 3
+    AdamW steps; rank 0 saves each step's loss and whole gradients, the final whole weights, the
+    placements, and the all-to-alls it sent in steps 2 and 3 beside its Program's steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, ids = _deepseek_v3()
+    if "dp" in names:  # each dp rank its half of the batch; the ranks of an ep group pass the same
+        d = mesh.get_local_rank("dp")
+        ids = ids[2 * d:2 * d + 2]
+    sharded = nvtp.jit(model, plan="megatron", mesh=mesh)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    losses, grads = [], []
+    with ep_run.recording() as sent:
+        for step in range(3):
+            if step == 1:  # the first call also runs nvtp.jit's first-call check (nvtp.guard)
+                sent.clear()
+            loss = sharded(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            grads.append({n: _full(p.grad) for n, p in sharded.module.named_parameters()})
+            opt.step()
+            losses.append(loss.item())
+    planned = [(s.tensor, s.bytes) for s in sharded.last.steps() if s.kind == "alltoall"] * 2
+    whole = {n: _full(p) for n, p in sharded.module.named_parameters()}
+    placements = {n: [str(q) for q in p.placements] for n, p in sharded.module.named_parameters()}
+    if rank == 0:
+        torch.save({"losses": losses, "grads": grads, "params": whole, "placements": placements, "sent": sent,
+                    "planned": planned}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape, names", [((2,), ("ep",)), ((2, 2), ("ep", "tp")), ((2, 2), ("dp", "ep"))],
+                         ids=["ep2", "ep2xtp2", "dp2xep2"])
+def test_deepseek_v3_trains_with_adamw_on_gloo_processes_like_one_process(tmp_path, shape, names):
+    """transformers' DeepSeek-V3 (``_deepseek_v3``: sigmoid router scores plus
+    ``e_score_correction_bias``, group-limited top-k, routed scaling, a shared expert, multi-head
+    latent attention) through nvtp.jit on 2 gloo processes at ep=2 and 4 at (ep, tp) = (2, 2) and
+    (dp, ep) = (2, 2) (each dp rank its 2 of the 4 sequences): 3 AdamW steps against the same model in eager PyTorch on one process with transformers' "eager"
+    experts (a loop over the experts): every loss within 1e-5, every gradient of every step and every
+    final weight within 1e-5 relative; the routed experts split along their expert axis over ep;
+    the all-to-alls rank 0 sent in steps 2 and 3 are its Program's steps, byte for byte."""
+    out = tmp_path / "got.pt"
+    world = math.prod(shape)
+    assert spawn(_adamw_worker, world, str(out), shape, names) == [0] * world
+    got = torch.load(out)
+    ref, ids = _deepseek_v3("eager")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        loss = ref(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        assert abs(got["losses"][step] - loss.item()) <= 1e-5 * abs(loss.item()), (got["losses"], step, loss.item())
+        for name, p in ref.named_parameters():
+            assert relative_error(got["grads"][step][name], p.grad)[0] <= 1e-5, (step, name)
+        opt.step()
+    for name, p in ref.named_parameters():
+        assert relative_error(got["params"][name], p.detach())[0] <= 1e-5, name
+    experts = [n for n in got["placements"] if ".mlp.experts." in n]
+    assert experts and all(got["placements"][n][names.index("ep")] == "S(0)" for n in experts), got["placements"]
+    assert sorted(got["sent"]) == sorted(got["planned"]) and got["sent"]

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/ep_bytes.py              # the benchmark's config: batch 8 x 32, ep=2
     .venv/bin/python tools/ep_bytes.py 4            # ep=4
+    .venv/bin/python tools/ep_bytes.py 2 deepseek_v3    # transformers' DeepSeek-V3 (tests/test_ep.py's tiny config)
 
 nvtp's MoE GPT (``benchmarks/ep_worker.py``'s config: hidden 64, 4 experts, top-2, expert width
 128, 2 layers, fp32, batch 8 x 32) on simulated ranks (threads of one process; the bytes are those
@@ -10,6 +11,8 @@ first (whose call also runs nvtp.jit's first-call check), the bytes each rank se
 (``nvtp.execute.ep.recording()``), against its Program's steps and against the analytical volume:
 per MoE layer and pass (forward, backward) one dispatch and one combine of a rank's routed rows
 routed uniformly ((P-1)/P of them leave the rank), each ``n_embd`` wide. No timing.
+With ``deepseek_v3``: transformers' DeepSeek-V3 of ``tests/test_ep.py: _deepseek_v3`` (hidden 64, 4
+routed experts, top-2, a shared expert, 2 MoE layers, batch 4 x 8), the same count.
 """
 
 from __future__ import annotations
@@ -28,12 +31,30 @@ from nvtp.models import moe  # noqa: E402
 from nvtp.sharding.placements import DeviceMesh  # noqa: E402
 
 
+def _model(family: str, ep: int):
+    """(model, batch, its loss of a call, a description, MoE layers, a rank's routed rows a layer, hidden)."""
+    if family == "deepseek_v3":
+        from tests.test_ep import _deepseek_v3
+
+        model, ids = _deepseek_v3()
+        c = model.config
+        rows = ids.numel() // ep * c.num_experts_per_tok
+        layers = c.num_hidden_layers - c.first_k_dense_replace
+        what = (f"DeepSeek-V3 batch {ids.shape[0]} x {ids.shape[1]}, {c.n_routed_experts} routed experts, top-{c.num_experts_per_tok}, "
+                f"{layers} MoE layers, ep={ep}")
+        return model, (ids,), lambda m: m(ids, labels=ids).loss, what, layers, rows, c.hidden_size
+    cfg = moe.config("tiny", batch=8, seq_len=32)
+    what = f"MoE GPT batch {cfg.batch} x {cfg.seq_len}, {cfg.n_expert} experts, top-{cfg.top_k}, {cfg.n_layer} layers, ep={ep}"
+    batch = moe.example_tokens(cfg, seed=0)
+    rows = cfg.batch // ep * cfg.seq_len * cfg.top_k
+    return moe.MoEGPT(cfg), batch, lambda m: m(*batch), what, cfg.n_layer, rows, cfg.n_embd
+
+
 def main(argv: list[str]) -> None:
     ep = int(argv[0]) if argv else 2
-    cfg = moe.config("tiny", batch=8, seq_len=32)
+    family = argv[1] if len(argv) > 1 else "moe_gpt"
+    model, batch, loss_of, what, layers, rows, hidden = _model(family, ep)
     mesh = DeviceMesh.of_shape((ep,), ("ep",))
-    model = moe.MoEGPT(cfg)
-    batch = moe.example_tokens(cfg, seed=0)
     threads = spmd.ThreadMesh(mesh, timeout=600)
     ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r)) for r in range(ep)]
     ranks[0].compile(*batch)
@@ -41,7 +62,7 @@ def main(argv: list[str]) -> None:
         m.share_compiled(ranks[0])
 
     def step(r):
-        ranks[r](*batch).backward()
+        loss_of(ranks[r]).backward()
 
     spmd.on_threads(step, threads)
     with ep_run.recording() as sent:
@@ -49,12 +70,11 @@ def main(argv: list[str]) -> None:
     steps = [s for s in ranks[0].last.steps() if s.kind == "alltoall"]
     planned = sum(s.bytes for s in steps)
     per_rank = sum(b for _, b in sent) // ep
-    rows = cfg.batch // ep * cfg.seq_len * cfg.top_k  # a rank's routed rows a layer
-    analytical = cfg.n_layer * 2 * 2 * rows * (ep - 1) // ep * cfg.n_embd * 4
+    analytical = layers * 2 * 2 * rows * (ep - 1) // ep * hidden * 4
     kinds = collections.Counter()
     for s in steps:
         kinds[(s.phase, s.tensor, s.shape)] += 1
-    print(f"MoE GPT batch {cfg.batch} x {cfg.seq_len}, {cfg.n_expert} experts, top-{cfg.top_k}, {cfg.n_layer} layers, ep={ep}")
+    print(what)
     for (phase, part, shape), k in kinds.items():
         print(f"  {phase:8} {k} x {part:8} {list(shape)}")
     print(f"all-to-all bytes per rank per step: sent {per_rank}, Program.steps() {planned} ({'equal' if per_rank == planned else 'DIFFER'}), "
