@@ -184,7 +184,6 @@ def test_moe_gpt_at_ep2_matches_eager_and_sends_what_its_program_plans(ep2_step)
     assert str(m.placement("gpt.h.0.moe.router.gate.weight")) == "R"
     program = m.last
     planned = [s for s in program.steps() if s.kind == "alltoall"]
-    per_rank = len(sent) // mesh.size
     # Per layer the rows cross once each way per pass, kept on their experts' ranks across the MLP
     # (gather_mm, GELU, gather_mm): the forward's counts, dispatch of the token rows, combine of the
     # expert output; the backward's counts, dispatch of the output's gradient, combine of the input's,
