@@ -1,16 +1,11 @@
 # One lent-GPU session in one call (device time is short): install nvFuser and Thunder from the
-# carried .gpu/ (see run_jit.sh), then the correctness checks side by side (they share the GPU,
+# carried .gpu/ (tools/gpu/install.sh), then the correctness checks side by side (they share the GPU,
 # none is timed), then the timing alone. $1: where the output goes; $2: seconds for the whole call.
 set -u
 O=$1
 END=$(( $(date +%s) + ${2:-560} ))
 left() { echo $(( END - $(date +%s) )); }
-mkdir -p /tmp/site
-tar xJf .gpu/nvf.tar.xz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl
-T=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")
-g++ -O2 -shared -fPIC tools/gpu/shim.cpp -o /tmp/site/libc10shim.so -L$T/lib -lc10 -Wl,-rpath,$T/lib
-export LD_PRELOAD=/tmp/site/libc10shim.so PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source tools/gpu/install.sh
 nvidia-smi -L | tee $O/device.txt
 python3 tools/gpu/smoke.py 2>&1 | tail -2 | tee -a $O/device.txt
 echo "installed, $(left) s left"
