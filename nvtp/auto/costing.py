@@ -418,21 +418,27 @@ class Costing:
                     continue
                 mesh = p.sharded.mesh
                 exclude = saved if phase == "forward" else {v.name for v in p.sharded.fusion.outputs}
-                held = None
-                if phase == "backward":  # the saved activations, each freed after its last reader
+                held, kept = None, 0.0
+                if phase == "backward":  # what the runtime holds through the whole backward (``nvtp.parallel._Run``)
                     f, src = priced.phases["forward"], p.sharded.source
                     held = {}
                     for v in src.inputs:
-                        if src.role(v.name) == "saved":
+                        if src.role(v.name) == "saved":  # every saved activation, to the end (not freed after its last reader)
                             i = f.at.get(src.info[v.name].source)
                             held[v.name] = float(mult[f.block[i]] if i is not None else 1)
+                        elif src.role(v.name) == "grad":  # each output's incoming gradient, this rank's part (zeros if unused)
+                            kept += local_bytes(p.sharded, v, Sizes(scale, sample.batched).factor_of(p.sharded))
+                    fsrc, read = f.sharded.source, {src.info[v.name].source for v in src.inputs if src.role(v.name) == "saved"}
+                    f_factor = Sizes(scale, sample.batched).factor_of(f.sharded)
+                    kept += sum(local_bytes(f.sharded, v, f_factor) for v in fsrc.outputs  # the forward's outputs the backward does not read
+                                if isinstance(v, TensorValue) and v.name not in read and fsrc.role(v.name) == "output")
 
                 def label(kind: str, axis: int, parameter: bool, names=mesh.names) -> str | None:
                     s = axes.AXES.get(names[axis])
                     return s.memory_label(kind, parameter) if s is not None else None
 
                 out.append(live_peak(p.sharded, schedules.get(phase), Sizes(scale, sample.batched).factor_of(p.sharded),
-                                     exclude=exclude, block=p.block, mult=mult, label=label, cap=BUCKET_BYTES, held=held))
+                                     exclude=exclude, block=p.block, mult=mult, label=label, cap=BUCKET_BYTES, held=held, kept=kept))
             self._peaks[key] = tuple(out)
         return self._peaks[key]
 

@@ -62,6 +62,7 @@ UNSCHEDULED: dict[str, Callable[[float, int], float]] = {
 class Peak:
     bytes: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
+    at: int = -1  # the op index of the fullest moment (-1: before the first op)
 
 
 def local_bytes(sharded: Any, v: TensorValue, factor: Any) -> float:
@@ -74,13 +75,16 @@ def local_bytes(sharded: Any, v: TensorValue, factor: Any) -> float:
 def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[str] = frozenset(),
               block: Sequence[int] | None = None, mult: Sequence[int] | None = None,
               label: Callable[[str, int, bool], str | None] | None = None, cap: float | None = None,
-              held: Mapping[str, float] | None = None) -> Peak:
+              held: Mapping[str, float] | None = None, kept: float = 0.0) -> Peak:
     """The most bytes alive at once while ``sharded`` runs under ``schedule`` (None: every
     collective blocking), leaving out its inputs and ``exclude`` (an all-reduce whose results are
     all excluded holds only its flat copy); with what is alive then, by label. ``cap``: the most
     bytes one collective's buffer may hold (a bucket's limit). ``held``: inputs alive from the
-    start to their last reader (a backward's saved activations), each that many copies (the
-    blocks of the model its sample block stands for), labelled ``ACTIVATIONS``."""
+    start to the end (a backward's saved activations: the runtime's autograd function holds every
+    forward value until its backward returns, ``nvtp.parallel._Run``), each that many copies (the
+    blocks of the model its sample block stands for), labelled ``ACTIVATIONS``. ``kept``: other
+    bytes alive throughout (a backward's incoming gradients, the forward's outputs it does not
+    read), labelled ``VALUES``."""
     f = sharded.fusion
     ops = f.ops
     n_ops = len(ops)
@@ -127,10 +131,12 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
         live[key] = live.get(key, 0.0) + nbytes
         events.setdefault(max(end, now), []).append((key, nbytes))
 
+    now = -1
+
     def check(extra: dict[str, float] | None = None) -> None:
         total = sum(live.values()) + sum((extra or {}).values())
         if total > peak.bytes:
-            peak.bytes = total
+            peak.bytes, peak.at = total, now
             peak.parts = {k: v for k, v in live.items() if v}
             for k, v in (extra or {}).items():
                 peak.parts[k] = peak.parts.get(k, 0.0) + v
@@ -170,9 +176,12 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
 
     for v in f.inputs:
         if isinstance(v, TensorValue) and held and v.name in held:
-            add(ACTIVATIONS, local_bytes(sharded, v, factor) * held[v.name], last_use.get(v.name, -1), -1)
+            add(ACTIVATIONS, local_bytes(sharded, v, factor) * held[v.name], n_ops, -1)
+    if kept:
+        add(VALUES, kept, n_ops, -1)
     start(-1)
     for i, op in enumerate(ops):
+        now = i
         if not defines_input(op):
             for v in op.outputs:
                 if not isinstance(v, TensorValue) or v.name in exclude:

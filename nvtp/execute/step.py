@@ -27,7 +27,7 @@ from nvtp.sharding import axes
 from nvtp.execute import spmd
 from nvtp.ir.graph import TensorValue
 from nvtp.program import Program
-from nvtp.sharding.placements import REPLICATE, FusedParts, Placement, axis_split
+from nvtp.sharding.placements import REPLICATE, FusedParts, Placement, axis_split, held
 from nvtp.sharding.sharded import ShardedFusion
 from nvtp.errors import InputError
 from nvtp.frontend.fused import part_label
@@ -184,9 +184,10 @@ class RankProgram:
         dp = self.dp_axis
         for v, g in zip(grad_inputs, grads):
             if g is None:  # an output the loss does not use: zeros of this rank's part (on a dp axis the caller's
-                # output is its own rows, not the whole batch's)
-                whole = torch.zeros(v.shape, dtype=v.dtype.torch, device=device)
-                local_grads.append(spmd.shard_tensor(whole, bwd.sharding(v.name), bwd.mesh, self.rank))
+                # output is its own rows, not the whole batch's), never the whole output's (logits: batch x vocabulary)
+                coords = bwd.mesh.coords(bwd.mesh.devices[self.rank])
+                shape = [n if ix is None else ix.numel() for n, ix in zip(v.shape, held(v.shape, bwd.sharding(v.name), bwd.mesh, coords))]
+                local_grads.append(torch.zeros(shape, dtype=v.dtype.torch, device=device))
                 continue
             local = spmd.shard_tensor(g.detach(), self.callers(bwd, v.name), bwd.mesh, self.rank)
             if dp is not None and axis_split(bwd.sharding(v.name)[dp]) is not None:
