@@ -8,12 +8,15 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import nvtp
 from nvtp.errors import InputError
 from nvtp.execute import spmd
 from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
+from tests.blocks import ParallelBlock
 
 CFG = gpt.config("tiny", n_layer=2)
 
@@ -24,19 +27,54 @@ def _saved_bytes(program) -> int:
     return sum(v.nbytes for v in f.outputs if f.role(v.name) == "saved")
 
 
-def _run(mode: str):
+class _WrittenOutLM(nn.Module):
+    """A tiny language model whose attention is written out (``tests/blocks.py``'s ParallelBlock:
+    softmax of masked scores, as nanoGPT without flash), so its backward reads the [B, h, T, T]
+    probabilities selective recomputation drops; sequence 32, head size 12, hidden 48 (a hidden
+    size equal to the sequence would make [B, T, C] look like attention to the shape test)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 48, heads: int = 4, seq: int = 32, layers: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(ParallelBlock(dim, heads, seq) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+def _written_out():
     torch.manual_seed(0)
-    model = gpt.GPT(CFG)
-    mesh = DeviceMesh.of_size(2)
+    g = torch.Generator().manual_seed(0)
+    return _WrittenOutLM(), (torch.randint(0, 64, (4, 32), generator=g), torch.randint(0, 64, (4, 32), generator=g))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return gpt.GPT(CFG), gpt.example_tokens(CFG)
+
+
+def _loss(out):
+    return out[1] if isinstance(out, tuple) else out
+
+
+def _run(mode: str, build=_gpt, size: int = 2):
+    """(rank 0's program, each rank's loss, every whole gradient, eager's loss, eager's gradients):
+    one step of ``build()``'s model under megatron on ``size`` simulated ranks, and in eager PyTorch."""
+    model, (idx, tgt) = build()
+    mesh = DeviceMesh.of_size(size)
     threads = spmd.ThreadMesh(mesh, timeout=120)
-    idx, tgt = gpt.example_tokens(CFG)
-    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), recompute=mode) for r in range(2)]
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), recompute=mode) for r in range(size)]
     ranks[0].compile(idx, tgt)
-    ranks[1].share_compiled(ranks[0])
+    for r in ranks[1:]:
+        r.share_compiled(ranks[0])
 
     def step(r):
-        loss = ranks[r](idx, tgt)
-        loss = loss[1] if isinstance(loss, tuple) else loss
+        loss = _loss(ranks[r](idx, tgt))
         loss.backward()
         return loss.item()
     losses = spmd.on_threads(step, threads)
@@ -44,22 +82,33 @@ def _run(mode: str):
                               (ranks[0].placement(n),) if not isinstance(ranks[0].placement(n), tuple) else ranks[0].placement(n),
                               p.shape, mesh) for n, p in model.named_parameters()}
     ref = copy.deepcopy(model)
-    want = ref(idx, tgt)
-    want = want[1] if isinstance(want, tuple) else want
+    want = _loss(ref(idx, tgt))
     want.backward()
     return ranks[0].last, losses, grads, want.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["block"])
-def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(mode):
-    program, losses, grads, want, want_grads = _run(mode)
+def _plain(build, size: int = 2):
+    model, example = build()
+    plain = nvtp.jit(model, plan="megatron", mesh=DeviceMesh.of_size(size), comm=spmd.ThreadMesh(DeviceMesh.of_size(size)).comm(0))
+    plain.compile(*example)
+    return plain.last
+
+
+@pytest.mark.parametrize("mode, build, size", [("block", _gpt, 2), ("selective", _written_out, 1), ("selective", _written_out, 2)],
+                         ids=["block-gpt-2ranks", "selective-1rank", "selective-2ranks"])
+def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(mode, build, size):
+    program, losses, grads, want, want_grads = _run(mode, build, size)
     assert all(abs(a - want) <= 1e-5 * abs(want) for a in losses)
     for n, g in want_grads.items():
         assert (grads[n] - g).abs().max().item() <= 1e-5, n
-    plain = nvtp.jit(gpt.GPT(CFG), plan="megatron", mesh=DeviceMesh.of_size(2), comm=spmd.ThreadMesh(DeviceMesh.of_size(2)).comm(0))
-    plain.compile(*gpt.example_tokens(CFG))
-    assert _saved_bytes(program) < _saved_bytes(plain.last), (_saved_bytes(program), _saved_bytes(plain.last))
+    plain = _plain(build, size)
+    assert _saved_bytes(program) < _saved_bytes(plain), (_saved_bytes(program), _saved_bytes(plain))
     assert f"recompute={mode}" in program.source.how
+    if mode == "selective":  # the attention probabilities ([B, h, T, T]) are no longer handed over; q and k are re-made
+        f, before = program.forward.source, plain.forward.source   # from the saved projection, not kept besides it
+        square = [v.name for v in before.outputs if before.role(v.name) == "saved" and v.ndim == 4 and v.shape[-1] == v.shape[-2] == 32]
+        assert len(square) == 2 and not [v for v in f.outputs if f.role(v.name) == "saved" and v.ndim == 4 and v.shape[-1] == 32]
+        assert _saved_bytes(plain) - _saved_bytes(program) >= 0.9 * sum(before.value(n).nbytes for n in square)
 
 
 def test_an_unknown_mode_is_refused():

@@ -147,15 +147,37 @@ def plan_recompute(forward: Fusion, backward: Fusion | None, mode: str, layers: 
             break
         kept_set = grown
     dropped = [n for n in wanted if n not in kept_set]
-    ops = sorted(set().union(*(cones[n] for n in dropped)) if dropped else set())
+    have = set(saved) - set(dropped)
+    chosen = set().union(*(cones[n] for n in dropped)) if dropped else set()
+    # A value the recomputation starts from that is a view of one the backward has (q and k, a
+    # slice and permute of the saved fused projection) is re-made from it, not kept besides it.
+    for k in list(chosen):
+        for u in forward.ops[k].operands:
+            chosen |= set(_view_of_saved(forward, producer, u.name, have) or ())
+    ops = sorted(chosen)
     recomputed = {v.name for k in ops for v in forward.ops[k].outputs}
     needed = {u.name for k in ops for u in forward.ops[k].operands if u.name not in recomputed}
-    have = set(saved) - set(dropped)
     kept = tuple(sorted(n for n in needed if n not in have and n not in _backward_reads(forward, backward)))
     activations = [n for n in kept if forward.role(n) != "parameter"]
     if sum(forward.value(n).nbytes for n in activations) >= sum(forward.value(n).nbytes for n in dropped):
         return Recompute(mode, (), (), ())  # keeping what the recomputation starts from would take as much: nothing to gain
     return Recompute(mode, tuple(dropped), tuple(ops), kept)
+
+
+def _view_of_saved(forward: Fusion, producer: Mapping[str, int], name: str, have: set[str]) -> list[int] | None:
+    """The forward ops that make ``name`` from a value in ``have`` by layout ops alone (a slice, a
+    reshape, a permute: ``OpSpec.layout``, each of one operand), or None where there is no such chain."""
+    chain, at = [], name
+    while at not in have:
+        k = producer.get(at)
+        if k is None:
+            return None
+        op = forward.ops[k]
+        if op.kind not in OPS or not OPS[op.kind].layout or len(op.operands) != 1 or not isinstance(op.operands[0], TensorValue):
+            return None
+        chain.append(k)
+        at = op.operands[0].name
+    return chain
 
 
 def _backward_reads(forward: Fusion, backward: Fusion) -> set[str]:
