@@ -58,6 +58,30 @@ UNSCHEDULED: dict[str, Callable[[float, int], float]] = {
 }
 
 
+# Ops the reference backend runs as a view of their one operand (``nvtp/execute/impls_tensor.py``:
+# torch's reshape, permute, expand, narrow): no bytes of their own; the operand's storage lives
+# as long as any view of it. A reshape of a non-contiguous view (a permuted or expanded one:
+# ``STRIDED``) copies, as torch's reshape does.
+VIEWS = frozenset({"broadcast_in_dim", "broadcast", "expand", "reshape", "permute", "squeeze", "stride_order", "slice"})
+STRIDED = frozenset({"broadcast_in_dim", "expand", "permute", "slice"})
+
+
+def view_roots(ops: Sequence[Any]) -> dict[str, str]:
+    """Each value the reference backend makes as a view -> the value whose storage it shares (see ``VIEWS``)."""
+    root: dict[str, str] = {}
+    strided: set[str] = set()
+    for op in ops:
+        if op.kind not in VIEWS or len(op.outputs) != 1 or len(op.operands) != 1 or not isinstance(op.operands[0], TensorValue):
+            continue
+        u, v = op.operands[0].name, op.outputs[0].name
+        if op.kind == "reshape" and u in strided:
+            continue  # a copy
+        root[v] = root.get(u, u)
+        if op.kind in STRIDED or u in strided:
+            strided.add(v)
+    return root
+
+
 @dataclass
 class Peak:
     bytes: float = 0.0
@@ -106,6 +130,10 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
             last_use[v.name] = max(last_use.get(v.name, -1), at)
     for name in outputs:
         last_use[name] = n_ops
+    views = view_roots(ops)  # a view holds no bytes; its root lives until the view's last reader
+    for name, root in views.items():
+        if name not in exclude:
+            last_use[root] = max(last_use.get(root, -1), last_use.get(name, -1))
     read_by_start = {op.operands[0].name: issues[op.outputs[0].name].at for op in ops
                      if op.kind == "set" and op.outputs and op.outputs[0].name in issues and op.operands}
 
@@ -184,7 +212,7 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
         now = i
         if not defines_input(op):
             for v in op.outputs:
-                if not isinstance(v, TensorValue) or v.name in exclude:
+                if not isinstance(v, TensorValue) or v.name in exclude or v.name in views:
                     continue
                 step = steps.get(v.name) if op.kind == "set" else None
                 issue = issues.get(v.name)
@@ -205,4 +233,4 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
     return peak
 
 
-__all__ = ["ACTIVATIONS", "BUFFERS", "Peak", "VALUES", "live_peak", "local_bytes"]
+__all__ = ["ACTIVATIONS", "BUFFERS", "Peak", "STRIDED", "VALUES", "VIEWS", "live_peak", "local_bytes", "view_roots"]
