@@ -141,3 +141,51 @@ def test_an_unknown_mode_is_refused():
     with pytest.raises(InputError, match="recompute='all': choose one of 'none', 'selective', 'block'"):
         nvtp.jit(gpt.GPT(CFG), plan="megatron", mesh=DeviceMesh.of_size(2), comm=spmd.ThreadMesh(DeviceMesh.of_size(2)).comm(0),
                  recompute="all")
+
+
+def _pipeline_worker(rank, world, init_method, out, mode):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.dtensor import local
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    model, (idx, tgt) = _written_out()
+    sm = nvtp.jit(model, plan="megatron", mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), microbatches=2,
+                  recompute=mode)
+    loss = sm(idx, tgt)
+    loss.backward()
+    grads = {n: local(p.grad).clone() for n, p in sm.module.named_parameters()  # a stage holds its own parameters (others: empty)
+             if p.grad is not None and local(p.grad).numel()}
+    how = [p.source.how for p in sm.program.programs]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (loss.item(), grads, how))
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+def test_selective_recomputation_on_a_pipeline_computes_what_eager_computes(tmp_path):
+    """pp=2 on 2 gloo processes, 2 microbatches, recompute='selective': each stage recomputes its
+    block's attention probabilities; the loss and every gradient (each from the stage that holds
+    it) are eager PyTorch's on one process, within 1e-5."""
+    from nvtp.execute.launch import spawn
+
+    out = tmp_path / "out.pt"
+    assert list(spawn(_pipeline_worker, 2, str(out), "selective")) == [0, 0]
+    ranks = torch.load(out, weights_only=False)
+    model, (idx, tgt) = _written_out()
+    want = model(idx, tgt)
+    want.backward()
+    seen = set()
+    for loss, grads, how in ranks:
+        assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (loss, want.item())
+        assert all("recompute=selective" in h for h in how), how
+        for n, g in grads.items():
+            assert (g - dict(model.named_parameters())[n].grad).abs().max().item() <= 1e-5, n
+            seen.add(n)
+    assert seen == {n for n, _ in model.named_parameters()}, seen
