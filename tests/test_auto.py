@@ -5,6 +5,7 @@ the choice and the ranked table as typed."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from nvtp.auto.runtime import simulated
 from nvtp.auto.search import size_text
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_USAGE, InputError
 from nvtp.execute import spmd
+from nvtp.auto.costing import flights
 from nvtp.auto.memory import live_peak
 from nvtp.execute import reference
 from nvtp.ir.parser import parse
@@ -154,6 +156,31 @@ def test_the_models_peak_is_what_the_runtime_allocates_around_views(case):
     reference.run(f, [x])  # lowered once, before the measured run
     peak, held = _measure_tool().peak_live_bytes(lambda: reference.run(f, [x]), [x])
     assert model.bytes == peak - held == alive * 64 * 256 * 4, (model.bytes, peak - held)
+
+
+def test_a_pipeline_stage_holds_its_gradient_sum_only_from_its_first_backward():
+    """A stage's moments as the pipeline runtime runs them: 1F1B's first stage of two with 2
+    microbatches holds both microbatches' activations at its first backward, and the sum of the
+    gradients (beside the new ones) only from its second, when one microbatch is left: the model
+    counted both at one moment and over-predicted the Llama's pp2 tp2 megatron by 27 %."""
+    assert flights("1f1b", 0, 2, 2) == [("F", 1, 0), ("F", 2, 0), ("B", 2, 0), ("B", 1, 1)]
+    assert flights("1f1b", 1, 2, 2) == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]
+    assert flights("gpipe", 1, 2, 3) == [("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("B", 3, 0), ("B", 2, 1), ("B", 1, 2)]
+
+
+# The tiny GPT's (this file's CFG) peaks per rank measured on 4 gloo processes, AdamW (docs/auto.md,
+# "What the backward holds, and views": tools/auto_measure.py, 2026-11-27 11:19-11:27 UTC), MiB
+MEASURED_PEAKS = {"dp4": 5.56, "dp4 fsdp": 3.70, "tp4 megatron": 1.94, "dp2 tp2 megatron": 3.11,
+                  "pp2 dp2 microbatches=2 schedule=1f1b": 3.35, "tp4 megatron-sp": 1.95, "dp2 tp2 megatron fsdp": 2.74}
+
+
+def test_predicted_memory_is_within_12_percent_of_the_measured_peaks(choice):
+    """The planner's memory per rank against the peaks measured for the same candidates (the
+    issue asks 15 %; all are within 0.97-1.09 now). Counting views as bytes of their own gave
+    tp4 megatron 1.23; freeing saved activations in the backward gave dp2 tp2 megatron fsdp 0.87."""
+    by_text = {c.candidate.text(): c for c in choice.ranked}
+    ratios = {t: by_text[t].total_memory / (m * 2**20) for t, m in MEASURED_PEAKS.items()}
+    assert all(0.88 <= r <= 1.12 for r in ratios.values()), ratios
 
 
 def test_a_budget_below_the_measured_peak_refuses_it(choice):
@@ -401,3 +428,72 @@ def test_rank_0s_planning_failure_reaches_every_gloo_process(tmp_path):
     assert all(g["error"] == got[0]["error"] for g in got), [g["error"] for g in got]
     assert got[0]["error"][0] == "AutoError" and got[0]["error"][1].startswith("no plan fits 1.00 KB a device"), got[0]["error"]
     assert max(g["seconds"] for g in got) < 100, [g["seconds"] for g in got]  # under the wait's 120 s: nobody timed out
+
+
+LLAMA_DP = ["dp4", "dp4 fsdp", "dp2 tp2 megatron fsdp", "dp2 tp2 megatron-sp fsdp", "dp2 cp2 fsdp"]
+
+
+def _llama_worker(rank, world, init_method, out, candidates):
+    import torch.distributed as dist
+
+    from nvtp.auto.runtime import AutoModule
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    tool = _measure_tool()
+    cfg = tool._cfg(argparse.Namespace(family="llama", layers=4, hidden=None, batch=8, config="tiny"))
+    whole, kw = tool._call(cfg)
+    got = {}
+    for text, extents, options in candidates:
+        sm = AutoModule(tool._model(cfg), world, candidate=Candidate(tuple(extents), tuple(options)), timeout=300.0)
+        opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = sm(*whole, **kw).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        got[text] = losses
+    gathered = [None] * world
+    dist.all_gather_object(gathered, got)
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_planners_data_parallel_candidates_for_a_llama_train_like_one_process(tmp_path):
+    """A transformers Llama (tiny config, 4 layers, batch 8): the data-parallel layouts the planner
+    offers on 4 devices, one per layout (DDP, FSDP, with Megatron, Megatron-SP or cp), each run
+    as ``nvtp.jit(plan="auto")`` runs its choice on 4 gloo processes: every rank's losses over 3
+    SGD steps are eager PyTorch's on one process (each step's loss reads the weights the earlier
+    gradients made). These candidates failed at run time before 345125c (the unused logits' zero
+    gradient made for the whole batch)."""
+    from nvtp.execute.launch import spawn
+
+    tool = _measure_tool()
+    cfg = tool._cfg(argparse.Namespace(family="llama", layers=4, hidden=None, batch=8, config="tiny"))
+    whole, kw = tool._call(cfg)
+    choice = search(tool._model(cfg), whole, kw, devices=4)
+    offered = {c.candidate.text(): c.candidate for c in choice.ranked}
+    assert set(LLAMA_DP) <= set(offered), sorted(offered)
+    out = tmp_path / "llama.pt"
+    candidates = [(t, list(offered[t].extents), list(offered[t].options)) for t in LLAMA_DP]
+    assert list(spawn(_llama_worker, 4, str(out), candidates)) == [0, 0, 0, 0]
+    ranks = torch.load(out, weights_only=False)
+    ref = tool._model(cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = ref(*whole, **kw).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for got in ranks:
+        for text in LLAMA_DP:
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got[text], want)), (text, got[text], want)

@@ -12,7 +12,10 @@ every rank, AdamW (``--optimizer``), ``--warmup`` steps (the first compiles) the
 barriers (the median taken), then one more step under torch's memory profiler (each rank's peak of
 live tensor bytes). It prints predicted and measured times and peak memory side by side, the Spearman rank
 correlation, and whether the plan auto picks is measured within 10 % of the fastest measured; the
-losses of every candidate must agree (they train the same model on the same batch).
+losses of every candidate must agree (they train the same model on the same batch). With
+``--name-peak`` it also says what is alive at each candidate's measured peak: the values of each
+fusion (forward, backward) and their collectives' buffers, named by the value whose op made each
+allocation, and what was allocated outside nvtp's programs.
 
 The processes of one mesh share this machine's cores: compare the times as a ranking, measured
 in one run, never as absolute numbers; and say how loaded the machine was (printed: the load
@@ -22,6 +25,7 @@ average before and after).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,12 +33,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from nvtp.auto import Candidate, search  # noqa: E402
+from nvtp.execute import reference  # noqa: E402
 from nvtp.models import gpt  # noqa: E402
 
 
@@ -71,11 +77,47 @@ def _loss(out):
     return out[1] if isinstance(out, tuple) else out
 
 
-def peak_live_bytes(step, held) -> tuple[int, int]:
+def name_values() -> None:
+    """From now on, each op of the reference backend's lowered modules runs under
+    ``record_function("v:<fusion>:<value>")`` (its fx node is named after the value it makes), so
+    ``peak_live_bytes(..., named=...)`` can say which values are alive at the fullest moment."""
+    lower = reference.lower_fusion
+
+    def wrap(target, name):
+        @functools.wraps(target)
+        def run(*a, **k):
+            with torch.profiler.record_function(name):
+                return target(*a, **k)
+        return run
+
+    def lower_fusion(fusion, *a, **k):
+        lowered = lower(fusion, *a, **k)
+        for node in lowered.module.graph.nodes:
+            if node.op == "call_function":
+                node.target = wrap(node.target, f"v:{fusion.name}:{node.name}")
+        lowered.module.recompile()
+        return lowered
+    reference.lower_fusion = lower_fusion
+
+
+def _owner(n) -> str:
+    """What made an allocation: ``<fusion>`` (a value of it), ``<fusion> collective start``, or the op path outside any fusion."""
+    p, path = n.parent, []
+    while p is not None:
+        if p.name.startswith("v:"):
+            _, fusion, value = p.name.split(":", 2)
+            return f"{fusion} collective start" if value.startswith("start_") else fusion
+        path.append(p.name)
+        p = p.parent
+    return "outside: " + " < ".join(path[:4])
+
+
+def peak_live_bytes(step, held, named: dict | None = None) -> tuple[int, int]:
     """(peak, start): the bytes of CPU tensors alive at the fullest moment of ``step()``, and at its
     start: the distinct storages of the tensors ``held`` (the parameters' parts, the optimizer's
     state, the inputs: the step must free none of them) plus the largest running sum of the
-    allocations and frees torch's profiler records during the step (``profile_memory``)."""
+    allocations and frees torch's profiler records during the step (``profile_memory``).
+    ``named`` (after ``name_values()``) receives the bytes alive at that moment by what made them."""
     from torch.profiler import ProfilerActivity, profile
 
     seen, start = set(), 0
@@ -96,17 +138,32 @@ def peak_live_bytes(step, held) -> tuple[int, int]:
     allocations = [n for n in walk(prof.profiler.kineto_results.experimental_event_tree())
                    if type(n.extra_fields).__name__ == "_ExtraFields_Allocation" and n.extra_fields.device.type == "cpu"]
     live = peak = 0
-    for n in sorted(allocations, key=lambda n: n.start_time_ns):
+    alive: dict[int, tuple[int, Any]] = {}
+    at_peak: dict[int, tuple[int, Any]] = {}
+    for n in sorted(allocations, key=lambda n: (n.start_time_ns, n.extra_fields.alloc_size > 0)):  # a free before an allocation at one instant
         live += n.extra_fields.alloc_size
-        peak = max(peak, live)
+        if named is not None:
+            if n.extra_fields.alloc_size > 0:
+                alive[n.extra_fields.ptr] = (n.extra_fields.alloc_size, n)
+            else:
+                alive.pop(n.extra_fields.ptr, None)
+        if live > peak:
+            peak = live
+            at_peak = dict(alive) if named is not None else at_peak
+    if named is not None:
+        for size, n in at_peak.values():
+            named[_owner(n)] = named.get(_owner(n), 0) + size
     return start + peak, start
 
 
-def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out, optimizer="adamw"):
+def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out, optimizer="adamw", name_peak=False):
     import torch.distributed as dist
 
     from nvtp.auto.runtime import AutoModule
     from nvtp.execute.launch import init_group
+
+    if name_peak:
+        name_values()
 
     init_group(rank, world, init_method, timeout_s=600.0)
     torch.set_num_threads(1)
@@ -133,9 +190,10 @@ def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out,
         losses.append(loss.item())
     opt.zero_grad()  # the gradients freed before the profiled step (a free of an older block has no size in the profile)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    peak, held = peak_live_bytes(step, [*sm.parameters(), *state, *whole])  # one more step, profiled: each rank's own
+    named = {} if name_peak else None
+    peak, held = peak_live_bytes(step, [*sm.parameters(), *state, *whole], named)  # one more step, profiled: each rank's own
     peaks = [None] * world
-    dist.all_gather_object(peaks, (peak, held))
+    dist.all_gather_object(peaks, (peak, held, named))
     if rank == 0:
         torch.save({"times": times, "losses": losses, "peaks": peaks}, out)
 
@@ -184,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="adamw: the state the planner's memory counts")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--name-peak", action="store_true", help="say what is alive at each candidate's measured peak: the values of "
+                   "each fusion (forward, backward), its collectives' buffers, allocations outside nvtp's programs")
     args = p.parse_args(argv)
     from nvtp.execute.launch import spawn
 
@@ -210,7 +270,7 @@ def main(argv=None) -> int:
     for c in runs:
         start = time.perf_counter()
         codes = spawn(_worker, args.devices, cfg, list(c.candidate.extents), list(c.candidate.options), args.warmup, args.steps, str(tmp),
-                      args.optimizer)
+                      args.optimizer, args.name_peak)
         wall = time.perf_counter() - start
         if list(codes) != [0] * args.devices:
             print(f"{c.candidate.text()}: the run failed, exit codes {list(codes)}", flush=True)
@@ -218,15 +278,19 @@ def main(argv=None) -> int:
             continue
         got = torch.load(tmp, weights_only=False)
         measured = statistics.median(got["times"][args.warmup:])
-        peak = max(p for p, _ in got["peaks"])  # the fullest rank, as the planner predicts the fullest stage
+        peak = max(p for p, _, _ in got["peaks"])  # the fullest rank, as the planner predicts the fullest stage
         rows.append({"candidate": c.candidate.text(), "predicted_s": c.seconds, "measured_s": measured,
                      "first_step_s": got["times"][0], "losses": got["losses"], "wall_s": wall,
                      "predicted_memory": dict(c.memory), "measured_peak_bytes": peak, "peaks": got["peaks"]})
         print(f"{c.candidate.text():<48} predicted {c.seconds * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms "
               f"(first step {got['times'][0]:.1f} s; losses {got['losses'][0]:.6f} .. {got['losses'][-1]:.6f})", flush=True)
         print(f"{'':<48} memory: predicted {c.memory['total'] / 2**20:8.2f} MiB   measured peak {peak / 2**20:8.2f} MiB "
-              f"({c.memory['total'] / peak:.2f}x; per rank {', '.join(f'{p / 2**20:.2f}' for p, _ in got['peaks'])}; "
+              f"({c.memory['total'] / peak:.2f}x; per rank {', '.join(f'{p / 2**20:.2f}' for p, _, _ in got['peaks'])}; "
               f"predicted {', '.join(f'{k} {v / 2**20:.2f}' for k, v in c.memory.items() if k != 'total')})", flush=True)
+        if args.name_peak:  # the fullest rank's bytes alive at its peak, beyond what it held at the step's start, by what made them
+            p, held, named = max(got["peaks"], key=lambda x: x[0])
+            print(f"{'':<48} at the fullest rank's peak: held at the start {held / 2**20:.3f} MiB; then alive: "
+                  + ", ".join(f"{k} {v / 2**20:.3f}" for k, v in sorted(named.items(), key=lambda kv: -kv[1]) if v >= 1024), flush=True)
     tmp.unlink(missing_ok=True)
     ok = [r for r in rows if "measured_s" in r]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])

@@ -46,6 +46,7 @@ from nvtp.auto.memory import ACTIVATIONS, VALUES, Peak, live_peak, local_bytes
 from nvtp.auto.sample import Facts, Sample
 from nvtp.frontend.recompute import layers_of, plan_recompute, sequence_of
 from nvtp.ir.graph import TensorValue, defines_input
+from nvtp.pipeline import schedule as pipeline_schedule
 from nvtp.pipeline.stages import Cost, balance, op_cost
 from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import plan_rings
@@ -453,23 +454,27 @@ class Costing:
         optimizer = 12 * sixteen + 8 * (elements - sixteen)
         grads = total("parameters")
         per_mb = sum(k * (mem["saved"][b] - rec["dropped"][b] + rec["kept"][b]) for b, k in enumerate(mult))
-        held = 1
+        moments = (("F", 1, 0), ("B", 1, 0))
         if c.pipelined:
-            pp = next(s for s, _ in c.used() if s.cuts_stages)
-            held = pp.in_flight(stage, stages, c.microbatches, c.opts.get("schedule", "1f1b"))
+            moments = flights(c.opts.get("schedule", "1f1b"), stage, stages, c.microbatches)
         recomputed = max(rec["dropped"]) if any(rec["dropped"]) else 0.0
-        accumulated = grads if c.pipelined else 0.0  # the pipeline sums each microbatch's gradients into a buffer
         forward, backward = peaks
-        # The forward ends holding every saved activation; the backward frees each after its last
-        # reader (``backward.parts[ACTIVATIONS]``: those alive at its fullest moment), while the
-        # other microbatches in flight keep theirs.
+        # A forward ends holding every activation it saves, besides those of the other microbatches
+        # in flight; a backward holds them all to its end (``backward.parts[ACTIVATIONS]``) and makes
+        # the gradients; a pipeline sums each microbatch's gradients into a buffer from its first
+        # backward on (``nvtp/pipeline/runtime.py``). The fullest of the stage's moments:
         changed = sum(k * (rec["kept"][b] - rec["dropped"][b]) for b, k in enumerate(mult))
-        others = per_mb * (held - 1) + grads + accumulated + recomputed + changed  # alive through the backward besides its own values
-        if per_mb * held + forward.bytes >= others + backward.bytes:
-            at, activations, peak = forward, per_mb * held, forward.bytes
-        else:
-            at, peak = backward, backward.bytes - backward.parts.get(ACTIVATIONS, 0.0) + grads + accumulated + recomputed
-            activations = per_mb * (held - 1) + backward.parts.get(ACTIVATIONS, 0.0) + changed
+        fullest = None
+        for kind, in_flight, done in moments:
+            accumulated = grads if done else 0.0
+            if kind == "F":
+                moment = (forward, per_mb * in_flight, forward.bytes + accumulated)
+            else:
+                moment = (backward, per_mb * (in_flight - 1) + backward.parts.get(ACTIVATIONS, 0.0) + changed,
+                          backward.bytes - backward.parts.get(ACTIVATIONS, 0.0) + grads + accumulated + recomputed)
+            if fullest is None or moment[1] + moment[2] > fullest[1] + fullest[2]:
+                fullest = moment
+        at, activations, peak = fullest
         parts = {k: v for k, v in at.parts.items() if k not in (VALUES, ACTIVATIONS)}  # each axis's named term (its collectives' buffers)
         transient = peak - sum(parts.values())
         return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
@@ -511,6 +516,20 @@ class Costing:
                     bw, latency = self.machine.link(mesh, a)
                     gather += latency + whole * (mesh.shape[a] - 1) / mesh.shape[a] / bw
         return nbytes, gather
+
+
+def flights(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """Each action of a pipeline stage, in order: ("F" or "B", the microbatches whose activations
+    it holds then, the backwards done before it)."""
+    out, held, done = [], 0, 0
+    for a in pipeline_schedule.actions(schedule, stage, stages, microbatches):
+        if a.kind == "F":
+            held += 1
+            out.append(("F", held, done))
+        else:
+            out.append(("B", held, done))
+            held, done = held - 1, done + 1
+    return out
 
 
 def sample_block(i: int, blocks: int, count: int) -> int:

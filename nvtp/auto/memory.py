@@ -4,7 +4,10 @@
     peak.bytes, peak.parts      # the fullest moment, and what is alive then, by label
 
 A value lives from the op making it to its last reader (the reference backend drops each value
-after its last use: ``nvtp.execute.lower``); an output to the end. A scheduled collective
+after its last use: ``nvtp.execute.lower``); an output to the end. A value made as a torch view
+of its operand (``VIEWS``) holds no bytes and keeps the operand alive as long as it is read.
+A backward's inputs (the saved activations, its incoming gradients) live to its end: the caller
+holds them while it runs (``nvtp.parallel._Run``). A scheduled collective
 (``nvtp.sharding.overlap``) reads its operands where it starts, not where its ``set`` stands,
 and its buffers live from its start: ``BUFFERS`` says what the runtime allocates for one
 (``nvtp.execute.collectives.start_reshards``, ``_dist_async``), per kind, in terms of B, this
