@@ -71,6 +71,9 @@ def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, mon
     second = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
     assert _train(second, data) == pytest.approx(want_losses, rel=1e-5)
     assert second.lower(*data[0]).traced.how.startswith(f"from the trace cache ({cache}")
+    cold, warm = first.lower(*data[0]).seconds, second.lower(*data[0]).seconds  # the first call's report
+    assert {"trace", "shard", "lower", "check"} <= cold.keys() and {"trace", "shard", "lower", "check"} <= warm.keys()
+    assert warm["trace"] < cold["trace"] / 3, (warm, cold)  # read, not traced
     for (name, p), q in zip(second.module.named_parameters(), want.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
