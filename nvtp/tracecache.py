@@ -300,6 +300,13 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None
     except Uncacheable:
         return trace_fn()
     path = root / name
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{name}.lock").touch()
+    except OSError as e:  # a read-only or missing home: the trace stands, the cache says why it is not used
+        warnings.warn(f"nvtp: the trace cache cannot use {root} ({e}); tracing without it. Set NVTP_CACHE_DIR to a "
+                      "writable directory, or NVTP_CACHE=0")
+        return trace_fn()
     with _locked(root / f"{name}.lock", WAIT_SECONDS) as held:
         if (path / "traced.json").exists():
             try:

@@ -176,6 +176,15 @@ def test_ranks_that_start_together_trace_once(cache, tiny_gpt, traced_gpt):
     assert all(g is not None and g.forward == traced_gpt.forward for g in got)
 
 
+def test_a_directory_it_cannot_write_is_said_and_traced_without(monkeypatch, tmp_path, tiny_gpt):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("NVTP_CACHE", "1")
+    monkeypatch.setenv("NVTP_CACHE_DIR", str(blocked))  # traces/ cannot be made under a file
+    with pytest.warns(UserWarning, match="cannot use .*tracing without it"):
+        assert tracecache.trace(tiny_gpt, _data()[0], {}, {}, lambda: "traced", lambda t: True) == "traced"
+
+
 def test_the_cache_is_off_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("NVTP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NVTP_CACHE", "0")
