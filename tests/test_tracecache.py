@@ -222,3 +222,19 @@ def test_a_script_run_twice_traces_once(tmp_path):
         first = r.stdout.split("loss ")[1].split()
         assert abs(float(first[0]) - float(first[2])) < 1e-5, r.stdout
     assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout, [r.stdout for r in runs]
+
+
+def test_a_pipelines_trace_is_kept_and_read_back_into_the_same_stages(cache, monkeypatch):
+    """``driver.compile_pipeline(..., cached=...)`` (what a pipeline's runtime passes: the first-call
+    check stands behind it) keeps the whole trace; the second compile reads it, cuts the same
+    stages and shards them alike."""
+    cfg = gpt.config("tiny", n_layer=4, batch=4)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    idx, tgt = gpt.example_tokens(cfg)
+    first = driver.compile_pipeline(model, idx, tgt, mesh="2x1x1", microbatches=2, cached=lambda t: True)
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: pytest.fail("traced again"))
+    second = driver.compile_pipeline(model, idx, tgt, mesh="2x1x1", microbatches=2, cached=lambda t: True)
+    assert second.traced.how.startswith("from the trace cache") and not first.traced.how.startswith("from the trace cache")
+    for a, b in zip(first.programs, second.programs):
+        assert a.forward.fusion == b.forward.fusion and a.backward.fusion == b.backward.fusion
