@@ -185,6 +185,25 @@ def test_a_directory_it_cannot_write_is_said_and_traced_without(monkeypatch, tmp
         assert tracecache.trace(tiny_gpt, _data()[0], {}, {}, lambda: "traced", lambda t: True) == "traced"
 
 
+def test_the_least_recently_used_entries_go_first_beyond_the_limit(cache, tiny_gpt, traced_gpt, monkeypatch):
+    """Three entries (three call shapes); the first is read again, so the second is the least
+    recently used: with room for two, the second goes. A bad limit is refused before any trace."""
+    shapes = [_data()[0], tuple(t[:1] for t in _data()[0]), tuple(t[:, :8] for t in _data()[0])]
+    keys = [tracecache.key(tiny_gpt, s, {}, {}) for s in shapes]
+    for s in shapes[:2]:
+        tracecache.trace(tiny_gpt, s, {}, {}, lambda: traced_gpt, lambda t: True)
+    time.sleep(0.05)
+    tracecache.trace(tiny_gpt, shapes[0], {}, {}, lambda: pytest.fail("traced again"), lambda t: True)  # read: used again
+    size = max(tracecache._size(cache / k) for k in keys[:2])
+    monkeypatch.setenv("NVTP_CACHE_MAX_MB", str(2.5 * size / 2**20))
+    time.sleep(0.05)
+    tracecache.trace(tiny_gpt, shapes[2], {}, {}, lambda: traced_gpt, lambda t: True)
+    assert [(cache / k).exists() for k in keys] == [True, False, True]
+    monkeypatch.setenv("NVTP_CACHE_MAX_MB", "lots")
+    with pytest.raises(ValueError, match="NVTP_CACHE_MAX_MB='lots' is not a number"):
+        tracecache.trace(tiny_gpt, shapes[0], {}, {}, lambda: pytest.fail("traced"), lambda t: True)
+
+
 def test_the_cache_is_off_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("NVTP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NVTP_CACHE", "0")
