@@ -35,18 +35,6 @@ def _data():
     return [tuple(torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)) for _ in range(2)]
 
 
-def _train(net, data):
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = []
-    for idx, tgt in data:
-        opt.zero_grad()
-        loss = net(idx, tgt)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.fixture(scope="module")
 def tiny_gpt():
     torch.manual_seed(0)
@@ -58,9 +46,9 @@ def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, mon
     reads it; both train like the model in eager PyTorch (2 SGD steps: losses and weights)."""
     data = _data()
     want = copy.deepcopy(tiny_gpt)
-    want_losses = _train(want, data)
+    want_losses = differing.train_eager(want, data)
     first = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
-    assert _train(first, data) == pytest.approx(want_losses, rel=1e-5)
+    assert differing.train_eager(first, data) == pytest.approx(want_losses, rel=1e-5)
     assert not first.lower(*data[0]).traced.how.startswith("from the trace cache")
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
 
@@ -69,7 +57,7 @@ def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, mon
 
     monkeypatch.setattr(driver, "trace", no_trace)
     second = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
-    assert _train(second, data) == pytest.approx(want_losses, rel=1e-5)
+    assert differing.train_eager(second, data) == pytest.approx(want_losses, rel=1e-5)
     assert second.lower(*data[0]).traced.how.startswith(f"from the trace cache ({cache}")
     cold, warm = first.lower(*data[0]).seconds, second.lower(*data[0]).seconds  # the first call's report
     assert {"trace", "shard", "lower", "check"} <= cold.keys() and {"trace", "shard", "lower", "check"} <= warm.keys()
