@@ -50,6 +50,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import thunder
 import torch
 import torch.utils._pytree as pytree
 
@@ -132,10 +133,7 @@ def _source_of(obj: Any) -> str:
 
 @functools.cache
 def _versions() -> str:
-    import nvtp
-    import thunder
-
-    package = Path(nvtp.__file__).parent
+    package = Path(__file__).parent  # nvtp/
     h = hashlib.sha256()
     for p in sorted(package.rglob("*.py")):
         h.update(str(p.relative_to(package)).encode())
