@@ -131,13 +131,36 @@ def test_a_damaged_entry_is_reported_and_traced_anew(cache, tiny_gpt, traced_gpt
     assert calls == [1] and back is traced_gpt
 
 
-def test_an_entry_is_read_only_where_the_first_call_check_stands_behind_it(cache, tiny_gpt, traced_gpt):
-    """``verify=False``, or a program with random draws (dropout) the check cannot compare: traced."""
+def test_a_program_the_check_cannot_compare_is_read_only_while_the_users_code_is_unchanged(cache, tiny_gpt, traced_gpt,
+                                                                                              monkeypatch):
+    """``verify=False``, or dropout the first-call check cannot compare: the entry is read while
+    every source file of the user's own is as it was when it was written, else traced anew (and
+    the entry rewritten)."""
     args = _data()[0]
     tracecache.trace(tiny_gpt, args, {}, {}, lambda: traced_gpt, lambda t: True)
     calls = []
     tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(1) or traced_gpt, lambda t: False)
-    assert calls == [1]
+    assert calls == []  # unchecked, but nothing of the user's changed
+    monkeypatch.setattr(tracecache, "_user_code", lambda: "an edited helper")
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(2) or traced_gpt, lambda t: False)
+    assert calls == [2]  # unchecked and the user's code changed: traced
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(3) or traced_gpt, lambda t: False)
+    assert calls == [2]  # the entry was rewritten with the new code's digest
+
+
+def test_the_users_code_is_the_files_loaded_from_outside_python_and_the_packages():
+    import tests.differing as user_module
+
+    digest = tracecache._user_code()
+    assert digest == tracecache._user_code()
+    files = {m.__file__ for m in (torch, pytest, tracecache)}  # the packages and nvtp are not the user's
+    assert user_module.__file__ not in files
+    original = user_module.__file__
+    try:
+        user_module.__file__ = str(Path(original).with_name("data_checks_models.py"))  # as if the user's file changed
+        assert tracecache._user_code() != digest
+    finally:
+        user_module.__file__ = original
 
 
 def test_ranks_that_start_together_trace_once(cache, tiny_gpt, traced_gpt):
