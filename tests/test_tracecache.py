@@ -268,3 +268,26 @@ def test_a_pipelines_trace_is_kept_and_read_back_into_the_same_stages(cache, mon
     assert second.traced.how.startswith("from the trace cache") and not first.traced.how.startswith("from the trace cache")
     for a, b in zip(first.programs, second.programs):
         assert a.forward.fusion == b.forward.fusion and a.backward.fusion == b.backward.fusion
+
+
+def test_explain_reads_the_trace_while_the_users_code_is_unchanged(cache, monkeypatch):
+    """``nvtp.plan`` / ``nvtp explain`` run nothing that could check a trace: they read an entry
+    while the user's code is as it was (the same entry ``nvtp.jit`` keeps), and report it."""
+    model, args, _ = differing.window()
+    first = nvtp.plan(model, *args, plan="megatron", devices=2)
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: pytest.fail("traced again"))
+    second = nvtp.plan(model, *args, plan="megatron", devices=2)
+    assert "from the trace cache" in second.as_text() and "from the trace cache" not in first.as_text()
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith("time:")]  # noqa: E731
+    assert strip(second.as_text()) == strip(first.as_text())
+
+
+@pytest.mark.slow
+def test_nvtp_explain_as_typed_twice_reads_the_first_ones_trace(tmp_path):
+    env = {**os.environ, "NVTP_CACHE": "1", "NVTP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "nvtp", "explain", "--module", "tests.differing:window", "--plan", "megatron", "--devices", "2"]
+    runs = [subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith("time:")]  # noqa: E731
+    assert strip(runs[0].stdout) == strip(runs[1].stdout)
