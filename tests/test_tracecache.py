@@ -291,3 +291,19 @@ def test_nvtp_explain_as_typed_twice_reads_the_first_ones_trace(tmp_path):
     assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout
     strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith("time:")]  # noqa: E731
     assert strip(runs[0].stdout) == strip(runs[1].stdout)
+
+
+@pytest.mark.slow
+def test_plan_auto_reads_its_sample_from_the_cache(tmp_path):
+    """``nvtp explain --plan auto`` as typed, twice: the second search reads the sample's trace
+    (the first's), chooses the same plan and prints the same table."""
+    env = {**os.environ, "NVTP_CACHE": "1", "NVTP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "nvtp", "explain", "--model", "nanogpt", "--config", "tiny", "--plan", "auto", "--devices", "4"]
+    runs, entries = [], []
+    for _ in range(2):
+        runs.append(subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600))
+        entries.append(sorted(p.name for p in (tmp_path / "traces").iterdir() if p.is_dir()))
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    same = lambda text: [ln for ln in text.splitlines() if not ln.startswith("searched ")]  # noqa: E731
+    assert same(runs[0].stdout) == same(runs[1].stdout)
+    assert entries[0] and entries[1] == entries[0]  # the sample kept by the first, read (not traced and kept again) by the second
