@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from nvtp import fakeguard, tracecache
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_flash, claim_for_ring
 from nvtp.frontend.parts import splitting
@@ -64,6 +65,8 @@ from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import Target, as_target
 from nvtp.frontend import fx, fx_regional, user_code
 from nvtp.frontend.capture import capture
+
+fakeguard.hold()  # on the thread that imports the driver (normally the main one): see nvtp/fakeguard.py
 
 ROUTES = ("auto", "thunder", "fx")
 
@@ -369,11 +372,12 @@ def _placed_inputs(forward) -> list[tuple[str, Any]]:
 def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, backend: str | Target = "reference",
             fsdp: bool = False, frontend: str = "auto", regional: bool = True, placed: Mapping[str, Any] | None = None,
             overlap: bool = True, collective_matmul: bool | str = "auto", machine: Any = None,
-            axis_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Program:
+            axis_options: Mapping[str, Any] | None = None, cached: Any = None, **kwargs: Any) -> Program:
     """``shard(trace(...))``: ``source`` a module called with ``args``/``kwargs`` (on a dp mesh one
     rank's batch, as ``nvtp.jit`` takes it), or a parsed dump. ``mesh``: anything ``make_mesh``
     takes. The plan is checked against the module's names before anything is traced. ``overlap``,
-    ``collective_matmul``, ``machine``: the schedule's, ``axis_options`` the axes', as ``shard`` takes them."""
+    ``collective_matmul``, ``machine``: the schedule's, ``axis_options`` the axes', as ``shard`` takes them.
+    ``cached`` (``traced -> bool``, as ``nvtp.tracecache.trace`` takes it): the trace is kept on disk and read back."""
     schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine, axis_options=axis_options)
 
     mesh = make_mesh(mesh, fsdp=fsdp)
@@ -384,14 +388,17 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     args, kwargs = bind_call(source, way, args, kwargs)
-    traced = trace(source, args, kwargs, frontend=way, regional=regional, flash=as_target(backend).flash_attention,
-                   **axes.trace_options(mesh, plan))
+    options = dict(frontend=way, regional=regional, flash=as_target(backend).flash_attention, **axes.trace_options(mesh, plan))
+    if cached is None:
+        traced = trace(source, args, kwargs, **options)
+    else:  # the options nvtp.jit traces with: the same key, the same entry
+        traced = tracecache.trace(source, args, kwargs, options, lambda: trace(source, args, kwargs, **options), cached)
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed, **schedule)
 
 
 def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
                      microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
-                     frontend: str = "auto", recompute: str = "none", **kwargs: Any):
+                     frontend: str = "auto", recompute: str = "none", cached: Any = None, **kwargs: Any):
     """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
     rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.sharding.axes.pp``), traced whole for
     one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
@@ -399,7 +406,9 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
     both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
     schedule) is refused before anything is traced. ``recompute``: each stage's backward
-    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them)."""
+    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them).
+    ``cached`` (``traced -> bool``: whether the first-call check will compare the program with
+    eager): the trace is kept on disk and read back where it says so (``nvtp.tracecache``)."""
 
     recompute_mode(recompute)
 
@@ -410,7 +419,12 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     # one trace for every stage, as a stage's sub-mesh asks (a stage holds each fused projection
     # whole, and a weight tied across stages as one input per name)
     options = axes.trace_options(layout.submesh(0), plan) | {"split_parts": False}
-    traced = trace(source, mb_args, kwargs, frontend=way, tie=False, **options)
+    options |= {"frontend": way, "tie": False}
+    if cached is None:
+        traced = trace(source, mb_args, kwargs, **options)
+    else:
+        traced = tracecache.trace(source, mb_args, kwargs, options | {"pipeline": True},
+                                  lambda: trace(source, mb_args, kwargs, **options), cached)
     traced = loss_only(traced, type(source).__name__)  # the loss alone; an output object's .loss too (nvtp/pipeline/calls.py)
     staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
     tied = aliases(source)
