@@ -113,8 +113,9 @@ def _measured_peak(module, example) -> int:
     return peak - held
 
 
-@pytest.mark.parametrize("mode, build, size", [("block", _gpt, 2), ("selective", _written_out, 1), ("selective", _written_out, 2)],
-                         ids=["block-gpt-2ranks", "selective-1rank", "selective-2ranks"])
+@pytest.mark.parametrize("mode, build, size", [("block", _gpt, 2), ("selective", _written_out, 1), ("selective", _written_out, 2),
+                                              ("selective", _gpt, 2)],
+                         ids=["block-gpt-2ranks", "selective-1rank", "selective-2ranks", "selective-flash-gpt-2ranks"])
 def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(mode, build, size):
     module, losses, grads, want, want_grads = _run(mode, build, size)
     program = module.last
@@ -125,7 +126,7 @@ def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(
     plain = plain_module.last
     assert _saved_bytes(program) < _saved_bytes(plain), (_saved_bytes(program), _saved_bytes(plain))
     assert f"recompute={mode}" in program.source.how
-    if mode == "selective":  # the attention probabilities ([B, h, T, T]) are no longer handed over; q and k are re-made
+    if mode == "selective" and build is _written_out:  # the attention probabilities ([B, h, T, T]) are no longer handed over; q and k are re-made
         f, before = program.forward.source, plain.forward.source   # from the saved projection, not kept besides it
         square = [v.name for v in before.outputs if before.role(v.name) == "saved" and v.ndim == 4 and v.shape[-1] == v.shape[-2] == 32]
         assert len(square) == 2 and not [v for v in f.outputs if f.role(v.name) == "saved" and v.ndim == 4 and v.shape[-1] == 32]
@@ -135,6 +136,26 @@ def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(
         example = build()[1]  # what the forward no longer saves (selective: 1.27 -> 1.15 MB, the 122880 B dropped)
         got, was = _measured_peak(module, example), _measured_peak(plain_module, example)
         assert was - got >= 0.9 * (_saved_bytes(plain) - _saved_bytes(program)), (got, was)
+
+
+def _gpt32():
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny", n_layer=2, seq_len=32)
+    return gpt.GPT(cfg), gpt.example_tokens(cfg)
+
+
+def test_selective_recomputation_says_when_it_has_nothing_to_recompute():
+    """nvtp's GPT on the reference backend runs attention as one flash attention, which keeps no
+    [B, h, T, T] values (sequence 32, head size 16): recompute='selective' leaves the program as
+    it is and says so. (At sequence 16 = head size, the attention's output [B, h, T, hs] passes
+    the shape test: selective re-runs the flash attention, checked against eager above.)"""
+    program = _plain(_gpt32, 2).last
+    model, example = _gpt32()
+    sm = nvtp.jit(model, plan="megatron", mesh=DeviceMesh.of_size(2), comm=spmd.ThreadMesh(DeviceMesh.of_size(2)).comm(0),
+                  recompute="selective")
+    sm.compile(*example)
+    assert _saved_bytes(sm.last) == _saved_bytes(program)
+    assert "recompute=selective: nothing recomputed, the backward reads no [.., T, T] attention values" in sm.last.source.how
 
 
 def test_an_unknown_mode_is_refused():

@@ -245,9 +245,13 @@ def apply(forward: Fusion, backward: Fusion, plan: Recompute) -> tuple[Fusion, F
                 emit(by_output[u.name])
         emitted.add(k)
         op = forward.ops[k]
-        for v in op.outputs:
-            bname.setdefault(v.name, next(names))
-        body.append(op.renamed(lambda x: bname[x.name], lambda x: bname[x.name]))
+        spare = {}  # a result the backward already holds (a flash attention's log-sum-exp, saved beside the
+        for v in op.outputs:  # output it re-makes): the re-run's copy gets a name of its own, read by nothing
+            if v.name in bname:
+                spare[v.name] = next(names)
+            else:
+                bname[v.name] = next(names)
+        body.append(op.renamed(lambda x: bname[x.name], lambda x: spare.get(x.name) or bname[x.name]))
 
     for op in backward.ops:
         if defines_input(op):
@@ -298,8 +302,10 @@ def recompute(traced: Any, mode: str, layers: Mapping[str, int] | None = None, s
         return traced
     layers = layers_of(traced) if layers is None else layers
     plan = plan_recompute(traced.forward, traced.backward, mode, layers, sequence_of(traced) if sequence is None else sequence)
-    if plan.empty:
-        return traced
+    if plan.empty:  # said, not silent: the program is the one without recomputation
+        why = ("the backward reads no [.., T, T] attention values (a flash attention keeps none)" if mode == "selective"
+               else "keeping each block's input would take as many bytes as it drops")
+        return replace(traced, how=f"{traced.how}; recompute={mode}: nothing recomputed, {why}")
     forward, backward = apply(traced.forward, traced.backward, plan)
     return replace(traced, forward=forward, backward=backward, how=f"{traced.how}; recompute={mode}: "
                    f"{len(plan.dropped)} saved values recomputed by {len(plan.ops)} forward ops in the backward")
