@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import subprocess
 import sys
 
@@ -789,3 +790,45 @@ def _check_adamw_run(family: str, got: dict, names: tuple[str, ...], fsdp: bool)
     assert experts and all((got["placements"][n] if fsdp else got["placements"][n][names.index("ep")]) == want for n in experts), \
         got["placements"]
     assert sorted(got["sent"]) == sorted(got["planned"]) and got["sent"]
+
+
+@pytest.mark.slow
+def test_nvtp_explain_of_deepseek_v3_at_ep2_as_typed(tmp_path):
+    """``nvtp explain --module mine:make --plan megatron --mesh ep=2`` typed in the directory of the
+    user's factory (``_deepseek_v3`` on 2 of its sequences, with labels): exit 0; the ep axis, the
+    routed experts ``S(0)`` over it, 2 experts per rank; each all-to-all in the communications and its
+    bytes (a rank's 16 routed rows, [2, 16, 64] fp32 buffers of which a rank sends one block of 4 KiB;
+    per layer forward one dispatch and one combine, backward two of each, one counts exchange
+    [2, 2] int64 each way); the example batch's tokens per expert per rank, which are the counts
+    of eager DeepSeek-V3's own router on each rank's sequence."""
+    from tests.test_cli import run
+    from tests.test_moe import routed
+
+    (tmp_path / "nvtp_ds3_factory.py").write_text(
+        "from tests.test_ep import _deepseek_v3\n\n\ndef make():\n    model, ids = _deepseek_v3()\n"
+        "    return model, (ids[:2],), {'labels': ids[:2]}\n")
+    proc = run(["nvtp", "explain", "--module", "nvtp_ds3_factory:make", "--plan", "megatron", "--mesh", "ep=2"], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.startswith("DeepseekV3ForCausalLM: experts split over ep") and "(ep 2; 2 devices)" in out.splitlines()[0], out
+    for w in ("gate_up_proj", "down_proj"):
+        assert re.search(rf"model\.layers\.\{{0\.\.1\}}\.mlp\.experts\.{w}\s+S\(0\)\n", out), out
+    assert "expert weights gate_up_proj ep S(0), down_proj ep S(0)" in out, out
+    assert "model.layers.0.mlp.experts, model.layers.1.mlp.experts: 4 experts, top-2: 2 experts per ep rank (rank r: experts 2r..2r+1)" in out
+    block = 16 * 64 * 4  # a rank's 8 tokens x top-2 rows, hidden 64, fp32: the block of [2, 16, 64] a rank sends
+    assert re.search(rf"forward\s+model\s+on ep\s+4 x alltoall\s+Float\[2, 16, 64\]\s+{4 * block // 1024}\.00 KiB", out), out
+    assert re.search(rf"backward\s+model\s+on ep\s+8 x alltoall\s+Float\[2, 16, 64\]\s+{8 * block // 1024}\.00 KiB", out), out
+    assert re.search(r"forward\s+model\s+on ep\s+2 x alltoall\s+int64\[2, 2\]\s+32 B", out), out
+    assert "forward all-to-all bytes per rank per step: counts 32 B, dispatch 8.00 KiB, combine 8.00 KiB" in out, out
+    assert "backward all-to-all bytes per rank per step: counts 32 B, dispatch 16.00 KiB, combine 16.00 KiB" in out, out
+    model, ids = _deepseek_v3("eager")
+    ranks = [[c.tolist() for c in routed(model, ids[r:r + 1], labels=ids[r:r + 1])] for r in range(2)]
+    for layer in range(2):
+        whole = [a + b for a, b in zip(ranks[0][layer], ranks[1][layer])]
+        assert f"  model.layers.{layer}.mlp.experts: 4 experts, top-2: whole batch {whole} (imbalance {max(whole) / 8:.2f})" in out, out
+        for r in range(2):
+            got = ranks[r][layer]
+            assert f"    rank {r}: routes {got} (imbalance {max(got) / 4:.2f})" in out, out
+        received = [sum(whole[0:2]), sum(whole[2:4])]
+        assert (f"    on ep, each rank's experts receive rank 0 {received[0]}, rank 1 {received[1]} rows "
+                f"(imbalance {max(received) / 16:.2f})") in out, out
