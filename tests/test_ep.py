@@ -7,8 +7,10 @@ token chose included) within 1e-5, the all-to-all bytes a run sends equal to the
 
 Default tier: nvtp's MoE GPT at ep=2 on simulated ranks (one trace, ~40 s on the shared 2-core
 machine); the refusals (fusions built by hand: milliseconds). Slow tier: gloo processes at ep=2
-and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI; transformers' DeepSeek-V3
-at ep=2, (ep, tp) and (dp, ep) = (2, 2) on gloo processes, 3 AdamW steps, every step's gradients compared.
+and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI; transformers' DeepSeek-V3,
+Qwen2-MoE, Qwen3-MoE and OLMoE at ep=2, (ep, tp) and (dp, ep) = (2, 2) on gloo processes (DeepSeek-V3
+also at ep=4 and with FSDP, gpt-oss at ep=2), 3 AdamW steps, every step's loss and gradients compared
+with eager at the same weights; ``nvtp explain`` of DeepSeek-V3 at ep=2 as typed.
 """
 
 from __future__ import annotations
