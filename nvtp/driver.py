@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from nvtp import fakeguard
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_flash, claim_for_ring
 from nvtp.frontend.parts import splitting
@@ -64,6 +65,8 @@ from nvtp.sharding.plans import check_plan
 from nvtp.sharding.target import Target, as_target
 from nvtp.frontend import fx, fx_regional, user_code
 from nvtp.frontend.capture import capture
+
+fakeguard.hold()  # on the thread that imports the driver (normally the main one): see nvtp/fakeguard.py
 
 ROUTES = ("auto", "thunder", "fx")
 

@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from nvtp import driver, generation, guard, precheck
+from nvtp import driver, generation, guard, precheck, tracecache
 from nvtp import dtensor as _dt
 from nvtp.errors import InputError
 from nvtp.execute import backends, kernels, spmd
@@ -223,11 +223,14 @@ class ShardedModule(torch.nn.Module):
         Raises InputError when the arguments do not fit the module, CaptureError when Thunder
         cannot trace it or nvtp cannot fuse an op (each naming the op and the source line)."""
         precheck.check_call(self.module, self.mesh, args, kwargs)  # what the arguments already tell, before tracing
-        traced = self._lengths.trace(args, kwargs, self._mode(), lambda: driver.trace(  # a new length: derived when it can be
-            self._meta, args, kwargs, frontend=self._route, regional=self.regional, on_meta=False,
-            like=self.module, flash=as_target(self.backend).flash_attention,  # the backend's attention (sdpfa on the reference's)
-            **axes.trace_options(self.mesh, self.plan)),  # what the mesh's axes need
-            eager=lambda t: guard.will_check(t.forward, self.mesh, self.axis_options, self.verify))  # forward's check stands behind it
+        options = dict(frontend=self._route, regional=self.regional,
+                       flash=as_target(self.backend).flash_attention,  # the backend's attention (sdpfa on the reference's)
+                       **axes.trace_options(self.mesh, self.plan))  # what the mesh's axes need
+        checked = lambda t: guard.will_check(t.forward, self.mesh, self.axis_options, self.verify)  # noqa: E731
+        traced = self._lengths.trace(args, kwargs, self._mode(), lambda: tracecache.trace(  # a new length: derived when it can be
+            self.module, args, kwargs, options,  # kept on disk: the job's other ranks and later runs read it (nvtp/tracecache.py)
+            lambda: driver.trace(self._meta, args, kwargs, on_meta=False, like=self.module, **options), checked),
+            eager=checked)  # the forward's check stands behind a derived or a cached program
         program = driver.shard(traced, self.plan, self.mesh, self.backend, fsdp=self.fsdp, placed=self._placements,
                                overlap=self.overlap, collective_matmul=self.collective_matmul, recompute=self.recompute,
                                axis_options=self.axis_options)

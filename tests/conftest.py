@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from nvtp.frontend.capture import capture
 from nvtp.models import gpt
+
+# Every test traces for real: the trace cache (nvtp/tracecache.py) is off unless a test turns it on
+# (tests/test_tracecache.py), and so for the processes the tests start, which inherit it.
+os.environ["NVTP_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -211,6 +211,35 @@ def test_no_length_past_the_models_window_is_derived_from_traces_within_it():
     assert family.first == [(1, 6)] and len(family.traces) == 1  # the next trace past the window makes two
 
 
+_FAKE_AFTER_THREADS = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from nvtp.execute import spmd
+from nvtp.execute.collectives import ThreadGroup
+
+def rank(r):
+    with FakeTensorMode():  # as a rank's trace enters fake mode (dynamo's export, nvtp.frontend.variants)
+        return tuple(torch.empty(2, 3).shape)
+
+assert spmd.on_threads(rank, ThreadGroup(2, timeout=60)) == [(2, 3), (2, 3)]
+with FakeTensorMode():  # the next trace, on the main thread, after the ranks' threads exited
+    pass
+print("alive")
+"""
+
+
+def test_fake_mode_after_ranks_traced_on_threads_exit_does_not_crash_the_process():
+    """torch 2.10 keeps the fake CUDA device guard of the first thread that entered fake mode; once
+    that thread exits, the next ``FakeTensorMode`` segfaults (nvtp/fakeguard.py). A generation on 2
+    simulated ranks followed by any FX-route trace crashed the process so. Run in a fresh process:
+    a segfault would take pytest with it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAKE_AFTER_THREADS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "alive" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
 
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from nvtp import fakeguard
 from nvtp.execute import reference
 from nvtp.execute.collectives import Comm, MeshComm, ThreadComm, ThreadGroup, take
 from nvtp.ir.graph import TensorValue
@@ -150,6 +151,7 @@ def on_threads(fn, group: ThreadGroup) -> list[Any]:
     """``fn(position)`` for every rank of ``group`` at once, one thread each; returns the results
     in rank order. The first real failure is raised; the others' broken barriers are not."""
     d = group.size
+    fakeguard.hold()  # before any rank's thread enters fake mode and exits (torch's guard would die with it)
     results: list[Any] = [None] * d
     errors: list[BaseException | None] = [None] * d
 

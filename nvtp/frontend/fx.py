@@ -98,6 +98,10 @@ class Binding:
             raise ValueError(f"the call's arguments {spec} differ from the exported ones {self.in_spec}")
         return dict(zip(self.arg_names, leaves))
 
+    def binding(self) -> "Binding":
+        """The plain part (itself; a ``Program`` drops its graph)."""
+        return self
+
     def rebuild(self, outputs: tuple) -> Any:
         """The model's own output object (e.g. ``CausalLMOutputWithPast``) from the fusion's user outputs."""
         leaves = [outputs[i] if kind == "out" else i for kind, i in self.output_map]

@@ -1,0 +1,212 @@
+"""The trace cache (nvtp/tracecache.py): a model traced once is read back, not traced again, and
+trains as the model does in eager PyTorch; the key tells apart what the trace depends on; what it
+cannot describe, what is damaged, and what the first-call check does not stand behind is traced."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvtp
+from nvtp import driver, tracecache
+from nvtp.models import gpt
+from tests import differing
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NVTP_CACHE", "1")
+    monkeypatch.setenv("NVTP_CACHE_DIR", str(tmp_path))
+    return tmp_path / "traces"
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return [tuple(torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)) for _ in range(2)]
+
+
+def _train(net, data):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for idx, tgt in data:
+        opt.zero_grad()
+        loss = net(idx, tgt)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.config("tiny"))
+
+
+def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, monkeypatch):
+    """The first ``nvtp.jit`` traces and keeps the trace; the second, with tracing made to fail,
+    reads it; both train like the model in eager PyTorch (2 SGD steps: losses and weights)."""
+    data = _data()
+    want = copy.deepcopy(tiny_gpt)
+    want_losses = _train(want, data)
+    first = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
+    assert _train(first, data) == pytest.approx(want_losses, rel=1e-5)
+    assert not first.lower(*data[0]).traced.how.startswith("from the trace cache")
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(driver, "trace", no_trace)
+    second = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
+    assert _train(second, data) == pytest.approx(want_losses, rel=1e-5)
+    assert second.lower(*data[0]).traced.how.startswith(f"from the trace cache ({cache}")
+    for (name, p), q in zip(second.module.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_key_tells_apart_what_the_trace_depends_on():
+    """Blocks that differ by an attribute, a buffer, a submodule, a flag or a window (issue 33's
+    family) are other keys; so are another call shape, grad mode, training mode and option. The
+    same model built again, with other weights, is the same key."""
+    idx, tgt = differing.batches(1)[0]
+
+    def key(m, args=(idx, tgt), **options):
+        return tracecache.key(m, args, {}, options)
+
+    same = key(differing.model("same"))
+    assert key(differing.model("same", seed=7)) == same  # weights are inputs, not part of the program
+    keys = {kind: key(differing.model(kind)) for kind in differing.KINDS}
+    assert same not in keys.values() and len(set(keys.values())) == len(keys), keys
+    assert key(differing.model("same"), args=(idx[:1], tgt[:1])) != same
+    assert key(differing.model("same").eval()) != same
+    assert key(differing.model("same"), regional=False) != same
+    with torch.no_grad():
+        assert key(differing.model("same")) != same
+    m = differing.model("same")
+    m.h[2].scale = 0.5  # one block's plain attribute
+    assert key(m) != same
+    m = differing.model("buffer")
+    before = key(m)
+    m.h[1].gain.fill_(3.0)  # a buffer's value: folded into the program
+    assert key(m) != before
+
+
+def test_what_the_key_cannot_describe_is_traced_and_not_kept(cache):
+    m = differing.model("same")
+    m.h[0].lock = threading.Lock()  # no class the key knows, no __dict__
+    with pytest.raises(tracecache.Uncacheable, match=r"h\.0's attributes.*lock"):
+        tracecache.key(m, (), {}, {})
+    calls = []
+    assert tracecache.trace(m, (), {}, {}, lambda: calls.append(1) or "traced", lambda t: True) == "traced"
+    assert calls == [1] and not cache.exists()
+
+
+@pytest.fixture(scope="module")
+def traced_gpt(tiny_gpt):
+    return driver.trace(copy.deepcopy(tiny_gpt), _data()[0])
+
+
+def test_an_entry_reads_back_equal(cache, tiny_gpt, traced_gpt):
+    args = _data()[0]
+    calls = []
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(1) or traced_gpt, lambda t: True)
+    back = tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(2) or traced_gpt, lambda t: True)
+    assert calls == [1]
+    assert back.forward == traced_gpt.forward and back.backward == traced_gpt.backward
+    assert (back.arguments, back.weights, back.tied, back.route) == (traced_gpt.arguments, traced_gpt.weights, traced_gpt.tied,
+                                                                      traced_gpt.route)
+    assert back.record().layers == traced_gpt.record().layers and back.record().output_tree == traced_gpt.record().output_tree
+
+
+def test_a_damaged_entry_is_reported_and_traced_anew(cache, tiny_gpt, traced_gpt):
+    args = _data()[0]
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: traced_gpt, lambda t: True)
+    entry = next(p for p in cache.iterdir() if p.is_dir())
+    (entry / "forward.py").write_text("import os\nos.system('echo crafted')\n")  # read by nvtp's parser: never run
+    calls = []
+    with pytest.warns(UserWarning, match="cannot be read.*tracing anew"):
+        back = tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(1) or traced_gpt, lambda t: True)
+    assert calls == [1] and back is traced_gpt
+
+
+def test_an_entry_is_read_only_where_the_first_call_check_stands_behind_it(cache, tiny_gpt, traced_gpt):
+    """``verify=False``, or a program with random draws (dropout) the check cannot compare: traced."""
+    args = _data()[0]
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: traced_gpt, lambda t: True)
+    calls = []
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(1) or traced_gpt, lambda t: False)
+    assert calls == [1]
+
+
+def test_ranks_that_start_together_trace_once(cache, tiny_gpt, traced_gpt):
+    """The ranks of a job (here threads) ask at once: one traces, the others wait and read."""
+    args = _data()[0]
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(1.0)
+        return traced_gpt
+
+    got = [None] * 3
+
+    def rank(r):
+        got[r] = tracecache.trace(tiny_gpt, args, {}, {}, slow, lambda t: True)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1]
+    assert all(g is not None and g.forward == traced_gpt.forward for g in got)
+
+
+def test_the_cache_is_off_when_asked(monkeypatch, tmp_path):
+    monkeypatch.setenv("NVTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NVTP_CACHE", "0")
+    assert tracecache.directory() is None
+    monkeypatch.setenv("NVTP_CACHE", "1")
+    assert tracecache.directory() == tmp_path / "traces"
+
+
+_SCRIPT = """
+import copy, time, torch, nvtp
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+model = LlamaForCausalLM(cfg)
+ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+eager = copy.deepcopy(model)(ids, labels=ids).loss
+sharded = nvtp.jit(model, plan="megatron", mesh=1)
+start = time.perf_counter()
+loss = sharded(ids, labels=ids).loss
+print(f"first call {time.perf_counter() - start:.2f} s; loss {loss.item():.6f} eager {eager.item():.6f}")
+print("how:", sharded.lower(ids, labels=ids).traced.how)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_run_twice_traces_once(tmp_path):
+    """As a user runs it: the same script twice in fresh processes (a transformers Llama); the
+    second reads the first's trace, with eager's loss."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "NVTP_CACHE": "1", "NVTP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    runs = [subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        first = r.stdout.split("loss ")[1].split()
+        assert abs(float(first[0]) - float(first[2])) < 1e-5, r.stdout
+    assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout, [r.stdout for r in runs]
