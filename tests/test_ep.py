@@ -6,7 +6,8 @@ computed by a plain gather of each row's expert weight (``naive_experts``), not 
 token chose included) within 1e-5, the all-to-all bytes a run sends equal to the Program's steps.
 
 Default tier: nvtp's MoE GPT at ep=2 on simulated ranks (one trace, ~40 s on the shared 2-core
-machine); the refusals (fusions built by hand: milliseconds). Slow tier: gloo processes at ep=2
+machine); the refusals (fusions built by hand: milliseconds); what the slow tier's transformers
+builds carry (eager, seconds). Slow tier: gloo processes at ep=2
 and (dp, ep) = (2, 2), 3 SGD steps; (ep, tp) = (2, 2) simulated; the CLI; transformers' DeepSeek-V3,
 Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss at ep=2, (ep, tp) and (dp, ep) = (2, 2) on gloo processes
 (DeepSeek-V3 also at ep=4 and with FSDP), 3 AdamW steps, every step's loss and gradients compared
@@ -678,6 +679,40 @@ def _hf_moe(family: str, implementation: str | None = None) -> tuple[torch.nn.Mo
 
     model = build(family, implementation, **HF_MOE_EXTRA[family])
     return model, torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_tiny_moe_builds_carry_what_the_gloo_tests_name():
+    """What ``test_hf_moe_trains_with_adamw_on_gloo_processes_like_one_process`` claims to cover is in
+    the models it builds (``_hf_moe``, eager, no trace: seconds): Qwen3-MoE's routing weights are
+    renormalised (each token's sum 1), Qwen2-MoE's are not and its shared expert has a gate, OLMoE has
+    no shared expert, DeepSeek-V3's correction bias is not zero, gpt-oss's experts have biases; all but
+    DeepSeek-V3 add the load-balancing loss; a token routes to 2 of 4 experts."""
+    pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    from nvtp.frontend.moe import is_transformers_experts
+
+    for family in ("deepseek_v3", *HF_MOE_EXTRA):
+        model, ids = _hf_moe(family, "eager")
+        experts = [m for m in model.modules() if is_transformers_experts(m)]
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, i, o: seen.append(i[1:3])) for m in experts]
+        with torch.no_grad():
+            out = model(ids, labels=ids)
+        for h in hooks:
+            h.remove()
+        assert len(experts) == 2 and experts[0].num_experts == 4 and all(ix.shape == (32, 2) for ix, _ in seen), family
+        sums = torch.cat([w.sum(-1) for _, w in seen])
+        mlp = model.model.layers[0].mlp
+        assert (out.aux_loss is not None) == (family != "deepseek_v3"), family
+        if family == "qwen3_moe":
+            assert torch.allclose(sums, torch.ones_like(sums)), sums
+        if family == "qwen2_moe":
+            assert not torch.allclose(sums, torch.ones_like(sums)) and hasattr(mlp, "shared_expert_gate")
+        if family == "olmoe":
+            assert not [n for n, _ in mlp.named_children() if "shared" in n]
+        if family == "deepseek_v3":
+            assert mlp.gate.e_score_correction_bias.abs().min() > 0 and hasattr(mlp, "shared_experts")
+        if family == "gpt_oss":
+            assert experts[0].gate_up_proj_bias.shape == (4, 64) and hasattr(model.model.layers[0].self_attn, "sinks")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
