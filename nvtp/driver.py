@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from nvtp import fakeguard
+from nvtp import fakeguard, tracecache
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_flash, claim_for_ring
 from nvtp.frontend.parts import splitting
@@ -394,7 +394,7 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
 
 def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None,
                      microbatches: int = 1, schedule: str = "1f1b", cut: Any = None, backend: str | Target = "reference",
-                     frontend: str = "auto", recompute: str = "none", **kwargs: Any):
+                     frontend: str = "auto", recompute: str = "none", cached: Any = None, **kwargs: Any):
     """A pipeline's program (``nvtp.pipeline.PipelineProgram``): ``source`` called with one dp
     rank's batch ``args`` on a (pp, dp, tp) ``mesh`` (``nvtp.sharding.axes.pp``), traced whole for
     one microbatch of the whole dp group (tied weights one input per name), cut into pp stages at
@@ -402,7 +402,9 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     sharded by this driver over its (dp, tp) sub-mesh, a weight tied across stages placed alike in
     both. Bad input (fewer blocks than stages, a batch the microbatches do not divide, an unknown
     schedule) is refused before anything is traced. ``recompute``: each stage's backward
-    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them)."""
+    recomputes activations (``nvtp.frontend.recompute``; blocks as the whole trace knows them).
+    ``cached`` (``traced -> bool``: whether the first-call check will compare the program with
+    eager): the trace is kept on disk and read back where it says so (``nvtp.tracecache``)."""
 
     recompute_mode(recompute)
 
@@ -413,7 +415,12 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     # one trace for every stage, as a stage's sub-mesh asks (a stage holds each fused projection
     # whole, and a weight tied across stages as one input per name)
     options = axes.trace_options(layout.submesh(0), plan) | {"split_parts": False}
-    traced = trace(source, mb_args, kwargs, frontend=way, tie=False, **options)
+    options |= {"frontend": way, "tie": False}
+    if cached is None:
+        traced = trace(source, mb_args, kwargs, **options)
+    else:
+        traced = tracecache.trace(source, mb_args, kwargs, options | {"pipeline": True},
+                                  lambda: trace(source, mb_args, kwargs, **options), cached)
     traced = loss_only(traced, type(source).__name__)  # the loss alone; an output object's .loss too (nvtp/pipeline/calls.py)
     staged = cut_stages(traced, repeated.prefix, repeated.count, layout.pp, cut)
     tied = aliases(source)

@@ -113,6 +113,11 @@ def check_module(sm: Any, compiled: Any, args: tuple, kwargs: dict, verify: bool
     return outcome
 
 
+def will_check_pipeline(forward: Any, verify: bool | float) -> bool:
+    """Whether ``check_pipeline`` will compare a pipeline traced as ``forward`` against eager."""
+    return verify is not False and not _unchecked(forward, None)
+
+
 def will_check(forward: Any, mesh: Any, axis_options: dict, verify: bool | float) -> bool:
     """Whether ``check_module`` will compare a program traced as ``forward`` (a Fusion), sharded
     over ``mesh`` with ``axis_options``, against eager (``verify`` on, no random draws, nothing

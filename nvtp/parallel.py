@@ -34,6 +34,7 @@ import functools
 import hashlib
 import inspect
 import json
+import time
 import types
 import warnings
 from typing import Any, Mapping
@@ -236,7 +237,9 @@ class ShardedModule(torch.nn.Module):
                                axis_options=self.axis_options)
         self.notes = list(program.notes)
         self._shard_parameters(program)
+        start = time.perf_counter()
         run = backends.BACKENDS[self.backend].lower(program, self.comm, compile=self.compile_mode)
+        program.seconds["lower"] = time.perf_counter() - start  # the first call's report: trace, shard, lower, check
         return RankProgram(program, run, self.rank, self._part_rows, self._signature(args, kwargs), program.source.call)
 
     def _check_batches(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
@@ -319,8 +322,10 @@ class ShardedModule(torch.nn.Module):
         MiscompileError); a program derived at a new length that fails the check is traced instead
         (``Lengths.settle``), with a warning, and that one checked."""
         compiled = self._compiled_for(args, kwargs)
+        start = time.perf_counter()
         try:
             outcome = guard.check_module(self, compiled, args, kwargs, self.verify)
+            compiled.program.seconds.setdefault("check", time.perf_counter() - start)
         except guard.MiscompileError as e:
             why = self._lengths.settle(args, kwargs, self._mode(), e.first)
             if not why:

@@ -26,7 +26,9 @@ The entry is written in nvtp's own formats, read back without running code: the 
 backward as nvFuser definition files (``nvtp.ir.parser``), the rest as JSON (the FX route's call
 structure as torch's ``treespec_dumps``), folded constants by ``torch.load(weights_only=True)``.
 Ranks that start together wait for the first to write (a file lock; each waits up to
-``WAIT_SECONDS``, then traces itself). A damaged entry is reported and traced anew.
+``WAIT_SECONDS``, then traces itself). A damaged entry is reported and traced anew. The entries
+together stay under ``NVTP_CACHE_MAX_MB`` (default 2048): after each write the least recently used
+(written or read) are removed.
 """
 
 from __future__ import annotations
@@ -64,6 +66,41 @@ _FORMAT = 1  # bumped when an entry's layout changes
 
 class Uncacheable(Exception):
     """The key cannot describe what the trace depends on."""
+
+
+def limit_bytes() -> int:
+    """The most the entries may take together (``NVTP_CACHE_MAX_MB``, default 2048 MB)."""
+    raw = os.environ.get("NVTP_CACHE_MAX_MB", "2048")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"NVTP_CACHE_MAX_MB={raw!r} is not a number of megabytes (e.g. 2048)") from None
+    return int(mb * 2**20)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def evict(root: Path, limit: int) -> list[Path]:
+    """Entries removed, least recently used first (an entry is used when written or read: its
+    ``traced.json``'s modification time), until the rest take at most ``limit`` bytes."""
+    entries = []
+    for p in root.iterdir():
+        marker = p / "traced.json"
+        if p.is_dir() and not p.name.startswith(".") and marker.exists():
+            entries.append((marker.stat().st_mtime, p, _size(p)))
+    total = sum(n for _, _, n in entries)
+    removed = []
+    for _, p, n in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        shutil.rmtree(p, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (root / f"{p.name}.lock").unlink()
+        total -= n
+        removed.append(p)
+    return removed
 
 
 def directory() -> Path | None:
@@ -295,11 +332,19 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None
     root = directory()
     if root is None:
         return trace_fn()
+    limit = limit_bytes()  # a bad NVTP_CACHE_MAX_MB is refused before the trace
     try:
         name = key(module, args, kwargs or {}, options)
     except Uncacheable:
         return trace_fn()
     path = root / name
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{name}.lock").touch()
+    except OSError as e:  # a read-only or missing home: the trace stands, the cache says why it is not used
+        warnings.warn(f"nvtp: the trace cache cannot use {root} ({e}); tracing without it. Set NVTP_CACHE_DIR to a "
+                      "writable directory, or NVTP_CACHE=0")
+        return trace_fn()
     with _locked(root / f"{name}.lock", WAIT_SECONDS) as held:
         if (path / "traced.json").exists():
             try:
@@ -311,6 +356,8 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 if checked(traced):
+                    with contextlib.suppress(OSError):
+                        os.utime(path / "traced.json")  # used: the last to be evicted
                     return traced
         traced = trace_fn()
         if held and not path.exists():
@@ -319,6 +366,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None
                 tmp.rmdir()
                 _write(tmp, traced)
                 tmp.rename(path)
+                evict(root, limit)
             except Uncacheable:
                 shutil.rmtree(tmp, ignore_errors=True)
             except OSError as e:  # a full or read-only disk: the trace stands, the cache says why it kept nothing

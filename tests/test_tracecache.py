@@ -35,18 +35,6 @@ def _data():
     return [tuple(torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)) for _ in range(2)]
 
 
-def _train(net, data):
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = []
-    for idx, tgt in data:
-        opt.zero_grad()
-        loss = net(idx, tgt)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.fixture(scope="module")
 def tiny_gpt():
     torch.manual_seed(0)
@@ -58,9 +46,9 @@ def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, mon
     reads it; both train like the model in eager PyTorch (2 SGD steps: losses and weights)."""
     data = _data()
     want = copy.deepcopy(tiny_gpt)
-    want_losses = _train(want, data)
+    want_losses = differing.train_eager(want, data)
     first = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
-    assert _train(first, data) == pytest.approx(want_losses, rel=1e-5)
+    assert differing.train_eager(first, data) == pytest.approx(want_losses, rel=1e-5)
     assert not first.lower(*data[0]).traced.how.startswith("from the trace cache")
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
 
@@ -69,8 +57,11 @@ def test_a_second_jit_reads_the_trace_and_trains_like_eager(cache, tiny_gpt, mon
 
     monkeypatch.setattr(driver, "trace", no_trace)
     second = nvtp.jit(copy.deepcopy(tiny_gpt), plan="megatron", mesh=1)
-    assert _train(second, data) == pytest.approx(want_losses, rel=1e-5)
+    assert differing.train_eager(second, data) == pytest.approx(want_losses, rel=1e-5)
     assert second.lower(*data[0]).traced.how.startswith(f"from the trace cache ({cache}")
+    cold, warm = first.lower(*data[0]).seconds, second.lower(*data[0]).seconds  # the first call's report
+    assert {"trace", "shard", "lower", "check"} <= cold.keys() and {"trace", "shard", "lower", "check"} <= warm.keys()
+    assert warm["trace"] < cold["trace"] / 3, (warm, cold)  # read, not traced
     for (name, p), q in zip(second.module.named_parameters(), want.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
@@ -173,6 +164,34 @@ def test_ranks_that_start_together_trace_once(cache, tiny_gpt, traced_gpt):
     assert all(g is not None and g.forward == traced_gpt.forward for g in got)
 
 
+def test_a_directory_it_cannot_write_is_said_and_traced_without(monkeypatch, tmp_path, tiny_gpt):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("NVTP_CACHE", "1")
+    monkeypatch.setenv("NVTP_CACHE_DIR", str(blocked))  # traces/ cannot be made under a file
+    with pytest.warns(UserWarning, match="cannot use .*tracing without it"):
+        assert tracecache.trace(tiny_gpt, _data()[0], {}, {}, lambda: "traced", lambda t: True) == "traced"
+
+
+def test_the_least_recently_used_entries_go_first_beyond_the_limit(cache, tiny_gpt, traced_gpt, monkeypatch):
+    """Three entries (three call shapes); the first is read again, so the second is the least
+    recently used: with room for two, the second goes. A bad limit is refused before any trace."""
+    shapes = [_data()[0], tuple(t[:1] for t in _data()[0]), tuple(t[:, :8] for t in _data()[0])]
+    keys = [tracecache.key(tiny_gpt, s, {}, {}) for s in shapes]
+    for s in shapes[:2]:
+        tracecache.trace(tiny_gpt, s, {}, {}, lambda: traced_gpt, lambda t: True)
+    time.sleep(0.05)
+    tracecache.trace(tiny_gpt, shapes[0], {}, {}, lambda: pytest.fail("traced again"), lambda t: True)  # read: used again
+    size = max(tracecache._size(cache / k) for k in keys[:2])
+    monkeypatch.setenv("NVTP_CACHE_MAX_MB", str(2.5 * size / 2**20))
+    time.sleep(0.05)
+    tracecache.trace(tiny_gpt, shapes[2], {}, {}, lambda: traced_gpt, lambda t: True)
+    assert [(cache / k).exists() for k in keys] == [True, False, True]
+    monkeypatch.setenv("NVTP_CACHE_MAX_MB", "lots")
+    with pytest.raises(ValueError, match="NVTP_CACHE_MAX_MB='lots' is not a number"):
+        tracecache.trace(tiny_gpt, shapes[0], {}, {}, lambda: pytest.fail("traced"), lambda t: True)
+
+
 def test_the_cache_is_off_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("NVTP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("NVTP_CACHE", "0")
@@ -210,3 +229,19 @@ def test_a_script_run_twice_traces_once(tmp_path):
         first = r.stdout.split("loss ")[1].split()
         assert abs(float(first[0]) - float(first[2])) < 1e-5, r.stdout
     assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout, [r.stdout for r in runs]
+
+
+def test_a_pipelines_trace_is_kept_and_read_back_into_the_same_stages(cache, monkeypatch):
+    """``driver.compile_pipeline(..., cached=...)`` (what a pipeline's runtime passes: the first-call
+    check stands behind it) keeps the whole trace; the second compile reads it, cuts the same
+    stages and shards them alike."""
+    cfg = gpt.config("tiny", n_layer=4, batch=4)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    idx, tgt = gpt.example_tokens(cfg)
+    first = driver.compile_pipeline(model, idx, tgt, mesh="2x1x1", microbatches=2, cached=lambda t: True)
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: pytest.fail("traced again"))
+    second = driver.compile_pipeline(model, idx, tgt, mesh="2x1x1", microbatches=2, cached=lambda t: True)
+    assert second.traced.how.startswith("from the trace cache") and not first.traced.how.startswith("from the trace cache")
+    for a, b in zip(first.programs, second.programs):
+        assert a.forward.fusion == b.forward.fusion and a.backward.fusion == b.backward.fusion

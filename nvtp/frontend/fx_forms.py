@@ -42,17 +42,50 @@ def minimum(input, other):
     return -torch.maximum(-input, -other)
 
 
+def _along(input, largest: bool, dim, keepdim=False):
+    """``torch.max(x, dim)`` / ``torch.min(x, dim)``: (values, indices), the index of the first
+    extreme along ``dim`` as torch gives it, written with ops nvtp compiles (Thunder has no argmax):
+    the extreme (``amax``/``amin``), the least position holding it, and the value read there (so
+    the gradient reaches that one position, as torch's does)."""
+    n = input.shape[dim]
+    best = input.amax(dim, keepdim=True) if largest else input.amin(dim, keepdim=True)
+    shape = [1] * input.dim()
+    shape[dim] = n
+    positions = torch.arange(n, device=input.device).reshape(shape)
+    index = torch.where(input == best, positions, n).amin(dim, keepdim=True)
+    values = torch.take_along_dim(input, index, dim)
+    if not keepdim:
+        values, index = values.squeeze(dim), index.squeeze(dim)
+    return values, index
+
+
+def _reduced(input, args, kwargs, largest: bool):
+    """The (values, indices) form, or None for the others (the whole tensor's extreme, two tensors)."""
+    dim = args[0] if args else kwargs.get("dim")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        return None
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    return _along(input, largest, dim, keepdim)
+
+
 def _min(input, *args, **kwargs):
     """``torch.min(x, other)`` with a tensor ``other`` is ``minimum`` (Apertus's xIELU: ``min(x, eps)``);
-    Thunder runs the two-tensor form only opaquely. Any other form is torch.min itself."""
+    Thunder runs the two-tensor form only opaquely. ``torch.min(x, dim)`` is ``_along``. Any other
+    form is torch.min itself."""
     other = args[0] if args else kwargs.get("other")
-    return minimum(input, other) if isinstance(other, torch.Tensor) else torch.min(input, *args, **kwargs)
+    if isinstance(other, torch.Tensor):
+        return minimum(input, other)
+    along = _reduced(input, args, kwargs, largest=False)
+    return along if along is not None else torch.min(input, *args, **kwargs)
 
 
 def _max(input, *args, **kwargs):
-    """``torch.max(x, other)`` with a tensor ``other`` is ``torch.maximum``."""
+    """``torch.max(x, other)`` with a tensor ``other`` is ``torch.maximum``; ``torch.max(x, dim)`` is ``_along``."""
     other = args[0] if args else kwargs.get("other")
-    return torch.maximum(input, other) if isinstance(other, torch.Tensor) else torch.max(input, *args, **kwargs)
+    if isinstance(other, torch.Tensor):
+        return torch.maximum(input, other)
+    along = _reduced(input, args, kwargs, largest=True)
+    return along if along is not None else torch.max(input, *args, **kwargs)
 
 
 DECOMPOSITIONS: dict[Any, Any] = {torch.addmm: _addmm, torch.baddbmm: _baddbmm, torch.min: _min, torch.max: _max, torch.minimum: minimum,

@@ -136,7 +136,8 @@ class PipelineModule(torch.nn.Module):
         precheck.check_call(self.module, None, args)  # what the arguments already tell, before tracing
         self.program = pp = driver.compile_pipeline(self.module, *args, plan=self.plan, mesh=self.layout,
                                                     microbatches=self.microbatches, schedule=self.schedule, cut=self.cut,
-                                                    backend=self.backend, frontend=self.frontend, recompute=self.recompute)
+                                                    backend=self.backend, frontend=self.frontend, recompute=self.recompute,
+                                                    cached=lambda t: guard.will_check_pipeline(t.forward, self.verify))
         self._arg_shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         mine = pp.programs[self.stage]
         self._comm = self._stage_comm()
