@@ -372,11 +372,12 @@ def _placed_inputs(forward) -> list[tuple[str, Any]]:
 def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron", mesh: Any = None, backend: str | Target = "reference",
             fsdp: bool = False, frontend: str = "auto", regional: bool = True, placed: Mapping[str, Any] | None = None,
             overlap: bool = True, collective_matmul: bool | str = "auto", machine: Any = None,
-            axis_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Program:
+            axis_options: Mapping[str, Any] | None = None, cached: Any = None, **kwargs: Any) -> Program:
     """``shard(trace(...))``: ``source`` a module called with ``args``/``kwargs`` (on a dp mesh one
     rank's batch, as ``nvtp.jit`` takes it), or a parsed dump. ``mesh``: anything ``make_mesh``
     takes. The plan is checked against the module's names before anything is traced. ``overlap``,
-    ``collective_matmul``, ``machine``: the schedule's, ``axis_options`` the axes', as ``shard`` takes them."""
+    ``collective_matmul``, ``machine``: the schedule's, ``axis_options`` the axes', as ``shard`` takes them.
+    ``cached`` (``traced -> bool``, as ``nvtp.tracecache.trace`` takes it): the trace is kept on disk and read back."""
     schedule = dict(overlap=overlap, collective_matmul=collective_matmul, machine=machine, axis_options=axis_options)
 
     mesh = make_mesh(mesh, fsdp=fsdp)
@@ -387,8 +388,11 @@ def compile(source: Any, *args: Any, plan: str | Mapping[str, Any] = "megatron",
     check_plan(plan, plan_names(source), type(source).__name__)
     way = route(source, frontend)
     args, kwargs = bind_call(source, way, args, kwargs)
-    traced = trace(source, args, kwargs, frontend=way, regional=regional, flash=as_target(backend).flash_attention,
-                   **axes.trace_options(mesh, plan))
+    options = dict(frontend=way, regional=regional, flash=as_target(backend).flash_attention, **axes.trace_options(mesh, plan))
+    if cached is None:
+        traced = trace(source, args, kwargs, **options)
+    else:  # the options nvtp.jit traces with: the same key, the same entry
+        traced = tracecache.trace(source, args, kwargs, options, lambda: trace(source, args, kwargs, **options), cached)
     return shard(traced, plan, mesh, backend, fsdp=fsdp, placed=placed, **schedule)
 
 

@@ -104,7 +104,9 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     precheck.check_call(model, mesh, args, kwargs)  # what the arguments already tell, before tracing
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
                              machine=machine, collective_matmul=collective_matmul,
-                             axis_options={} if capacity_factor is None else {"capacity_factor": capacity_factor}, **kwargs)
+                             axis_options={} if capacity_factor is None else {"capacity_factor": capacity_factor},
+                             cached=lambda traced: False,  # nothing here checks it: read while the user's code is unchanged
+                             **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
         batch = f"traced batch = dp x each rank's batch (the example arguments') = {axes.extent(mesh, 'splits_batch')} x {example_args[0].shape[0]}"

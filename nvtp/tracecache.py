@@ -18,9 +18,11 @@ named by a key of everything the trace depends on:
 
 State the key cannot describe (an object of an unknown class) makes the call uncacheable: traced,
 never guessed. Code the key does not see (a helper in another file of the user's that the forward
-calls) is covered by the first-call check: a cached trace is used only where ``nvtp.guard`` compares
+calls) is covered by the first-call check: a cached trace is used where ``nvtp.guard`` compares
 the program with the model run eagerly before it runs (``checked``), so a stale entry is refused
-there, never run silently.
+there, never run silently. A program the check cannot compare (dropout draws) is read only when
+every source file of the user's own that is loaded (outside Python, the installed packages and
+nvtp: the script included) is as it was when the entry was written (``_user_code``).
 
 The entry is written in nvtp's own formats, read back without running code: the forward and
 backward as nvFuser definition files (``nvtp.ir.parser``), the rest as JSON (the FX route's call
@@ -43,6 +45,8 @@ import inspect
 import json
 import os
 import shutil
+import site
+import sys
 import tempfile
 import time
 import types
@@ -50,6 +54,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import thunder
 import torch
 import torch.utils._pytree as pytree
 
@@ -132,10 +137,7 @@ def _source_of(obj: Any) -> str:
 
 @functools.cache
 def _versions() -> str:
-    import nvtp
-    import thunder
-
-    package = Path(nvtp.__file__).parent
+    package = Path(__file__).parent  # nvtp/
     h = hashlib.sha256()
     for p in sorted(package.rglob("*.py")):
         h.update(str(p.relative_to(package)).encode())
@@ -146,6 +148,22 @@ def _versions() -> str:
     except ImportError:
         hf = None
     return repr((_FORMAT, h.hexdigest(), torch.__version__, getattr(thunder, "__version__", "?"), hf))
+
+
+def _user_code() -> str:
+    """A digest of the source of every module loaded from outside Python, the installed packages and
+    nvtp (which ``_versions`` covers): the user's own code, the script (``__main__``) included."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages(),
+             str(Path(__file__).parent)]
+    skip = tuple(os.path.realpath(p) + os.sep for p in paths)
+    files = sorted({os.path.realpath(f) for m in list(sys.modules.values())
+                    if isinstance(f := getattr(m, "__file__", None), str) and f.endswith(".py")} - {""})
+    h = hashlib.sha256()
+    for f in files:
+        if not f.startswith(skip) and os.path.exists(f):
+            st = os.stat(f)
+            h.update(f"{f}:{_file_digest(f, st.st_mtime_ns, st.st_size)}".encode())
+    return h.hexdigest()
 
 
 def _tensor(t: torch.Tensor, values: bool) -> tuple:
@@ -271,7 +289,7 @@ def _write(path: Path, traced: Traced) -> None:
             "tied": dict(traced.tied), "seconds": traced.seconds, "split_parts": traced.split_parts,
             "declined": _plain(list(traced.declined)), "layers": dict(getattr(captured, "layers", None) or {}),
             "regional": getattr(captured, "regional", ""), "output_tree": tree, "call": call,
-            "backward": traced.backward is not None}
+            "backward": traced.backward is not None, "user_code": _user_code()}
     path.mkdir(parents=True)
     (path / "forward.py").write_text(format_file(traced.forward))
     if traced.backward is not None:
@@ -281,7 +299,8 @@ def _write(path: Path, traced: Traced) -> None:
     (path / "traced.json").write_text(json.dumps(meta))  # last: its presence marks the entry whole
 
 
-def _read(path: Path) -> Traced:
+def _read(path: Path) -> tuple[Traced, str]:
+    """The entry's ``Traced``, and the digest of the user's code when it was written (``_user_code``)."""
     meta = json.loads((path / "traced.json").read_text())
     forward = parse((path / "forward.py").read_text(), str(path / "forward.py")).fusion
     backward = parse((path / "backward.py").read_text(), str(path / "backward.py")).fusion if meta["backward"] else None
@@ -299,7 +318,7 @@ def _read(path: Path) -> Traced:
     captured = types.SimpleNamespace(output_tree=tree, layers=dict(meta["layers"]), regional=meta["regional"])
     return Traced(forward, backward, meta["route"], f"from the trace cache ({path}); traced as: {meta['how']}", captured, call,
                   list(meta["arguments"]), None if meta["weights"] is None else frozenset(meta["weights"]), meta["boundary"],
-                  dict(meta["tied"]), meta["seconds"], meta["split_parts"], list(meta["declined"]))
+                  dict(meta["tied"]), meta["seconds"], meta["split_parts"], list(meta["declined"])), meta["user_code"]
 
 
 @contextlib.contextmanager
@@ -327,8 +346,9 @@ def _locked(lock: Path, wait: float):
 def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
           trace_fn: Callable[[], Traced], checked: Callable[[Traced], bool]) -> Traced:
     """``trace_fn()``'s ``Traced``, from the cache when an entry for this module, call and
-    ``options`` exists and ``checked(traced)`` says the first-call check will compare its program
-    with eager; else traced, and kept for the next caller."""
+    ``options`` exists and either ``checked(traced)`` says the first-call check will compare its
+    program with eager, or none of the user's source files changed since the entry was written;
+    else traced, and kept for the next caller."""
     root = directory()
     if root is None:
         return trace_fn()
@@ -346,22 +366,28 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None
                       "writable directory, or NVTP_CACHE=0")
         return trace_fn()
     with _locked(root / f"{name}.lock", WAIT_SECONDS) as held:
+        stale = False
         if (path / "traced.json").exists():
             try:
                 start = time.perf_counter()
-                traced = _read(path)
+                traced, user_code = _read(path)
                 traced.seconds = time.perf_counter() - start
             except Exception as e:  # noqa: BLE001 - a damaged entry: said, removed, traced anew
                 warnings.warn(f"nvtp: the trace cache's entry {path} cannot be read ({type(e).__name__}: {e}); tracing anew")
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                if checked(traced):
+                # the first-call check stands behind it, or (a program it cannot check: dropout) none of the
+                # user's own source files changed since it was written
+                if checked(traced) or user_code == _user_code():
                     with contextlib.suppress(OSError):
                         os.utime(path / "traced.json")  # used: the last to be evicted
                     return traced
+                stale = True
         traced = trace_fn()
-        if held and not path.exists():
+        if held and (stale or not path.exists()):
             try:
+                if stale:
+                    shutil.rmtree(path)
                 tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
                 tmp.rmdir()
                 _write(tmp, traced)

@@ -131,13 +131,36 @@ def test_a_damaged_entry_is_reported_and_traced_anew(cache, tiny_gpt, traced_gpt
     assert calls == [1] and back is traced_gpt
 
 
-def test_an_entry_is_read_only_where_the_first_call_check_stands_behind_it(cache, tiny_gpt, traced_gpt):
-    """``verify=False``, or a program with random draws (dropout) the check cannot compare: traced."""
+def test_a_program_the_check_cannot_compare_is_read_only_while_the_users_code_is_unchanged(cache, tiny_gpt, traced_gpt,
+                                                                                              monkeypatch):
+    """``verify=False``, or dropout the first-call check cannot compare: the entry is read while
+    every source file of the user's own is as it was when it was written, else traced anew (and
+    the entry rewritten)."""
     args = _data()[0]
     tracecache.trace(tiny_gpt, args, {}, {}, lambda: traced_gpt, lambda t: True)
     calls = []
     tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(1) or traced_gpt, lambda t: False)
-    assert calls == [1]
+    assert calls == []  # unchecked, but nothing of the user's changed
+    monkeypatch.setattr(tracecache, "_user_code", lambda: "an edited helper")
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(2) or traced_gpt, lambda t: False)
+    assert calls == [2]  # unchecked and the user's code changed: traced
+    tracecache.trace(tiny_gpt, args, {}, {}, lambda: calls.append(3) or traced_gpt, lambda t: False)
+    assert calls == [2]  # the entry was rewritten with the new code's digest
+
+
+def test_the_users_code_is_the_files_loaded_from_outside_python_and_the_packages():
+    import tests.differing as user_module
+
+    digest = tracecache._user_code()
+    assert digest == tracecache._user_code()
+    files = {m.__file__ for m in (torch, pytest, tracecache)}  # the packages and nvtp are not the user's
+    assert user_module.__file__ not in files
+    original = user_module.__file__
+    try:
+        user_module.__file__ = str(Path(original).with_name("data_checks_models.py"))  # as if the user's file changed
+        assert tracecache._user_code() != digest
+    finally:
+        user_module.__file__ = original
 
 
 def test_ranks_that_start_together_trace_once(cache, tiny_gpt, traced_gpt):
@@ -245,3 +268,42 @@ def test_a_pipelines_trace_is_kept_and_read_back_into_the_same_stages(cache, mon
     assert second.traced.how.startswith("from the trace cache") and not first.traced.how.startswith("from the trace cache")
     for a, b in zip(first.programs, second.programs):
         assert a.forward.fusion == b.forward.fusion and a.backward.fusion == b.backward.fusion
+
+
+def test_explain_reads_the_trace_while_the_users_code_is_unchanged(cache, monkeypatch):
+    """``nvtp.plan`` / ``nvtp explain`` run nothing that could check a trace: they read an entry
+    while the user's code is as it was (the same entry ``nvtp.jit`` keeps), and report it."""
+    model, args, _ = differing.window()
+    first = nvtp.plan(model, *args, plan="megatron", devices=2)
+    monkeypatch.setattr(driver, "trace", lambda *a, **k: pytest.fail("traced again"))
+    second = nvtp.plan(model, *args, plan="megatron", devices=2)
+    assert "from the trace cache" in second.as_text() and "from the trace cache" not in first.as_text()
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith("time:")]  # noqa: E731
+    assert strip(second.as_text()) == strip(first.as_text())
+
+
+@pytest.mark.slow
+def test_nvtp_explain_as_typed_twice_reads_the_first_ones_trace(tmp_path):
+    env = {**os.environ, "NVTP_CACHE": "1", "NVTP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "nvtp", "explain", "--module", "tests.differing:window", "--plan", "megatron", "--devices", "2"]
+    runs = [subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    assert "from the trace cache" not in runs[0].stdout and "from the trace cache" in runs[1].stdout
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith("time:")]  # noqa: E731
+    assert strip(runs[0].stdout) == strip(runs[1].stdout)
+
+
+@pytest.mark.slow
+def test_plan_auto_reads_its_sample_from_the_cache(tmp_path):
+    """``nvtp explain --plan auto`` as typed, twice: the second search reads the sample's trace
+    (the first's), chooses the same plan and prints the same table."""
+    env = {**os.environ, "NVTP_CACHE": "1", "NVTP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "nvtp", "explain", "--model", "nanogpt", "--config", "tiny", "--plan", "auto", "--devices", "4"]
+    runs, entries = [], []
+    for _ in range(2):
+        runs.append(subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600))
+        entries.append(sorted(p.name for p in (tmp_path / "traces").iterdir() if p.is_dir()))
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    same = lambda text: [ln for ln in text.splitlines() if not ln.startswith("searched ")]  # noqa: E731
+    assert same(runs[0].stdout) == same(runs[1].stdout)
+    assert entries[0] and entries[1] == entries[0]  # the sample kept by the first, read (not traced and kept again) by the second

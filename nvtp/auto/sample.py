@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from nvtp import driver
+from nvtp import driver, tracecache
 from nvtp.errors import InputError
 from nvtp.frontend.recompute import sequence_of
 from nvtp.pipeline import calls
@@ -104,7 +104,10 @@ def take(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any], facts: 
         sub = truncated(model, facts.prefix, count)
     way = driver.route(model, frontend)
     bargs, bkwargs = driver.bind_call(model, way, args, kwargs)
-    traced = driver.trace(sub, bargs, bkwargs, frontend=way, split_parts=split_parts, ring=ring, like=None)
+    options = dict(frontend=way, split_parts=split_parts, ring=ring, like=None)
+    # nothing here checks the trace: read from the cache while the user's code is unchanged (nvtp/tracecache.py)
+    traced = tracecache.trace(sub, bargs, bkwargs, options | {"sample": True}, lambda: driver.trace(sub, bargs, bkwargs, **options),
+                              lambda t: False)
     if facts.prefix is not None:
         found = block_ops(traced, facts.prefix, count)
     else:
