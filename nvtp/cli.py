@@ -173,10 +173,16 @@ def cmd_explain(args) -> int:
 
 
 def _load_factory(spec: str):
-    """(model, example_args, example_kwargs) of ``--module pkg.mod:factory``."""
+    """(model, example_args, example_kwargs) of ``--module pkg.mod:factory``; ``pkg.mod`` is
+    looked for on the path and then in the current directory (a user's own file beside them)."""
     mod_name, _, attr = spec.partition(":")
     if not attr:
         raise Usage(f"--module takes pkg.mod:factory, got {spec!r}")
+    # `python -m nvtp` finds a module in the current directory (sys.path[0] is ''), the `nvtp`
+    # console script did not (its sys.path[0] is its bin directory): the same command failed with
+    # "No module named". Appended, not prepended, so a file there never shadows an installed package.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
@@ -373,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--batch", type=_positive_int, default=None,
                            help="with --model: each rank's batch (default the config's); on --mesh DPxTP the traced batch is DP times it")
             c.add_argument("--module", help="explain pkg.mod:factory's model (factory() returns (model, example_args) or (model, example_args, "
-                                                 "example_kwargs): one rank's batch on --mesh; e.g. nvtp.models.hf:llama3_70b); "
+                                                 "example_kwargs): one rank's batch on --mesh; e.g. nvtp.models.hf:llama3_70b, or mymodel:make for "
+                                                 "a mymodel.py in the current directory); "
                                                  "a chain of repeated blocks is traced as one block and the model without them, then spliced, as nvtp.jit does")
         c.set_defaults(fn=fn)
 

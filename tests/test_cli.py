@@ -207,6 +207,16 @@ def test_explain_of_a_backward_names_the_plan_asked_for(capsys):
     assert (report["plan"], report["sharded_from"], report["devices"]) == ("megatron", "nanogpt_gpt3_bf16_fwd.py", 4)
 
 
+def test_explain_finds_a_module_factory_in_the_current_directory(tmp_path):
+    """``nvtp explain --module mine:make`` typed beside the user's own mine.py: the console script's
+    sys.path holds its bin directory, not the current one, and said "No module named 'mine'";
+    now the module is found (its factory here returns no model, refused as such, exit 2)."""
+    (tmp_path / "nvtp_user_factory.py").write_text("def make():\n    return 1\n")
+    proc = run(["nvtp", "explain", "--module", "nvtp_user_factory:make", "--plan", "megatron", "--mesh", "ep=2"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "--module nvtp_user_factory:make: the factory must return (model, example_args)" in proc.stderr, proc.stderr
+
+
 def test_explain_into_a_closed_pipe_stops_quietly():
     """`nvtp explain ... | head -1`: a reader that goes away is no failure of nvtp's. It stops
     without a message, with the status of a command SIGPIPE stopped (141); it printed

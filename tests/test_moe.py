@@ -52,6 +52,8 @@ def build(family: str, implementation: str | None = None, seed: int = 0, **extra
         "qwen3_moe": (lambda: t.Qwen3MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=32, head_dim=16, **extra),
                       t.Qwen3MoeForCausalLM),
         "olmoe": (lambda: t.OlmoeConfig(**COMMON, num_experts=4, **extra), t.OlmoeForCausalLM),
+        "gpt_oss": (lambda: t.GptOssConfig(**(COMMON | {"intermediate_size": 32}), num_local_experts=4, head_dim=16, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention"], **extra), t.GptOssForCausalLM),
     }[family]
     kwargs = {"experts_implementation": implementation} if implementation else {}
     return cls._from_config(cfg(), **kwargs)
@@ -462,11 +464,7 @@ def test_router_and_expert_ops_around_the_experts_trace_and_match_eager(frontend
 def test_gpt_oss_at_tp2_matches_eager():
     """gpt-oss's experts: transposed weights ([E, in, out]), biases, gate and up interleaved and
     clamped (its own ``_apply_gate``); attention sinks and a sliding window around them."""
-    t = transformers
-    common = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
-    torch.manual_seed(0)
-    model = t.GptOssForCausalLM._from_config(t.GptOssConfig(**common, num_local_experts=4, intermediate_size=32, head_dim=16,
-                                                            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    model = build("gpt_oss")
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     check_parity(model, Mesh(model, 2, "megatron", ids, labels=ids), ids)
 

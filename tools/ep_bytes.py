@@ -3,6 +3,7 @@
     .venv/bin/python tools/ep_bytes.py              # the benchmark's config: batch 8 x 32, ep=2
     .venv/bin/python tools/ep_bytes.py 4            # ep=4
     .venv/bin/python tools/ep_bytes.py 2 deepseek_v3    # transformers' DeepSeek-V3 (tests/test_ep.py's tiny config)
+    .venv/bin/python tools/ep_bytes.py 2 qwen2_moe      # or qwen3_moe, olmoe, gpt_oss (tests/test_ep.py: _hf_moe)
 
 nvtp's MoE GPT (``benchmarks/ep_worker.py``'s config: hidden 64, 4 experts, top-2, expert width
 128, 2 layers, fp32, batch 8 x 32) on simulated ranks (threads of one process; the bytes are those
@@ -11,8 +12,9 @@ first (whose call also runs nvtp.jit's first-call check), the bytes each rank se
 (``nvtp.execute.ep.recording()``), against its Program's steps and against the analytical volume:
 per MoE layer and pass (forward, backward) one dispatch and one combine of a rank's routed rows
 routed uniformly ((P-1)/P of them leave the rank), each ``n_embd`` wide. No timing.
-With ``deepseek_v3``: transformers' DeepSeek-V3 of ``tests/test_ep.py: _deepseek_v3`` (hidden 64, 4
-routed experts, top-2, a shared expert, 2 MoE layers, batch 4 x 8), the same count.
+With a transformers family (``deepseek_v3``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``, ``gpt_oss``): its
+tiny build of ``tests/test_ep.py: _hf_moe`` (hidden 64, 4 routed experts, top-2, 2 MoE layers,
+batch 4 x 8), the same count.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from nvtp.sharding.placements import DeviceMesh  # noqa: E402
 
 def _model(family: str, ep: int):
     """(model, batch, its loss of a call, a description, MoE layers, a rank's routed rows a layer, hidden)."""
-    if family == "deepseek_v3":
-        from tests.test_ep import _deepseek_v3
+    if family != "moe_gpt":
+        from nvtp.frontend.moe import is_transformers_experts
+        from tests.test_ep import _hf_moe
 
-        model, ids = _deepseek_v3()
+        model, ids = _hf_moe(family)
         c = model.config
         rows = ids.numel() // ep * c.num_experts_per_tok
-        layers = c.num_hidden_layers - c.first_k_dense_replace
-        what = (f"DeepSeek-V3 batch {ids.shape[0]} x {ids.shape[1]}, {c.n_routed_experts} routed experts, top-{c.num_experts_per_tok}, "
-                f"{layers} MoE layers, ep={ep}")
+        experts = [m for m in model.modules() if is_transformers_experts(m)]
+        layers = len(experts)
+        what = (f"{type(model).__name__} batch {ids.shape[0]} x {ids.shape[1]}, {experts[0].num_experts} routed experts, "
+                f"top-{c.num_experts_per_tok}, {layers} MoE layers, ep={ep}")
         return model, (ids,), lambda m: m(ids, labels=ids).loss, what, layers, rows, c.hidden_size
     cfg = moe.config("tiny", batch=8, seq_len=32)
     what = f"MoE GPT batch {cfg.batch} x {cfg.seq_len}, {cfg.n_expert} experts, top-{cfg.top_k}, {cfg.n_layer} layers, ep={ep}"
