@@ -26,7 +26,7 @@ from nvtp.auto.runtime import simulated
 from nvtp.auto.search import size_text
 from nvtp.errors import EXIT_BAD_INPUT, EXIT_USAGE, InputError
 from nvtp.execute import spmd
-from nvtp.auto.costing import flights
+from nvtp.pipeline.schedule import flights
 from nvtp.auto.memory import live_peak
 from nvtp.execute import reference
 from nvtp.ir.parser import parse

@@ -52,7 +52,7 @@ from nvtp.sharding import axes
 from nvtp.sharding.collective_matmul import plan_rings
 from nvtp.sharding.cost import Sizes, simulate
 from nvtp.sharding.overlap import BUCKET_BYTES, schedule_collectives
-from nvtp.sharding.placements import axis_split, local_shape
+from nvtp.sharding.placements import axis_split
 
 OPTIMIZER_BYTES = 28  # Adam: read weight, gradient, two moments; write weight, two moments (4 bytes each)
 
@@ -456,7 +456,7 @@ class Costing:
         per_mb = sum(k * (mem["saved"][b] - rec["dropped"][b] + rec["kept"][b]) for b, k in enumerate(mult))
         moments = (("F", 1, 0), ("B", 1, 0))
         if c.pipelined:
-            moments = flights(c.opts.get("schedule", "1f1b"), stage, stages, c.microbatches)
+            moments = pipeline_schedule.flights(c.opts.get("schedule", "1f1b"), stage, stages, c.microbatches)
         recomputed = max(rec["dropped"]) if any(rec["dropped"]) else 0.0
         forward, backward = peaks
         # A forward ends holding every activation it saves, besides those of the other microbatches
@@ -516,20 +516,6 @@ class Costing:
                     bw, latency = self.machine.link(mesh, a)
                     gather += latency + whole * (mesh.shape[a] - 1) / mesh.shape[a] / bw
         return nbytes, gather
-
-
-def flights(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
-    """Each action of a pipeline stage, in order: ("F" or "B", the microbatches whose activations
-    it holds then, the backwards done before it)."""
-    out, held, done = [], 0, 0
-    for a in pipeline_schedule.actions(schedule, stage, stages, microbatches):
-        if a.kind == "F":
-            held += 1
-            out.append(("F", held, done))
-        else:
-            out.append(("B", held, done))
-            held, done = held - 1, done + 1
-    return out
 
 
 def sample_block(i: int, blocks: int, count: int) -> int:

@@ -72,4 +72,18 @@ def bubble(schedule: str, stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-__all__ = ["Action", "actions", "bubble", "in_flight", "SCHEDULES", "check"]
+def flights(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """Each action of a pipeline stage, in order: ("F" or "B", the microbatches whose activations
+    it holds then, the backwards done before it)."""
+    out, held, done = [], 0, 0
+    for a in actions(schedule, stage, stages, microbatches):
+        if a.kind == "F":
+            held += 1
+            out.append(("F", held, done))
+        else:
+            out.append(("B", held, done))
+            held, done = held - 1, done + 1
+    return out
+
+
+__all__ = ["Action", "actions", "bubble", "in_flight", "SCHEDULES", "check", "flights"]
