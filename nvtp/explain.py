@@ -53,6 +53,12 @@ def _mesh(devices: int | None, mesh: Any, fsdp: bool, default: int) -> DeviceMes
     return make_mesh(mesh, devices=devices if devices is not None or mesh is not None else default, fsdp=fsdp)
 
 
+def _nothing_checks(traced) -> bool:
+    """Whether a check against eager stands behind a trace ``plan`` reads from the trace cache: no,
+    nothing here runs it (``nvtp.tracecache.trace`` then reads it only while the user's code is unchanged)."""
+    return False
+
+
 def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices: int | None = None, backend: str | None = None,
          mesh: "tuple[int, int] | DeviceMesh | None" = None, fsdp: bool = False, regional: bool = True, machine: Any = None,
          collective_matmul: bool | str = "auto", memory: Any = None, compile: str = "kernels",
@@ -105,7 +111,7 @@ def plan(model: torch.nn.Module, *example_args, plan: str = "megatron", devices:
     program = driver.compile(model, *args, plan=plan, mesh=mesh, backend=backend, fsdp=fsdp, regional=regional,
                              machine=machine, collective_matmul=collective_matmul,
                              axis_options={} if capacity_factor is None else {"capacity_factor": capacity_factor},
-                             cached=lambda traced: False,  # nothing here checks it: read while the user's code is unchanged
+                             cached=_nothing_checks,  # read from the trace cache while the user's code is unchanged
                              **kwargs)
     batch = ""
     if mesh.ndim > 1 and example_args and isinstance(example_args[0], torch.Tensor) and example_args[0].ndim:
