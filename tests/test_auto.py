@@ -32,6 +32,7 @@ from nvtp.execute import reference
 from nvtp.ir.parser import parse
 from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh, local_shape
+from tests import workers
 
 ROOT = Path(__file__).parent.parent
 CFG = replace(gpt.config("tiny", n_layer=4), batch=8)  # hidden 64, 4 heads, sequence 16, vocabulary 256; 4 blocks, batch 8
@@ -434,7 +435,6 @@ LLAMA_DP = ["dp4", "dp4 fsdp", "dp2 tp2 megatron fsdp", "dp2 tp2 megatron-sp fsd
 
 
 def _llama_worker(rank, world, init_method, out, candidates):
-    import torch.distributed as dist
 
     from nvtp.auto.runtime import AutoModule
     from nvtp.execute.launch import init_group
@@ -455,13 +455,7 @@ def _llama_worker(rank, world, init_method, out, candidates):
             opt.step()
             losses.append(loss.item())
         got[text] = losses
-    gathered = [None] * world
-    dist.all_gather_object(gathered, got)
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return workers.finish(got, out, world)
 
 
 @pytest.mark.slow

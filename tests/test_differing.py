@@ -221,7 +221,7 @@ def _pipeline_worker(rank, world, init_method, out, kinds):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nvtp.execute.launch import init_group
-    from tests.test_pipeline import _hand_in
+    from tests import workers
 
     init_group(rank, world, init_method)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
@@ -230,7 +230,7 @@ def _pipeline_worker(rank, world, init_method, out, kinds):
         model = nvtp.jit(differing.model(kind), plan="megatron", mesh=mesh, microbatches=2)
         losses = differing.train_eager(model, differing.batches(STEPS, batch=4))
         result[kind] = (losses, model.full_parameters(), model.program.traced.how)
-    return _hand_in(out, world, result)
+    return workers.finish(result, out, world)
 
 
 @pytest.mark.slow  # 2 gloo processes, a trace per variant: 60 s a kind

@@ -212,7 +212,7 @@ def _pipeline_worker(rank, world, init_method, out):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nvtp.execute.launch import init_group
-    from tests.test_pipeline import _hand_in
+    from tests import workers
 
     init_group(rank, world, init_method)
     variants.Recording.variants = lambda self: ([0] * self.count, [])  # the miscompile, in this process
@@ -223,7 +223,7 @@ def _pipeline_worker(rank, world, init_method, out):
         result = "trained"
     except guard.MiscompileError as e:
         result = str(e)
-    return _hand_in(out, world, result)
+    return workers.finish(result, out, world)
 
 
 @pytest.mark.slow  # 2 gloo processes: 60 s

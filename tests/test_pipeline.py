@@ -25,6 +25,7 @@ from nvtp.models import gpt
 from nvtp.pipeline import schedule as sched
 from nvtp.sharding.axes.pp import Layout
 from tests.complex_rotary import ComplexRotaryLM, Config
+from tests import workers
 
 STEPS = 3
 
@@ -83,22 +84,7 @@ def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _hand_in(out, world: int, result) -> int:
-    """The end of every worker: each rank's ``result`` gathered to rank 0, which saves the list
-    to ``out``; then the process group ends."""
-    import torch.distributed as dist
-
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from nvtp.execute.launch import init_group
@@ -134,7 +120,7 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
                for s in model.program.steps(model.stage) if s.axis == "pp"]
     result = {"losses": losses, "norms": norms, "keys": keys, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
-    return _hand_in(out, world, result)
+    return workers.finish(result, out, world)
 
 
 def _tied_copy(model) -> torch.Tensor:
@@ -228,7 +214,6 @@ def test_a_weight_tied_across_first_and_last_stage_stays_tied(tmp_path):
 # -- dropout: fresh draws every call, stage and microbatch ---------------------------------------
 
 def _dropout_worker(rank, world, init_method, out):
-    import torch.distributed as dist
 
     from nvtp.execute.launch import init_group
 
@@ -255,7 +240,7 @@ def _dropout_worker(rank, world, init_method, out):
         refused = ""
     except ValueError as e:
         refused = str(e)
-    return _hand_in(out, world, {"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused})
+    return workers.finish({"calls": calls, "loss": loss.item(), "grads": grads, "seeds": model.seeds, "refused": refused}, out, world)
 
 
 @pytest.mark.slow
@@ -288,7 +273,6 @@ def _mesh_of(shape):
 
 def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
     """``train``: train STEPS steps on ``shape`` and save; else compile on ``shape`` and load."""
-    import torch.distributed as dist
 
     from nvtp.execute.launch import init_group
 
@@ -307,7 +291,7 @@ def _ckpt_worker(rank, world, init_method, out, ckpt, shape, train):
         assert nvtp.load_checkpoint(ckpt, model) == STEPS
     whole = model.full_parameters()
     held = {k: (tuple(v.shape), tuple(v.to_local().shape), type(v).__name__) for k, v in model.checkpoint_state().items()}
-    return _hand_in(out, world, {"params": whole, "held": held, "stage": model.stage})
+    return workers.finish({"params": whole, "held": held, "stage": model.stage}, out, world)
 
 
 @pytest.mark.slow

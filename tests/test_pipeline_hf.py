@@ -27,6 +27,7 @@ from nvtp.execute import reference
 from nvtp.frontend.capture import run_pair
 from nvtp.pipeline.calls import loss_only
 from nvtp.pipeline.stages import cut_stages
+from tests import workers
 
 
 class Block(nn.Module):
@@ -150,7 +151,6 @@ def _batches():
 
 
 def _worker(rank, world, init_method, out, shape, microbatches):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import nvtp
@@ -167,13 +167,7 @@ def _worker(rank, world, init_method, out, shape, microbatches):
         result.loss.backward()
         opt.step()
         losses.append(result.loss.item())
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"losses": losses, "params": model.full_parameters(), "type": type(result).__name__})
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return workers.finish({"losses": losses, "params": model.full_parameters(), "type": type(result).__name__}, out, world)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from nvtp.execute import spmd
 from nvtp.models import gpt
 from nvtp.sharding.placements import DeviceMesh
 from tests.blocks import ParallelBlock
+from tests import workers
 
 CFG = gpt.config("tiny", n_layer=2)
 
@@ -165,7 +166,6 @@ def test_an_unknown_mode_is_refused():
 
 
 def _pipeline_worker(rank, world, init_method, out, mode):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from nvtp.dtensor import local
@@ -180,13 +180,7 @@ def _pipeline_worker(rank, world, init_method, out, mode):
     grads = {n: local(p.grad).clone() for n, p in sm.module.named_parameters()  # a stage holds its own parameters (others: empty)
              if p.grad is not None and local(p.grad).numel()}
     how = [p.source.how for p in sm.program.programs]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (loss.item(), grads, how))
-    if rank == 0:
-        torch.save(gathered, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return workers.finish((loss.item(), grads, how), out, world)
 
 
 @pytest.mark.slow
