@@ -56,6 +56,14 @@ def _written_out():
     return _WrittenOutLM(), (torch.randint(0, 64, (4, 32), generator=g), torch.randint(0, 64, (4, 32), generator=g))
 
 
+def _written_out_square():
+    """The same model at sequence 48 = its hidden size: every [B, T, C] value (the LayerNorm's output, the
+    MLP's input) has two last axes of the sequence too."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _WrittenOutLM(seq=48), (torch.randint(0, 64, (4, 48), generator=g), torch.randint(0, 64, (4, 48), generator=g))
+
+
 def _gpt():
     torch.manual_seed(0)
     return gpt.GPT(CFG), gpt.example_tokens(CFG)
@@ -115,8 +123,8 @@ def _measured_peak(module, example) -> int:
 
 
 @pytest.mark.parametrize("mode, build, size", [("block", _gpt, 2), ("selective", _written_out, 1), ("selective", _written_out, 2),
-                                              ("selective", _gpt, 2)],
-                         ids=["block-gpt-2ranks", "selective-1rank", "selective-2ranks", "selective-flash-gpt-2ranks"])
+                                              ("selective", _written_out_square, 2)],
+                         ids=["block-gpt-2ranks", "selective-1rank", "selective-2ranks", "selective-hidden-size-is-sequence-2ranks"])
 def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(mode, build, size):
     module, losses, grads, want, want_grads = _run(mode, build, size)
     program = module.last
@@ -133,6 +141,13 @@ def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(
         assert len(square) == 2 and not [v for v in f.outputs if f.role(v.name) == "saved" and v.ndim == 4 and v.shape[-1] == 32]
         dropped = _saved_bytes(plain) - _saved_bytes(program)
         assert dropped >= 0.9 * sum(before.value(n).nbytes for n in square)
+    if build is _written_out_square:  # [B, T, C] values look like attention by shape: only the probabilities
+        f, before = program.forward.source, plain.forward.source   # (one a block) are dropped, as at sequence 32
+        saved = {v.name for v in f.outputs if f.role(v.name) == "saved"}
+        dropped = [v for v in before.outputs if before.role(v.name) == "saved" and v.name not in saved]
+        producers = {v.name: op.kind for op in before.ops for v in op.outputs}
+        assert len(dropped) == 2 and all(producers[v.name] not in ("matmul", "permute", "reshape") for v in dropped), \
+            [(v.name, producers[v.name], v.shape) for v in dropped]
     if size == 1:  # the measured peak (one process, the runtime holds every saved value through the backward) is lower by
         example = build()[1]  # what the forward no longer saves (selective: 1.27 -> 1.15 MB, the 122880 B dropped)
         got, was = _measured_peak(module, example), _measured_peak(plain_module, example)
@@ -145,13 +160,15 @@ def _gpt32():
     return gpt.GPT(cfg), gpt.example_tokens(cfg)
 
 
-def test_selective_recomputation_says_when_it_has_nothing_to_recompute():
+@pytest.mark.parametrize("build", [_gpt32, _gpt], ids=["sequence-32", "sequence-16-is-head-size"])
+def test_selective_recomputation_says_when_it_has_nothing_to_recompute(build):
     """nvtp's GPT on the reference backend runs attention as one flash attention, which keeps no
-    [B, h, T, T] values (sequence 32, head size 16): recompute='selective' leaves the program as
-    it is and says so. (At sequence 16 = head size, the attention's output [B, h, T, hs] passes
-    the shape test: selective re-runs the flash attention, checked against eager above.)"""
-    program = _plain(_gpt32, 2).last
-    model, example = _gpt32()
+    [B, h, T, T] values between two products: recompute='selective' leaves the program as it is
+    and says so, at sequence 32 (head size 16) and at sequence 16 = head size, where the flash
+    attention's output [B, h, T, hs] has the shape of attention probabilities (a shape test
+    re-ran the flash attention there)."""
+    program = _plain(build, 2).last
+    model, example = build()
     sm = nvtp.jit(model, plan="megatron", mesh=DeviceMesh.of_size(2), comm=spmd.ThreadMesh(DeviceMesh.of_size(2)).comm(0),
                   recompute="selective")
     sm.compile(*example)

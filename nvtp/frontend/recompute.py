@@ -8,9 +8,10 @@ outputs of role ``saved``). Recomputation trades memory for time: some of those 
 kept; the backward computes them again, from values it keeps, right before it first needs them.
 Two modes, as Korthikanti et al. (2022) define them:
 
-* ``"selective"``: the attention core. Saved values whose last two axes are the sequence (the
-  ``[B, h, T, T]`` scores and probabilities of an attention written out) are recomputed from
-  the query and key; a flash attention (``sdpfa_fwd``) keeps none, so there this is a no-op.
+* ``"selective"``: the attention core. The ``[B, h, T, T]`` scores and probabilities of an
+  attention written out (saved values on the path from the product q kᵀ to the product with v,
+  each of shape [.., T, T]) are recomputed from the query and key; a flash attention
+  (``sdpfa_fwd``) keeps none, so there this is a no-op.
 * ``"block"``: every value a block computes (``Captured.layers``: a spliced trace's record of
   which block copy computes each forward value) is recomputed from the block's input and
   weights; the forward keeps only the values that cross blocks (each block's input) and what
@@ -24,8 +25,7 @@ of its forward op placed right before the first op that needs it (so only one bl
 recomputed values are alive at once). A random op (dropout) is never re-run: its result is
 kept (re-running would draw other numbers); a flash attention without dropout is re-run.
 The rewritten pair computes what the original computes: the same ops on the same values.
-A plan that would keep as many activation bytes as it drops (an attention whose head size is
-its sequence length) is empty: nothing to gain.
+A plan that would keep as many activation bytes as it drops is empty: nothing to gain.
 """
 
 from __future__ import annotations
@@ -79,17 +79,44 @@ def _saved(forward: Fusion, backward: Fusion) -> list[str]:
     return [backward.info[v.name].source for v in backward.inputs if backward.role(v.name) == "saved"]
 
 
-def _attention_core(forward: Fusion, saved: list[str], sequence: int | None) -> list[str]:
-    """Saved forward values whose last two axes are both the sequence: attention matrices."""
+PRODUCTS = frozenset({"matmul"})  # an attention's two products of activations: q kᵀ (the scores) and p v (the output)
+
+
+def _square(forward: Fusion, name: str, sequence: int) -> bool:
+    v = forward.value(name)
+    return isinstance(v, TensorValue) and v.ndim >= 2 and v.shape[-1] == v.shape[-2] == sequence
+
+
+def _attention_core(forward: Fusion, saved: list[str], sequence: int | None) -> tuple[list[str], set[str]]:
+    """(the saved values to recompute, the attention core): the core is every [.., T, T] value
+    between an attention's two products, back from a product's first operand (the probabilities)
+    through [.., T, T] values to the product that made the scores. The shape alone is not enough:
+    where a head size or the hidden size equals the sequence, q, v, the attention's output and
+    [B, T, C] values have two last axes of the sequence too."""
     if sequence is None:
-        return []
-    produced = {v.name for op in forward.ops if not defines_input(op) for v in op.outputs}
-    out = []
-    for name in saved:
-        v = forward.value(name)
-        if name in produced and isinstance(v, TensorValue) and v.ndim >= 3 and v.shape[-1] == v.shape[-2] == sequence:
-            out.append(name)
-    return out
+        return [], set()
+    producer = {v.name: k for k, op in enumerate(forward.ops) if not defines_input(op) for v in op.outputs}
+    core: set[str] = set()
+    for op in forward.ops:
+        if op.kind not in PRODUCTS or not _square(forward, op.operands[0].name, sequence):
+            continue
+        first = op.operands[0].name
+        seen, stack, scores = {first}, [first], False
+        while stack:
+            k = producer.get(stack.pop())
+            if k is None:
+                continue
+            if forward.ops[k].kind in PRODUCTS:  # the scores' product: its operands (q, kᵀ) are outside
+                scores = True
+                continue
+            for u in forward.ops[k].operands:
+                if u.name not in seen and _square(forward, u.name, sequence):
+                    seen.add(u.name)
+                    stack.append(u.name)
+        if scores:
+            core |= seen
+    wanted = [n for n in saved if n in core and n in producer and forward.value(n).ndim >= 3]
+    return wanted, core
 
 
 def plan_recompute(forward: Fusion, backward: Fusion | None, mode: str, layers: Mapping[str, int] | None = None,
@@ -104,11 +131,10 @@ def plan_recompute(forward: Fusion, backward: Fusion | None, mode: str, layers: 
     saved = list(dict.fromkeys(_saved(forward, backward)))
     producer = {v.name: k for k, op in enumerate(forward.ops) if not defines_input(op) for v in op.outputs}
     if mode == "selective":
-        wanted = _attention_core(forward, saved, sequence)
+        wanted, core = _attention_core(forward, saved, sequence)
 
         def inside(name: str, root: str) -> bool:  # the attention core: the [.., T, T] values, back to q and k
-            v = forward.value(name)
-            return isinstance(v, TensorValue) and v.ndim >= 2 and v.shape[-1] == v.shape[-2] == sequence
+            return name in core
     else:
         if not layers:
             raise InputError("recompute='block' recomputes each block from its input, which needs a model of repeated blocks "
