@@ -198,6 +198,96 @@ def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out,
         torch.save({"times": times, "losses": losses, "peaks": peaks}, out)
 
 
+def _interleaved_worker(rank, world, init_method, cfg, candidates, warmup, rounds, out):
+    """Every candidate built in these processes, then ``rounds`` rounds of one step of each, in an
+    order rotated each round (so none always runs first after another's), between barriers."""
+    import torch.distributed as dist
+
+    from nvtp.auto.runtime import AutoModule
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method, timeout_s=900.0)
+    torch.set_num_threads(1)
+    whole, kw = _call(cfg)
+    built = []
+    for extents, options in candidates:
+        sm = AutoModule(_model(cfg), world, candidate=Candidate(tuple(extents), tuple(options)), timeout=900.0)
+        opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+        built.append((sm, opt))
+    times = [[] for _ in built]
+    losses = [[] for _ in built]
+
+    def step(i):
+        sm, opt = built[i]
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = _loss(sm(*whole, **kw))
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        return time.perf_counter() - start, loss.item()
+
+    for i in range(len(built)):  # the first calls compile
+        for _ in range(warmup):
+            step(i)
+    for r in range(rounds):
+        for k in range(len(built)):
+            i = (k + r) % len(built)
+            took, loss = step(i)
+            times[i].append(took)
+            losses[i].append(loss)
+    if rank == 0:
+        torch.save({"times": times, "losses": losses}, out)
+
+
+def interleaved(args, cfg, choice, runs) -> list[dict]:
+    """``runs`` measured in one set of processes, interleaved (``_interleaved_worker``): each one's
+    median step, its spread (the lowest and highest step), predicted beside it."""
+    from nvtp.execute.launch import spawn
+    tmp = Path(f"/tmp/auto_measure_{os.getpid()}.pt")
+    codes = spawn(_interleaved_worker, args.devices, cfg, [(list(c.candidate.extents), list(c.candidate.options)) for c in runs],
+                  args.warmup, args.interleave, str(tmp))
+    if list(codes) != [0] * args.devices:
+        print(f"the interleaved run failed, exit codes {list(codes)}", flush=True)
+        return []
+    got = torch.load(tmp, weights_only=False)
+    tmp.unlink(missing_ok=True)
+    rows = []
+    for c, times, losses in zip(runs, got["times"], got["losses"]):
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        rows.append({"candidate": c.candidate.text(), "predicted_s": c.seconds, "measured_s": statistics.median(times),
+                     "times": times, "quartiles": [q[0], q[2]], "losses": losses})
+        print(f"{c.candidate.text():<48} predicted {c.seconds * 1e3:8.2f} ms   measured median {statistics.median(times) * 1e3:8.2f} ms "
+              f"(quartiles {q[0] * 1e3:.1f}-{q[2] * 1e3:.1f}, {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms over {len(times)} rounds)",
+              flush=True)
+    return rows
+
+
+def repredict(args, cfg, path: str) -> int:
+    """The measured times of an earlier ``--out`` file beside the planner's predictions now (after a
+    calibration, say): the Spearman correlation and auto's pick, with the same measurements."""
+    old = json.loads(Path(path).read_text())
+    call, kw = _call(cfg)
+    choice = search(_model(cfg), call, kw, devices=args.devices)
+    by_text = {c.candidate.text(): c for c in choice.ranked}
+    ok = [r for r in old["rows"] if "measured_s" in r and r["candidate"] in by_text]
+    for r in ok:
+        r["predicted_before_s"], r["predicted_s"] = r["predicted_s"], by_text[r["candidate"]].seconds
+        print(f"{r['candidate']:<48} predicted {r['predicted_s'] * 1e3:8.2f} ms (was {r['predicted_before_s'] * 1e3:8.2f})   "
+              f"measured {r['measured_s'] * 1e3:8.2f} ms", flush=True)
+    rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
+    before = spearman([r["predicted_before_s"] for r in ok], [r["measured_s"] for r in ok])
+    fastest = min(ok, key=lambda r: r["measured_s"])
+    best = next((r for r in ok if r["candidate"] == choice.best.candidate.text()), None)
+    print(f"\nSpearman rank correlation, predicted vs measured ({len(ok)} candidates): {rho:.2f} now, {before:.2f} with {path}'s predictions")
+    print(f"auto's choice now: {choice.best.candidate.text()}, " + (
+        f"measured {best['measured_s'] / fastest['measured_s']:.2f}x the fastest measured ({fastest['candidate']})" if best
+        else "not among the measured candidates"))
+    print(f"auto's choice then: {old['chosen']}, measured {old['chosen_vs_fastest']:.2f}x the fastest")
+    return 0
+
+
 def spread(ranked, count: int) -> list:
     """Up to ``count`` candidates from the ranked list, fastest to slowest, one per layout (mesh
     and plan), as evenly spaced as the list allows; pipelines and cp need processes (no threads)."""
@@ -244,11 +334,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--name-peak", action="store_true", help="say what is alive at each candidate's measured peak: the values of "
                    "each fusion (forward, backward), its collectives' buffers, allocations outside nvtp's programs")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="measure the candidates in one set of processes, one step of each per round, ROUNDS rounds "
+                        "(their medians and spread; no memory profile)")
+    p.add_argument("--repredict", default=None, metavar="FILE",
+                   help="no run: the measured times in FILE (an earlier --out) beside the planner's predictions now")
     args = p.parse_args(argv)
     from nvtp.execute.launch import spawn
 
     load_before = os.getloadavg()
     cfg = _cfg(args)
+    if args.repredict:
+        return repredict(args, cfg, args.repredict)
     t0 = time.perf_counter()
     call, kw = _call(cfg)
     choice = search(_model(cfg), call, kw, devices=args.devices)
@@ -265,9 +362,9 @@ def main(argv=None) -> int:
         runs = spread(choice.ranked, args.count)
         if choice.best not in runs:
             runs = [choice.best] + runs[:-1]
-    rows = []
+    rows = interleaved(args, cfg, choice, runs) if args.interleave else []
     tmp = Path(f"/tmp/auto_measure_{os.getpid()}.pt")
-    for c in runs:
+    for c in ([] if args.interleave else runs):
         start = time.perf_counter()
         codes = spawn(_worker, args.devices, cfg, list(c.candidate.extents), list(c.candidate.options), args.warmup, args.steps, str(tmp),
                       args.optimizer, args.name_peak)
@@ -297,13 +394,13 @@ def main(argv=None) -> int:
     fastest = min(ok, key=lambda r: r["measured_s"]) if ok else None
     best = next((r for r in ok if r["candidate"] == choice.best.candidate.text()), None)
     within = best["measured_s"] / fastest["measured_s"] if best and fastest else float("nan")
-    spread_losses = max(abs(r["losses"][-1] - ok[0]["losses"][-1]) for r in ok) if ok else float("nan")
+    spread_losses = max(abs(r["losses"][0] - ok[0]["losses"][0]) for r in ok) if ok else float("nan")
     load_after = os.getloadavg()
     print(f"\nSpearman rank correlation, predicted vs measured ({len(ok)} candidates): {rho:.2f}")
     print(f"auto's choice {choice.best.candidate.text()}: measured {within:.2f}x the fastest measured "
           f"({fastest['candidate'] if fastest else '-'})" + (" (within 10 %)" if within <= 1.10 else " (NOT within 10 %)"))
-    print(f"last losses agree across candidates within {spread_losses:.2e}")
-    ratios = [r["predicted_memory"]["total"] / r["measured_peak_bytes"] for r in ok]
+    print(f"first losses agree across candidates within {spread_losses:.2e}")
+    ratios = [r["predicted_memory"]["total"] / r["measured_peak_bytes"] for r in ok if "measured_peak_bytes" in r]
     if ratios:
         print(f"predicted / measured peak memory per rank: {', '.join(f'{x:.2f}' for x in ratios)} "
               f"({sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} within 15 %)")

@@ -144,9 +144,8 @@ class Costed:
             return 0.0
         mesh = self.candidate.mesh()
         axis = next(i for i, name in enumerate(mesh.names) if axes.AXES[name].cuts_stages)
-        bw, latency = self.machine.link(mesh, axis)
         cuts = (stage > 0) + (stage < n - 1)
-        return cuts * 2 * (latency + self.junction_bytes / bw + self.tp_gather)
+        return cuts * 2 * (self.machine.collective_seconds(mesh, axis, "sendrecv", self.junction_bytes) + self.tp_gather)
 
     @property
     def in_flight_bytes(self) -> float:
@@ -356,8 +355,7 @@ class Costing:
         step = sharded.set_steps.get(name)
         if step is None or not step.is_communication:
             return 0.0
-        bw, latency = self.machine.link(sharded.mesh, step.axis)
-        return latency + step.bytes * (factor(name) if factor is not None else 1.0) / bw
+        return self.machine.collective_seconds(sharded.mesh, step.axis, step.kind, step.bytes * (factor(name) if factor is not None else 1.0))
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -512,9 +510,8 @@ class Costing:
             nbytes += whole
             for a, pl in enumerate(sharding):
                 s = axes.AXES.get(mesh.names[a])
-                if s is not None and s.runs_plan and axis_split(pl) is not None:  # made whole over tp before it is sent
-                    bw, latency = self.machine.link(mesh, a)
-                    gather += latency + whole * (mesh.shape[a] - 1) / mesh.shape[a] / bw
+                if s is not None and s.runs_plan and axis_split(pl) is not None and mesh.shape[a] > 1:  # made whole over tp before it is sent
+                    gather += self.machine.collective_seconds(mesh, a, "allgather", whole * (mesh.shape[a] - 1) / mesh.shape[a])
         return nbytes, gather
 
 

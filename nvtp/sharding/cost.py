@@ -42,6 +42,8 @@ class Machine:
     describe: str = ""
     block_overhead: float = 5e-6  # seconds one more, smaller matmul costs (a kernel launch and a stream switch; on CPU, Python)
     memory_per_device: float = 80e9  # bytes a device holds (HBM)
+    op_overhead: float = 0.0  # seconds every op costs besides its FLOPs or bytes (a fusing GPU backend: ~0; the reference backend on CPU: Python's call)
+    kind_latency: tuple[tuple[str, int, float], ...] = ()  # (kind, ranks, seconds): a latency measured for that kind on that many ranks (0: any), instead of the link's
 
     def crosses_nodes(self, mesh: DeviceMesh, axis: int) -> bool:
         """Whether the collectives of ``axis`` of ``mesh`` run between nodes."""
@@ -50,6 +52,15 @@ class Machine:
     def link(self, mesh: DeviceMesh, axis: int) -> tuple[float, float]:
         """(bytes/s per rank, latency) of the link ``axis``'s collectives run over."""
         return self.inter if self.crosses_nodes(mesh, axis) else self.intra
+
+    def collective_seconds(self, mesh: DeviceMesh, axis: int, kind: str | None, nbytes: float) -> float:
+        """Seconds a collective of ``kind`` takes on ``axis``'s link, each rank sending ``nbytes``:
+        a latency (the one measured for the kind on as many ranks, or on any (0), ``kind_latency``;
+        else the link's) and the bytes at the link's bandwidth. A point-to-point step is kind "sendrecv"."""
+        bw, latency = self.link(mesh, axis)
+        n = mesh.shape[axis]
+        latency = next((s for k, ranks, s in self.kind_latency if k == kind and ranks in (n, 0)), latency)
+        return latency + nbytes / bw
 
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (
@@ -61,10 +72,21 @@ MACHINES: dict[str, Machine] = {m.name: m for m in (
             devices_per_node=8,
             describe="H100 nodes of 8 GPUs: inside a node NVLink (450 GB/s at 80%), between nodes 400 Gb/s InfiniBand a GPU "
                      "(50 GB/s at 80%), 20 us a collective across nodes; the mesh's last axis fastest, so tp stays in a node"),
-    Machine("cpu-gloo", flops=40e9, memory=10e9, intra=(1.2e9, 500e-6), inter=(1.2e9, 500e-6), devices_per_node=1024,
-            describe="CPU processes on one host, one thread a rank, gloo over loopback (measured here on 2 Xeon cores, "
-                     "2026-11-24: 44 GFLOP/s fp32 a thread; a point-to-point step 0.5-0.8 ms, 1.3 GB/s)", block_overhead=50e-6,
-            memory_per_device=20e9),
+    Machine("cpu-gloo", flops=4.12e+10, memory=5.237e+09, intra=(7.824e+08, 0.002746), inter=(7.824e+08, 0.002746), devices_per_node=1024,
+            describe='CPU processes on one host, one torch thread a rank, gloo over loopback; calibrated by tools/calibrate.py'
+                     ' 2026-11-27 13:55 UTC with 4 ranks at once on 2 cores (load 3.7-4.5): 41.2 GFLOP/s a rank (F.linear), '
+                     "5.24 GB/s written (torch.add), 6.2 us an op, collectives' latency allgather on 2 2026 us, allgather on 4"
+                     ' 3550 us, allreduce on 2 1711 us, allreduce on 4 4303 us, reduce_scatter on 2 2746 us, reduce_scatter on'
+                     ' 4 14009 us, sendrecv on 2 2255 us (else 2746 us) + bytes sent at 0.78 GB/s (groups of 2 and 4 in 4 '
+                     'processes)',
+            block_overhead=6.198e-06, op_overhead=6.198e-06, memory_per_device=20e9,
+            kind_latency=(('allgather', 2, 0.002026),
+                          ('allgather', 4, 0.00355),
+                          ('allreduce', 2, 0.001711),
+                          ('allreduce', 4, 0.004303),
+                          ('reduce_scatter', 2, 0.002746),
+                          ('reduce_scatter', 4, 0.01401),
+                          ('sendrecv', 0, 0.002255))),
 )}
 
 
@@ -79,7 +101,13 @@ def op_seconds(op, machine: Machine, local_shape, factor=None) -> float:
     write (a fusing backend writes fewer; this is an upper bound for the light ops). ``factor``
     (value name -> number, default 1): how many times larger than its shape a value is on the
     rank costed (the planner's microbatches: a value carrying the batch, 1/M of the traced one);
-    a product scales with its operand that carries the batch (never both: the batch is summed or kept)."""
+    a product scales with its operand that carries the batch (never both: the batch is summed or kept).
+    Every op costs the machine's ``op_overhead`` besides."""
+    return machine.op_overhead + _work_seconds(op, machine, local_shape, factor)
+
+
+def _work_seconds(op, machine: Machine, local_shape, factor=None) -> float:
+    """``op_seconds`` without the machine's per-op overhead."""
     outs = [v for v in op.outputs if isinstance(v, TensorValue)]
     if op.kind in ("linear", "matmul"):
         a, b = (local_shape(v) for v in op.operands[:2])
@@ -119,8 +147,7 @@ def exposure(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
     t = simulate(sharded, schedule, machine)
     ideal = 0.0
     for c in collectives_of(sharded):  # every collective, a ring's too (it runs as steps, never launched whole)
-        bw, latency = machine.link(sharded.mesh, c.axis)
-        ideal += latency + c.bytes / bw
+        ideal += machine.collective_seconds(sharded.mesh, c.axis, c.kind, c.bytes)
     return Exposure(t.compute, ideal, max(0.0, t.total - t.compute), ideal)
 
 
@@ -185,9 +212,8 @@ def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
 
     comms = {c.name: c for c in collectives_of(sharded)}
 
-    def comm_seconds(axis: int, nbytes: float) -> float:
-        bw, latency = machine.link(sharded.mesh, axis)
-        return latency + nbytes / bw
+    def comm_seconds(axis: int, kind: str, nbytes: float) -> float:
+        return machine.collective_seconds(sharded.mesh, axis, kind, nbytes)
 
     busy: dict[int, float] = {}
     busy_by_op: dict[int, tuple[int, float]] = {}
@@ -203,7 +229,7 @@ def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
     def launch(issue: Issue) -> None:
         start = max(now, link_free.get(issue.axis, 0.0))
         nbytes = sum(scaled(n, comms[n].bytes) for n in issue.sets if n in comms) if factor is not None else issue.bytes
-        took = comm_seconds(issue.axis, nbytes)
+        took = comm_seconds(issue.axis, issue.kind, nbytes)
         end = start + took
         link_free[issue.axis] = end
         done.update((name, end) for name in issue.sets)
