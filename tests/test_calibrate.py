@@ -89,3 +89,15 @@ def test_the_tool_as_typed_measures_this_host_and_prints_an_entry(tmp_path):
     call = ast.parse(out.stdout[out.stdout.index('Machine("cpu-gloo"'):].strip()).body[0].value  # the last thing printed
     assert {k.arg for k in call.keywords} >= {"flops", "memory", "intra", "op_overhead", "kind_latency"}
     assert (ROOT / "nvtp" / "sharding" / "cost.py").read_text() == before
+
+
+def test_a_microbatch_product_costs_its_share_of_the_flops():
+    """A linear of a microbatch's activations (factor 1/4: the planner's 4 microbatches) by a whole
+    weight (factor 1) costs a quarter of the whole batch's FLOPs; a batch 4x larger, 4x."""
+    machine = cost.MACHINES["h100-ib"]
+    x, w, y = TensorValue("X", (64, 128), DType.Float), TensorValue("W", (256, 128), DType.Float), TensorValue("Y", (64, 256), DType.Float)
+    linear = Op("linear", (("input", x), ("weight", w)), (y,))
+    whole = 2 * 64 * 128 * 256 / machine.flops
+    for f in (0.25, 4.0):
+        got = cost.op_seconds(linear, machine, lambda v: v.shape, lambda name, f=f: f if name in ("X", "Y") else 1.0)
+        assert got == pytest.approx(f * whole)

@@ -113,7 +113,8 @@ def _work_seconds(op, machine: Machine, local_shape, factor=None) -> float:
         a, b = (local_shape(v) for v in op.operands[:2])
         k = a[-1]
         n = b[0] if op.kind == "linear" else b[-1]
-        scale = max(factor(v.name) for v in op.operands[:2]) if factor is not None else 1.0
+        # the operand that carries the batch: the factor farthest from 1 (a microbatch's is below 1, never max)
+        scale = max((factor(v.name) for v in op.operands[:2]), key=lambda f: abs(math.log(f))) if factor is not None else 1.0
         return 2 * math.prod(a) * n * scale / machine.flops if k else 0.0
     if op.kind in ("sdpfa_fwd", "sdpfa_bwd"):
         q = local_shape(op.arg("query"))
