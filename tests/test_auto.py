@@ -74,6 +74,16 @@ def test_the_choice_is_the_fastest_candidate_that_fits(choice):
     assert f"chosen: {choice.best.candidate.text()}:" in text and "why not chosen" in text and "slower: " in text
 
 
+def test_a_pipeline_cut_sends_the_residual_stream_of_a_microbatch(choice):
+    """What a pipeline junction sends per microbatch is the one activation that crosses blocks (the
+    residual stream [rows, T, C] of its microbatch, fp32), not the next block's weights (counted
+    before: 79040 B where 8192 cross at pp2 dp2 with 2 microbatches); without tp, nothing is gathered."""
+    for text, rows in (("pp2 dp2 microbatches=2 schedule=1f1b", 8 // 2 // 2), ("pp4 microbatches=4 schedule=1f1b", 8 // 4)):
+        c = next(c for c in choice.ranked if c.candidate.text() == text)
+        assert c.junction_bytes == rows * CFG.seq_len * CFG.n_embd * 4, (text, c.junction_bytes)
+        assert c.tp_gather == 0.0
+
+
 def test_memory_terms_are_what_the_runtime_allocates(choice):
     """Each candidate's memory names what its axes hold at the fullest moment, sized as the
     reference runtime allocates it (``nvtp.auto.memory``), against W, the model's weight bytes

@@ -493,7 +493,7 @@ class Costing:
                 continue
             for u in op.operands:
                 j = p.at.get(u.name)
-                if j is not None and p.block[j] == 0 and u.name in src.values:
+                if j is not None and p.block[j] == 0 and not defines_input(f.ops[j]) and u.name in src.values:  # a weight is not sent
                     crossing.add(u.name)
         mesh = p.sharded.mesh
         nbytes = gather = 0.0
