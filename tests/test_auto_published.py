@@ -1,0 +1,42 @@
+"""``plan="auto"`` on a published configuration's shape (docs/auto.md, "Published configurations"):
+GPT-3 175B (Megatron-LM's ``examples/gpt3/train_gpt3_175b_distributed.sh``: 96 layers, hidden 12288,
+96 heads, sequence 2048) for 64 H100s of the ``h100-ib`` machine, 80 GB each, on the meta device."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from nvtp.auto import search
+from nvtp.models import gpt
+from nvtp.sharding.cost import MACHINES
+
+
+def test_gpt3_on_64_h100s_fits_keeps_tp_in_a_node_and_costs_about_its_flops():
+    """The choice fits 80 GB, its tensor-parallel extent stays within a node of 8, and its compute
+    term is between the model's FLOPs at the machine's matmul rate (6 N T + 12 L h s T, the forward
+    and backward of every product) and twice that (the rest: the ops priced by bytes). Every
+    candidate's compute is between 1 and 6 times it (measured 2026-11-27: 1.45 for dp16 tp4, up to
+    4.7 for pp8 tp8 megatron-sp with 16 one-row microbatches, whose programs repeat the weights'
+    ops per microbatch as the runtime does). A step cannot beat that bound; a planner that priced
+    each microbatch's products at the whole batch (as before bb8f153) is outside the band by its
+    microbatch count."""
+    cfg = replace(gpt.config("gpt3"), batch=16, dropout=0.0)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg).to(torch.bfloat16)
+    idx, targets = (t.to("meta") for t in gpt.example_tokens(cfg))
+    machine = MACHINES["h100-ib"]
+    choice = search(model, (idx, targets), {}, devices=64, machine="h100-ib", memory="80GB", backend="nvfuser")
+    best = choice.best
+    assert best.memory["total"] <= 80e9, best.memory
+    tensor = [n for strategy, n in best.candidate.used() if strategy.runs_plan]
+    assert all(n <= machine.devices_per_node for n in tensor), best.candidate.text()
+    n = sum(p.numel() for p in model.parameters())
+    tokens = cfg.batch * cfg.seq_len
+    flops = 6 * n * tokens + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens
+    bound = flops / (64 * machine.flops)
+    assert bound <= best.terms["compute"] <= 2 * bound, (best.candidate.text(), best.terms, bound)
+    assert best.seconds >= bound
+    outside = [(c.candidate.text(), c.terms["compute"] / bound) for c in choice.ranked if not bound <= c.terms["compute"] <= 6 * bound]
+    assert not outside and any(c.candidate.pipelined for c in choice.ranked), outside
