@@ -4,8 +4,10 @@ GPT-3 175B (Megatron-LM's ``examples/gpt3/train_gpt3_175b_distributed.sh``: 96 l
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
+import pytest
 import torch
 
 from nvtp.auto import search
@@ -40,3 +42,21 @@ def test_gpt3_on_64_h100s_fits_keeps_tp_in_a_node_and_costs_about_its_flops():
     assert best.seconds >= bound
     outside = [(c.candidate.text(), c.terms["compute"] / bound) for c in choice.ranked if not bound <= c.terms["compute"] <= 6 * bound]
     assert not outside and any(c.candidate.pipelined for c in choice.ranked), outside
+
+
+@pytest.mark.slow
+def test_a_70b_model_for_1024_devices_is_planned_within_a_minute():
+    """Issue 34's speed target: a 70B model for 1024 devices planned in at most 30 s on this machine.
+    Llama 3 70B's shape in nvtp's GPT block (80 layers, hidden 8192, 64 heads, sequence 8192,
+    vocabulary 128256: 65B parameters), batch 1024, h100-ib, 80 GB: measured 14.4 s at load 2
+    (2026-11-26); asserted within 60 s, twice the target, as this shared 2-core machine's load moves it."""
+    cfg = gpt.GPTConfig(n_embd=8192, n_head=64, seq_len=8192, n_layer=80, vocab_size=128256, batch=1024)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg).to(torch.bfloat16)
+    idx, targets = (t.to("meta") for t in gpt.example_tokens(cfg))
+    start = time.perf_counter()
+    choice = search(model, (idx, targets), {}, devices=1024, machine="h100-ib", memory="80GB", backend="nvfuser")
+    took = time.perf_counter() - start
+    assert took <= 60.0, took
+    assert choice.best.memory["total"] <= 80e9
+    assert all(n <= 8 for strategy, n in choice.best.candidate.used() if strategy.runs_plan), choice.best.candidate.text()
