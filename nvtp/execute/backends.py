@@ -61,7 +61,7 @@ class ReferenceBackend(Backend):
     def lower(self, program: "Program", comm: "Comm", *, compile: str = "kernels") -> Runner:
         from nvtp.execute import reference  # lazy: kept off nvtp --help's path
 
-        kernels = compile == "kernels"  # else "none": every op by its own implementation
+        kernels = compile != "none"  # "none": every op by its own implementation
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
 
@@ -69,7 +69,7 @@ class ReferenceBackend(Backend):
             sharded = phases[phase]
             return reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
                                  log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase),
-                                 compiled=kernels, axis_options=sharded.options)
+                                 compiled=kernels, axis_options=sharded.options, inductor=compile == "inductor")
 
         return run
 
