@@ -94,6 +94,7 @@ def test_one_rank_of_the_gpt_runs_compiled_with_eagers_loss_and_gradients(aten, 
     for phase in ("forward", "backward"):
         assert pieces[phase]["compiled"] == 1 and pieces[phase]["python"] == {}, pieces
     assert len(aten) == 2 and all(calls >= 1 for _, calls in aten), [calls for _, calls in aten]
+    assert 0 < sm.last.seconds["compile"] == pytest.approx(sum(p["seconds"] for p in pieces.values()))
     forward, backward = (_aten_ops(g) for g, _ in aten)
     assert {"aten._log_softmax.default", "aten.native_layer_norm.default",
             "aten._scaled_dot_product_flash_attention_for_cpu.default"} <= forward, sorted(forward)
