@@ -19,6 +19,10 @@ which is what the lowered module is cached by. A piece whose inputs arrive with 
 strides than it was compiled for runs its Python instead, and so does a piece that cannot be
 traced (a data-dependent read): counted in ``Compiled.python``, never silent.
 
+Where the reference backend runs a fusion op by op anyway (``reference.run``: inputs of other
+shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``, an ep axis's expert
+rows) nothing is compiled either: those runs are the kernels pass's, unchanged.
+
 Compiling is slow (Inductor's C++ build: tens of seconds for a small GPT's forward and backward
 on one core); Inductor keeps what it compiled in its own cache on disk (``TORCHINDUCTOR_CACHE_DIR``,
 default ``/tmp/torchinductor_<user>``), keyed by the aten graph, its inputs' shapes and strides
