@@ -45,7 +45,7 @@ from nvtp.frontend.attention import claim_flash, claim_for_ring
 from nvtp.frontend.parts import splitting
 from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
 from nvtp.frontend.regional import capture_regional
-from nvtp.frontend.tied import aliases, merge_tied
+from nvtp.frontend.tied import aliases, merge_tied, untie
 from nvtp.gcpause import paused
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.ir.parser import Dump, DumpError, load
@@ -196,6 +196,8 @@ def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
     weights = frozenset(n for n, _ in module.named_parameters(remove_duplicate=False))
     tied = aliases(module) if tie else {}
     if way == "fx":
+        if not tie and on_meta:
+            untie(meta)  # dynamo reads a tied weight once: one input per name from a copy untied
         if regional:  # a transformers model's decoder layers traced once, then spliced (nvtp/frontend/fx_regional.py)
             call, captured = fx_regional.trace(meta, margs, mkwargs, split_parts=split_parts)
             how = captured.regional

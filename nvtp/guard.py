@@ -279,12 +279,27 @@ def _pipeline_step(pm, args, train, rtol, outcome: Outcome) -> None:
     if not train or outcome.failures:
         return
     mine = pm.program.programs[pm.stage]
-    names = {label: pm._tied.get(label, label) for label in grads}
-    sample = _sample([label for label in grads if grads[label] is not None and names[label] in whole])
-    expected = eager.gradients([names[label] for label in sample], [torch.ones_like(want)])
-    for label, w in zip(sample, expected):
-        _compare(outcome, f"gradient of {names[label]}", grads[label], spmd.shard_tensor(w, mine.parameters[label], mine.mesh, pm._pos),
-                 rtol)
+    held = _held_here(pm)
+    names = [name for name in grads if grads[name] is not None and name in whole and name in held]
+    crossing = [name for name in names if name in pm._tie_groups]  # summed across stages: always compared
+    sample = crossing + _sample([name for name in names if name not in crossing])
+    expected = eager.gradients(sample, [torch.ones_like(want)])
+    for name, w in zip(sample, expected):
+        _compare(outcome, f"gradient of {name}", grads[name], spmd.shard_tensor(w, mine.parameters[held[name]], mine.mesh, pm._pos), rtol)
+
+
+def _held_here(pm) -> dict[str, str]:
+    """The parameters whose whole gradient this rank's stage ends a step with, by first name: the
+    label its stage program places it under. A weight several stages read (an embedding tied to
+    the last stage's head) has its gradient summed on the stage that holds it (``_join_tied``), where
+    it is compared; another stage's copy is not the sum."""
+    labels = pm.program.stages[pm.stage].parameters
+    out: dict[str, str] = {}
+    for label in labels:
+        name = pm._tied.get(label, label)
+        if name not in out and min(pm._holders.get(name, {pm.stage})) == pm.stage:
+            out[name] = label
+    return out
 
 
 # -- the eager side ---------------------------------------------------------------------------------

@@ -232,3 +232,39 @@ def test_a_pipeline_refuses_a_miscompiled_program_on_every_rank(tmp_path):
     assert spawn(_pipeline_worker, 2, str(out)) == [0, 0]
     got = torch.load(out, weights_only=False)
     assert got[0] == got[1] and re.search(r"the first call's check\) (\(rank \d\))?: the loss: max abs error", got[0]), got
+
+
+def _tied_worker(rank, world, init_method, out):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nvtp.execute.launch import init_group
+    from nvtp.models import gpt
+    from nvtp.execute.collectives import DistComm
+    from nvtp.pipeline import runtime
+    from tests import workers
+
+    class Unsummed(DistComm):
+        def reduce(self, t, dst, op="sum"):  # the miscompile: the tied weight's gradients never summed across stages
+            pass
+
+    init_group(rank, world, init_method)
+    runtime.DistComm = Unsummed
+    torch.manual_seed(0)
+    net = gpt.GPT(gpt.config("tiny", n_layer=2, batch=4))
+    net.lm_head.weight = net.wte.weight  # read by stage 0 (the embedding) and stage 1 (the head)
+    model = nvtp.jit(net, plan="megatron", mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), microbatches=2)
+    try:
+        model(*gpt.example_tokens(gpt.config("tiny", n_layer=2, batch=4), seed=0))
+        result = "trained"
+    except guard.MiscompileError as e:
+        result = str(e)
+    return workers.finish(result, out, world)
+
+
+@pytest.mark.slow  # 2 gloo processes: 20 s
+def test_a_pipeline_whose_tied_weights_gradient_is_not_summed_across_stages_is_refused(tmp_path):
+    """The weight tied across stages is always among the compared gradients, on the stage that holds it."""
+    out = tmp_path / "got.pt"
+    assert spawn(_tied_worker, 2, str(out)) == [0, 0]
+    got = torch.load(out, weights_only=False)
+    assert got[0] == got[1] and re.search(r"\(rank 0\): gradient of wte\.weight: max abs error", got[0]), got

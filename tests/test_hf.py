@@ -222,6 +222,23 @@ def test_an_op_nvtp_cannot_fuse_is_named_with_the_models_line():
     assert "translate.py" not in str(e.value)  # advice for the user, not for nvtp's developers
 
 
+class _MadeOnTheCPU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) * torch.arange(8.0)).sum()  # no device=: the CPU, where the model runs
+
+
+def test_a_tensor_made_in_the_forward_without_a_device_is_named_not_the_arguments():
+    """The FX route traces on the meta device: a tensor the forward makes without ``device=`` meets
+    meta tensors. Said so, with the fix; not blamed on the arguments."""
+    model = nvtp.jit(_MadeOnTheCPU(), plan="megatron", frontend="fx")
+    with pytest.raises(InputError, match=r"_MadeOnTheCPU.forward makes a tensor without device= .*torch.arange\(n, device=x.device\)"):
+        model(torch.randn(2, 8))
+
+
 def test_arguments_the_model_cannot_take_are_an_input_error():
     model = nvtp.jit(_Cumsum(), plan="megatron", frontend="fx")
     with pytest.raises(InputError, match=r"_Cumsum.forward cannot run on the given arguments \(linear fails: .*\[2, 7\] X \[8, 8\]"):

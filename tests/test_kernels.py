@@ -121,7 +121,7 @@ def test_a_transformers_gpt2_runs_its_gelu_new_and_its_masked_attention_as_torch
     _close(kernels, none, "kernels vs the interpreter")
 
 
-@pytest.mark.parametrize("bad", ["inductor", "Kernels", None, True])
+@pytest.mark.parametrize("bad", ["inductr", "Kernels", None, True])
 def test_a_bad_compile_option_is_refused_before_tracing(bad):
     model = gpt.GPT(gpt.config("tiny"))
     with pytest.raises(InputError, match=r"compile=.* is not a way nvtp runs a rank's program; choose one of 'kernels': .*'none': "):

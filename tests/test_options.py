@@ -67,7 +67,7 @@ BAD = [
     (2, {"collective_matmul": 1}, r"collective_matmul=1: pass True"),
     (2, {"regional": "no"}, r"regional='no': pass True or False"),
     (2, {"backend": "cuda"}, r"unknown backend 'cuda'; choose one of 'auto', 'reference', 'nvfuser'"),
-    (2, {"compile": "inductor"}, r"compile='inductor' is not a way nvtp runs a rank's program; choose one of 'kernels': "),
+    (2, {"compile": "inductr"}, r"compile='inductr' is not a way nvtp runs a rank's program; choose one of 'kernels': "),
 ]
 JIT_ONLY = [
     ("2x1x1", {"dynamic": True}, r"dynamic=True is not honoured on a mesh with a 'pp' axis: a pipeline is compiled for one batch "
@@ -121,8 +121,8 @@ def test_nvtp_plan_takes_compile_as_nvtp_jit_does(no_trace, monkeypatch):
         with pytest.raises(RuntimeError, match="planned"):
             nvtp.plan(model, *tokens, plan="megatron", mesh=2, compile=mode)
     assert seen[0] == seen[1] and "compile" not in seen[0]  # the model's forward is not given it
-    with pytest.raises(ValueError, match=r"compile='inductor' is not a way nvtp runs a rank's program"):
-        nvtp.plan(model, *tokens, plan="auto", mesh=2, compile="inductor")
+    with pytest.raises(ValueError, match=r"compile='inductr' is not a way nvtp runs a rank's program"):
+        nvtp.plan(model, *tokens, plan="auto", mesh=2, compile="inductr")
 
 
 def test_the_thunder_transform_checks_its_options_too():

@@ -99,6 +99,30 @@ def test_a_folded_constant_every_stage_reads_ties_no_backward_op_to_stage_0(dict
     assert all(t.label != "nvtp_constant_0" for t in staged.transfers)  # read in each stage, never sent
 
 
+def test_a_weight_tied_across_stages_is_one_input_per_name_on_the_fx_route_each_stage_its_own():
+    """dynamo reads a tied weight once, under its first name; a pipeline's trace (``tie=False``)
+    holds one input per name, so the embedding's stage reads ``emb.weight`` and the head's stage
+    ``head.weight``, each use's gradient its own output, their sum eager's gradient (the runtime
+    sums them over the stages). Before, the one input tied the head's backward to stage 0:
+    "StageError: backward ...: stage 1 reads T... of stage 0" (transformers' GPT-2 on pp=2)."""
+    torch.manual_seed(0)
+    model = DictLM()
+    model.head.weight = model.emb.weight
+    idx, traced = _traced(model)
+    lone = loss_only(traced, "DictLM")
+    f, b = lone.forward, lone.backward
+    labels = {f.label(v.name) for v in f.inputs if f.role(v.name) == "parameter"}
+    assert {"emb.weight", "head.weight"} <= labels
+    staged = cut_stages(lone, "layers", 4, 2)
+    assert "emb.weight" in staged.stages[0].parameters and "head.weight" not in staged.stages[0].parameters
+    assert "head.weight" in staged.stages[1].parameters and "emb.weight" not in staged.stages[1].parameters
+    named = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)} | {"idx": idx, "labels": idx} | traced.call.constants
+    _, grads = run_pair(f, b, named, torch.ones(()), lambda fusion, inputs: reference.run(fusion, inputs))
+    want = copy.deepcopy(model)
+    want(idx, idx)["loss"].backward()
+    assert relative_error(grads["grad(emb.weight)"] + grads["grad(head.weight)"], want.emb.weight.grad)[0] <= 1e-5
+
+
 def test_a_forward_of_several_tensors_none_named_the_loss_is_refused_saying_how_to_wrap_it(dict_lm):
     """The same program seen as a tuple ``(loss, logits)`` (no output object naming the loss), as
     nanoGPT's ``(logits, loss)`` is: refused, saying how to wrap it."""
@@ -136,12 +160,13 @@ def test_a_pipelines_call_binds_a_transformers_models_keywords_with_the_cache_of
 STEPS = 3
 
 
-def _llama():
+def _llama(tied: bool = False):
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=256,
-                                   intermediate_size=128, bos_token_id=0, eos_token_id=0)  # use_cache: transformers' default, on
+                                   intermediate_size=128, bos_token_id=0, eos_token_id=0,  # use_cache: transformers' default, on
+                                   tie_word_embeddings=tied)  # tied: the head reads the embedding, across the stages
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -150,7 +175,7 @@ def _batches():
     return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(STEPS)]
 
 
-def _worker(rank, world, init_method, out, shape, microbatches):
+def _worker(rank, world, init_method, out, shape, microbatches, tied):
     from torch.distributed.device_mesh import init_device_mesh
 
     import nvtp
@@ -158,7 +183,7 @@ def _worker(rank, world, init_method, out, shape, microbatches):
 
     init_group(rank, world, init_method)
     names, sizes = (("pp", "tp"), shape) if shape[1] > 1 else (("pp",), shape[:1])
-    model = nvtp.jit(_llama(), plan="megatron", mesh=init_device_mesh("cpu", sizes, mesh_dim_names=names), microbatches=microbatches)
+    model = nvtp.jit(_llama(tied), plan="megatron", mesh=init_device_mesh("cpu", sizes, mesh_dim_names=names), microbatches=microbatches)
     opt = torch.optim.SGD(model.module.parameters(), lr=0.1)
     losses = []
     for ids in _batches():
@@ -171,14 +196,15 @@ def _worker(rank, world, init_method, out, shape, microbatches):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(2, 1), (2, 2)], ids=["pp2", "pp2-tp2"])
-def test_a_transformers_llama_trains_on_a_pipeline_like_one_process(shape, tmp_path):
+@pytest.mark.parametrize("shape,tied", [((2, 1), False), ((2, 2), False), ((2, 1), True)], ids=["pp2", "pp2-tp2", "pp2-tied"])
+def test_a_transformers_llama_trains_on_a_pipeline_like_one_process(shape, tied, tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
     from nvtp.execute.launch import spawn
 
     out = tmp_path / "ranks.pt"
-    assert spawn(_worker, shape[0] * shape[1], str(out), shape, 2) == [0] * (shape[0] * shape[1])
-    ref = _llama()
+    assert spawn(_worker, shape[0] * shape[1], str(out), shape, 2, tied) == [0] * (shape[0] * shape[1])
+    ref = _llama(tied)
+    assert (ref.lm_head.weight is ref.model.embed_tokens.weight) == tied
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     want = []
     for ids in _batches():

@@ -63,6 +63,62 @@ def test_nvfuser_builds_the_strided_fusions_from_their_text(tmp_path):
         assert "ideviceIdx.x" in check_nvfuser_reads(path), role
 
 
+class InterleavedMLP(torch.nn.Module):
+    """gpt-oss's gate and up interleaved in one projection's features (``h[..., ::2]``, ``h[..., 1::2]``)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.up = torch.nn.Linear(16, 64, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(torch.randn(64, 16, generator=g) / 4)
+            self.down.weight.copy_(torch.randn(16, 32, generator=g) / 4)
+
+    def forward(self, x):
+        h = self.up(x)
+        gate, up = h[..., ::2], h[..., 1::2]
+        return (self.down(torch.nn.functional.silu(gate) * up) ** 2).sum()
+
+
+def test_a_strided_slice_of_a_split_projection_keeps_it_split_as_megatron_splits_it():
+    """On 2 simulated ranks, Megatron's plan splits the interleaved projection by its output features
+    in contiguous halves (each holds whole gate/up pairs: the slices by 2 are taken on the rank) and
+    the down projection by its input features: one all-reduce forward, none gathering the
+    interleaved features; loss and gradients as eager's."""
+    import copy
+
+    import nvtp
+    from nvtp.execute import spmd
+    from nvtp.execute.collectives import ThreadComm, ThreadGroup
+    from nvtp.sharding.placements import DeviceMesh
+
+    model = InterleavedMLP()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    group = ThreadGroup(2)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=DeviceMesh.of_size(2), comm=ThreadComm(group, r)) for r in range(2)]
+
+    def run(r):
+        loss = ranks[r](x)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in ranks[r].module.named_parameters()}
+
+    got = spmd.on_threads(run, group)
+    want = model(x)
+    want.backward()
+    program = ranks[0].last
+    placements = {n: str(p) for n, p in program.parameters.items() if n != "x"}
+    assert placements == {"up.weight": "S(0)", "down.weight": "S(1)"}, placements
+    kinds = [s.kind for s in program.steps() if s.phase == "forward"]
+    assert kinds == ["allreduce"], kinds
+    for loss, grads in got:
+        assert relative_error(loss, want.detach())[0] <= 1e-6
+    up = torch.cat([got[r][1]["up.weight"] for r in range(2)], 0)
+    down = torch.cat([got[r][1]["down.weight"] for r in range(2)], 1)
+    assert relative_error(up, model.up.weight.grad)[0] <= 1e-6
+    assert relative_error(down, model.down.weight.grad)[0] <= 1e-6
+
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
 
 

@@ -1,5 +1,6 @@
 """One rank's forward + backward against eager PyTorch, interleaved in one process: nvtp on a
-mesh of one with ``compile="kernels"`` (the default: attention traced as ``sdpfa_fwd`` /
+mesh of one with ``compile="inductor"`` (the kernels, then each rank's compute compiled by
+Inductor: ``nvtp/execute/inductor.py``), with ``compile="kernels"`` (the default: attention traced as ``sdpfa_fwd`` /
 ``sdpfa_bwd``, run by torch's CPU flash kernels), the same with the attention traced as Thunder
 decomposes it (``saved-p``: the backward keeps the probabilities, as before the flash claim; the
 causal-attention entry runs its forward), with only the LayerNorm, GELU and softmax patterns
@@ -8,10 +9,12 @@ causal-attention entry runs its forward), with only the LayerNorm, GELU and soft
 
     .venv/bin/python tools/rank_bench.py                    # nvtp's GPT and a transformers Llama
     .venv/bin/python tools/rank_bench.py gpt --rounds 30 --threads 1
+    .venv/bin/python tools/rank_bench.py gpt llama torch-llama --modes inductor,kernels --threads 1
 
 The models (docs/benchmarks.md, issue 37): nvtp's GPT (hidden 384, 6 heads, sequence 256, batch 2,
 2 blocks, vocabulary 4096, no dropout) and a transformers ``LlamaForCausalLM`` from a small config
-(hidden 256, 4 blocks, 4 heads, sequence 128, batch 2, SwiGLU 688, vocabulary 1024). Each round
+(hidden 256, 4 blocks, 4 heads, sequence 128, batch 2, SwiGLU 688, vocabulary 1024), and PyTorch's
+example Llama (``torch-llama``: ``tests/complex_rotary.py``, the same sizes). Each round
 runs every implementation once, in turn (``benchmarks.harness.interleave``); a step is the loss,
 its backward, and the gradients dropped. Printed: the 1-minute load average before and after
 (the machine is shared: read the ratios, measured side by side, not the times), each
@@ -64,7 +67,22 @@ def llama_case():
     return model, (), {"input_ids": idx, "labels": idx}, lambda out: out.loss
 
 
-CASES = {"gpt": gpt_case, "llama": llama_case}
+def torch_llama_case():
+    """PyTorch's example Llama as ``tests/complex_rotary.py`` writes it (pytorch/examples'
+    ``llama2_model.py``: complex rotary, RMSNorm, SwiGLU), at the transformers Llama's sizes; the
+    cross-entropy on its logits, outside the model, as that example's training loop does."""
+    import torch.nn.functional as F
+
+    from tests.complex_rotary import ComplexRotaryLM, Config
+
+    torch.manual_seed(0)
+    model = ComplexRotaryLM(Config(dim=256, layers=4, heads=4, kv_heads=4, vocab=1024, hidden=688, max_seq=128)).train()
+    data = torch.randint(0, 1024, (2, 129), generator=torch.Generator().manual_seed(1))
+    idx, tgt = data[:, :-1], data[:, 1:]
+    return model, (idx,), {}, lambda logits: F.cross_entropy(logits.reshape(-1, 1024), tgt.reshape(-1))
+
+
+CASES = {"gpt": gpt_case, "llama": llama_case, "torch-llama": torch_llama_case}
 
 
 def _step(model, args, kwargs, loss_of):
@@ -113,7 +131,7 @@ def _without(tables: str):
 
 
 # name -> (compile=, what is left out while tracing and lowering)
-MODES = {"eager": (None, ""), "kernels": ("kernels", ""), "saved-p": ("kernels", "decomposed"),
+MODES = {"eager": (None, ""), "inductor": ("inductor", ""), "kernels": ("kernels", ""), "saved-p": ("kernels", "decomposed"),
          "ln-gelu": ("kernels", "all but patterns.py"), "none": ("none", "")}
 
 
@@ -126,13 +144,14 @@ def _gemm_share(step) -> float:
     return sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / total if total else 0.0
 
 
-def run(case: str, rounds: int, warmup: int) -> None:
+def run(case: str, rounds: int, warmup: int, modes: list[str]) -> None:
     import nvtp
     from nvtp.sharding.placements import DeviceMesh
 
     model, args, kwargs, loss_of = CASES[case]()
     steps, first = {}, {}
-    for name, (compile_mode, left_out) in MODES.items():
+    for name in modes:
+        compile_mode, left_out = MODES[name]
         m = copy.deepcopy(model)
         if compile_mode is not None:
             m = nvtp.jit(m, mesh=DeviceMesh.of_size(1), compile=compile_mode)
@@ -159,9 +178,11 @@ def run(case: str, rounds: int, warmup: int) -> None:
             r = paired_ratio(samples, "eager", of=name)
             line += f"  / eager {r.value:.3f} ± {r.noise:.3f}"
         print(line)
-    r = paired_ratio(samples, "saved-p", of="kernels")
-    print(f"kernels / saved-p {r.value:.3f} ± {r.noise:.3f} (attention as sdpfa + flash kernels against the decomposition "
-          "that saves p, paired per round)")
+    for of, base, what in (("inductor", "kernels", "Inductor on each rank's compute between collectives"),
+                           ("kernels", "saved-p", "attention as sdpfa + flash kernels against the decomposition that saves p")):
+        if of in samples and base in samples:
+            r = paired_ratio(samples, base, of=of)
+            print(f"{of} / {base} {r.value:.3f} ± {r.noise:.3f} ({what}, paired per round)")
     print(f"GEMM floor: {share:.2f} of eager's aten time = {share * eager.median_ms:.1f} ms ({share:.2f}x eager)")
 
 
@@ -171,14 +192,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own choice)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"which implementations, comma-separated (eager always; "
+                        f"default: all of {', '.join(MODES)})")
     a = parser.parse_args()
     unknown = [c for c in a.cases if c not in CASES]
     if unknown:
         parser.error(f"unknown case {', '.join(unknown)}; choose from {', '.join(CASES)}")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
+    modes = ["eager"] + [m for m in a.modes.split(",") if m and m != "eager"]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"unknown mode {', '.join(bad)}; choose from {', '.join(MODES)}")
     for case in a.cases or list(CASES):
-        run(case, a.rounds, a.warmup)
+        run(case, a.rounds, a.warmup, modes)
     return 0
 
 

@@ -123,7 +123,8 @@ class Choice:
 
     def why_slower(self, c: Costed) -> str:
         """The term that makes ``c`` slower than the choice, most first."""
-        diffs = {k: c.terms.get(k, 0.0) - self.best.terms.get(k, 0.0) for k in set(c.terms) | set(self.best.terms)}
+        # in the terms' own order (not a set's, which differs between processes), the first of equals
+        diffs = {k: c.terms.get(k, 0.0) - self.best.terms.get(k, 0.0) for k in dict.fromkeys([*c.terms, *self.best.terms])}
         k = max(diffs, key=diffs.get)
         return f"{k} +{diffs[k] * 1e3:.2f} ms"
 

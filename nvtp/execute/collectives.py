@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from nvtp.sharding.placements import Placement, Zigzag, axis_split, is_partial, local_indices
 
@@ -283,8 +284,10 @@ def take(t: torch.Tensor, dim: int, index: torch.Tensor | None) -> torch.Tensor:
     if index is None:
         return t
     n = index.numel()
-    if n and int(index[-1]) - int(index[0]) == n - 1:
-        return t.narrow(dim, int(index[0]), n)
+    with disable_proxy_modes_tracing():  # the index is fixed by the mesh position: read, not traced (inductor.py)
+        first = int(index[0]) if n and int(index[-1]) - int(index[0]) == n - 1 else None
+    if first is not None:
+        return t.narrow(dim, first, n)
     return t.index_select(dim, index)
 
 

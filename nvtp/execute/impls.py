@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from nvtp.execute.collectives import Comm, Communication, SoloComm, take
 from nvtp.ir.dtypes import DType
@@ -21,6 +22,14 @@ from nvtp.sharding.placements import DeviceMesh, Placement, held, local_shape
 
 class ExecutionError(RuntimeError):
     """An op failed while running; names the op."""
+
+
+def positional():
+    """A context for index arithmetic that depends on the mesh position alone (which global indices
+    a rank holds): while a piece of a rank's program is traced to an aten graph
+    (``nvtp/execute/inductor.py``) its results are constants of the graph, not traced ops, so a
+    check that reads them (``bool(...)``) is no data-dependent read. Nothing changes otherwise."""
+    return disable_proxy_modes_tracing()
 
 
 Impl = Callable[["Context", Op, dict[str, Any]], Any]
@@ -65,9 +74,10 @@ class Context:
             if sharding is None or self.mesh is None:
                 got = [None] * len(v.shape)
             else:
-                got = held(v.shape, sharding, self.mesh, [self.coord(a) for a in range(self.mesh.ndim)])
-                got = [None if i is not None and i.numel() == n and bool((i == torch.arange(n)).all()) else i  # all, in order
-                       for i, n in zip(got, v.shape)]
+                with positional():
+                    got = held(v.shape, sharding, self.mesh, [self.coord(a) for a in range(self.mesh.ndim)])
+                    got = [None if i is not None and i.numel() == n and bool((i == torch.arange(n)).all()) else i  # all, in order
+                           for i, n in zip(got, v.shape)]
             self.held[v.name] = got
         return got
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nvtp.execute.collectives import take
-from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_number, as_tensor, impl
+from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_number, as_tensor, impl, positional
 from nvtp.ir.dtypes import DType
 from nvtp.ir.graph import Op, TensorValue, Value, is_value
 from nvtp.ir.ops import pad_pairs, slice_bounds
@@ -316,8 +316,10 @@ def _slice(ctx, op, a):
             if (start, end, step) != (0, v_in.shape[axis], 1):
                 x = x[(slice(None),) * axis + (slice(start, end, step),)]
             continue
-        wanted_out = out_held[axis] if out_held[axis] is not None else torch.arange(n_out)
-        x = take(x, axis, _local_positions(ctx, v_in, axis, start + wanted_out * step))
+        with positional():  # which of this rank's entries: fixed by the mesh position
+            wanted_out = out_held[axis] if out_held[axis] is not None else torch.arange(n_out)
+            positions = _local_positions(ctx, v_in, axis, start + wanted_out * step)
+        x = take(x, axis, positions)
     return x
 
 

@@ -61,6 +61,8 @@ from nvtp.errors import InputError
 MODES = {
     "kernels": "each group of ops that eager PyTorch runs as one kernel (cross-entropy, the embedding's gradient, layer and "
                "RMS norm, softmax, causal attention (torch's flash kernels), GELU, SiLU) runs as that kernel, the other ops one by one",
+    "inductor": "the kernels, then each rank's compute between collectives and random draws compiled by torch's Inductor "
+                "(faster steps; the first call compiles for tens of seconds, cached on disk by Inductor)",
     "none": "every op one by one, by its own implementation (the interpreter, slower)",
 }
 DEFAULT = "kernels"
@@ -300,10 +302,11 @@ def _embedding_backward_check(m: Match, padded: bool):
     backward = torch.ops.aten.embedding_dense_backward.default
 
     def kernel(index, grad):
-        keep = (index >= 0) & (index < v)  # an index no row has matches no one-hot column: it adds nothing
-        if not bool(keep.all()):
-            index, grad = index[keep], grad[keep]
-        return {"dw": backward(grad, index, v, pad, False)}
+        # An index no row has matches no one-hot column: it adds nothing. Masked without reading the
+        # data (no branch on it), so the kernel traces into a graph Inductor compiles.
+        keep = (index >= 0) & (index < v)
+        grad = torch.where(keep.unsqueeze(-1), grad, 0)
+        return {"dw": backward(grad, torch.where(keep, index, 0), v, pad, False)}
 
     return ["index", "grad"], {"dw": "dw"}, kernel
 

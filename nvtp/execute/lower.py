@@ -78,7 +78,10 @@ def lower(
 
     ``rings`` (``nvtp.sharding.overlap.Ring``s): each runs its ``set`` and ``linear``s as one node
     ``ring_for(ring, set op, linear ops)(ctx, x, *(weight, bias) of each linear)``, where the
-    ``set`` stands; it gives the ``set``'s result (and, for a gather, each linear's)."""
+    ``set`` stands; it gives the ``set``'s result (and, for a gather, each linear's).
+
+    Start, wait and ring nodes carry ``meta["communicates"]`` (``inductor.py`` keeps them out of
+    what it compiles); every op node keeps its ``Op`` in ``meta["op"]``."""
     g = fx.Graph()
     ctx = g.placeholder("ctx")
     env: dict[str, fx.Node] = {}
@@ -107,6 +110,7 @@ def lower(
             ops = [set_ops[name] for name in issue.sets]
             node = g.call_function(start_for(issue, ops), (ctx, *(env[op.operands[0].name] for op in ops)),
                                    name=f"start_{issue.sets[0]}")
+            node.meta["communicates"] = True
             handles.update((name, (node, k)) for k, name in enumerate(issue.sets))
 
     ring_at = {r.at: r for r in rings}
@@ -118,6 +122,7 @@ def lower(
         made = [fusion.ops[c[-1]].outputs[0] for c in r.chains]  # what each product's chain hands on
         weights = tuple(a for p in products for a in (arg(p.operands[1]), arg(p.arg("bias")) if p.kind == "linear" else None))
         node = g.call_function(ring_for(r, op, products), (ctx, env[values[r.x].name], *weights), name=f"ring_{op.outputs[0].name}")
+        node.meta["communicates"] = True
         if r.kind != "allgather-linear":
             env[op.outputs[0].name] = node
             node.meta["value"] = op.outputs[0]
@@ -142,6 +147,7 @@ def lower(
             node, k = handles[op.outputs[0].name]
             env[op.outputs[0].name] = g.call_function(_wait, (node, k), name=op.outputs[0].name)
             env[op.outputs[0].name].meta["value"] = op.outputs[0]
+            env[op.outputs[0].name].meta["communicates"] = True
             start(index)
             continue
         args = tuple(arg(a) for name, a in op.args if name in _POSITIONAL or _holds_value(a))

@@ -28,6 +28,7 @@ from nvtp.execute import ep
 from nvtp.execute import kernels
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
+from nvtp.execute.inductor import compile_module
 from nvtp.execute.lower import lower, value_args
 from nvtp.execute.sets import ring_for, set_is_local, start_for
 from nvtp.ir.dtypes import as_input
@@ -176,6 +177,7 @@ class Lowered:
     fused: dict[str, int]  # pattern name -> times fused
     folded: int  # ops computed while lowering
     held: dict[str, list[Any]] = field(default_factory=dict)  # the global indices held, filled as the runs ask (Context.indices)
+    compiled: Any = None  # with compile="inductor": its pieces compiled (nvtp.execute.inductor.Compiled), made on first use
 
     def accepts(self, inputs: Sequence[Any]) -> bool:
         """True when ``inputs`` have the local shapes and dtypes the module was lowered for."""
@@ -250,6 +252,21 @@ def fused_patterns(fusion: Fusion) -> dict[str, int]:
     return counts
 
 
+def compiled_pieces(fusion: Fusion) -> dict[str, Any]:
+    """With ``compile="inductor"``: how ``fusion``'s lowered modules ran (summed over the mesh
+    positions it was lowered for): ``"compiled"`` pieces, ``"python"`` pieces by why
+    (``nvtp/execute/inductor.py``), and ``"seconds"`` spent tracing and compiling them."""
+    out: dict[str, Any] = {"compiled": 0, "python": {}, "seconds": 0.0}
+    for e in _CACHE.get(id(fusion), ()):
+        c = e.lowered.compiled
+        if e.fusion() is fusion and c is not None:
+            out["compiled"] += c.pieces
+            out["seconds"] += c.seconds
+            for why, n in c.python.items():
+                out["python"][why] = out["python"].get(why, 0) + n
+    return out
+
+
 # Fused kernels stand in for the patterns' ops only while those ops run their own implementations:
 # a changed table (a test's monkeypatch, an implementation registered at run time) runs unfused.
 _PRISTINE_IMPLS: dict[str, Impl] = {}
@@ -272,6 +289,7 @@ def run(
     schedule: Any = None,
     rings: Mapping[str, int] | None = None,
     axis_options: Mapping[str, Any] | None = None,
+    inductor: bool = False,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -290,6 +308,8 @@ def run(
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): when collectives start and which go together.
     ``rings``: the attentions the program runs by ring (first result -> mesh axis; its steps).
     ``axis_options``: the axis options the program was planned with (``ShardedFusion.options``).
+    ``inductor`` (with the kernels): the lowered module's compute between collectives and random
+    draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared.
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -309,6 +329,10 @@ def run(
         # The GraphModule's forward, not its __call__: a fusion is no module of the user's, so module
         # hooks (torch's CommDebugMode / ModTracker track every module called) must not see it.
         run = getattr(lowered.module, "forward", lowered.module)
+        if inductor and fuse and lowered.accepts(inputs):
+            if lowered.compiled is None:
+                lowered.compiled = compile_module(lowered.module)
+            run = lowered.compiled.run
         out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
     except ExecutionError:
         raise

@@ -39,7 +39,7 @@ from thunder.executors.data_dependent_partition import Node, fuse_bound_symbols
 from thunder.torch import _torch_to_thunder_function_map as thunder_of
 import thunder.torch as ltorch
 
-from nvtp.frontend import attention, interpret, moe, setitem
+from nvtp.frontend import attention, extremes, interpret, moe, setitem
 from nvtp.frontend.translate import CHECKS, COMPLEX_OK, TRANSLATORS, input_type, supports_dtype, to_dtype
 from nvtp.ir.build import FusionBuilder, make_op
 from nvtp.ir.graph import Fusion, TensorValue, ValueInfo
@@ -170,6 +170,7 @@ class NvtpExecutor(FusionExecutor):
         for prim_id in TRANSLATORS:
             check = CHECKS.get(prim_id)
             self.register_supported(prim_id, _checker(check, complex_ok=prim_id in COMPLEX_OK))
+        extremes.register(self)  # amax/amin: torch's gradient, not Thunder's
         attention.register(self)
         moe.register(self)
         # Thunder calls _getitem, with proxies, in place of x[key] (the tensor's, or its proxy's, while tracing).

@@ -163,6 +163,11 @@ def _export(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         op = re.search(r"call_(?:function|method|module) (?:<built-in function |<function )?([\w.]+)", text)
         why = re.search(r"got (\w+)\((['\"])(.*?)\2\)", text, re.S)
         what = f"{op.group(1) if op else 'an op'} fails: {why.group(3) if why else text.strip().splitlines()[0]}"
+        if re.search(r"found two different devices meta, cpu|found two different devices cpu, meta", text):
+            raise InputError(f"{type(module).__name__}.forward makes a tensor without device= ({what}): nvtp traces the model on "
+                             "the meta device, where a tensor made in the forward without device= (torch.arange(n), torch.ones(n)) "
+                             "lands on the CPU beside meta tensors; make it on the input's device (torch.arange(n, device=x.device)), "
+                             "or trace through Thunder (frontend='thunder')") from None
         raise InputError(f"{type(module).__name__}.forward cannot run on the given arguments ({what}); pass arguments "
                          "of the shapes and dtypes the model expects") from None
     except (dynamo.exc.Unsupported, dynamo.exc.UserError, dynamo.exc.InternalTorchDynamoError, NotImplementedError) as e:

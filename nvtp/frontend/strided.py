@@ -14,6 +14,17 @@ independent float64 check) already knows them:
     reshape [.., m*step, ..] -> [.., m, step, ..]     reshape [.., m, d+1, ..] -> [.., m*(d+1), ..]
     slice [.., :, 0:1, ..], squeeze    -> [.., m, ..] slice to (m-1)*(d+1) + 1, then the outer pad
 
+Where the step divides the axis (``h[..., ::2]`` and ``h[..., 1::2]`` of an even axis), both are
+written in groups of ``step`` instead, with no slice or pad of the axis itself:
+
+    x [.., n, ..] -> reshape [.., n/step, step, ..]  spread x [.., m, ..] -> [.., m, k, ..]
+    slice the groups taken, position start % step    where(iota(k) == low, x, value)
+    squeeze                            -> [.., m, ..] reshape -> [.., m*k, ..]  (low + high == k - 1)
+
+so a split of the axis into contiguous parts of whole groups stays a split through them: gpt-oss's
+gate and up, interleaved in one projection's features, are taken on the rank that holds them, and
+Megatron's column/row pair passes through (``tests/test_strided.py``).
+
 A new op (a strided slice with its own rule, implementation and emitter) would say the same in
 four tables, and still need these ops for nvFuser; the rewrite keeps one place.
 """
@@ -33,17 +44,36 @@ def strided_slice(b: FusionBuilder, a: TensorValue, starts: Sequence[int], ends:
     """``a[starts:ends:strides]`` (nvFuser's ``slice``, any stride >= 1) from stride-1 slices,
     pads, reshapes and squeezes. Requires what ``slice`` requires; ensures the same shape and values."""
     bounds = slice_bounds(a, starts, ends, strides)
-    # First the stride-1 slice that ends at each axis's last element taken.
     lengths = [-(-(e - s) // st) for s, e, st in bounds]
-    stop = [s + (m - 1) * st + 1 if m > 0 else s for (s, _, st), m in zip(bounds, lengths)]
+    # an axis whose size the step divides is taken in groups of step (no slice or pad of the axis
+    # itself, so a split of it into whole groups stays a split: gpt-oss's interleaved gate and up)
+    grouped = [st > 1 and m > 1 and n % st == 0 for (_, _, st), m, n in zip(bounds, lengths, a.shape)]
+    # First the stride-1 slice that ends at each other axis's last element taken.
+    first = [0 if g else s for (s, _, _), g in zip(bounds, grouped)]
+    stop = [n if g else s + (m - 1) * st + 1 if m > 0 else s for (s, _, st), m, n, g in zip(bounds, lengths, a.shape, grouped)]
     x = a
-    if any((s, e) != (0, n) for (s, _, _), e, n in zip(bounds, stop, a.shape)):
-        x = b.op("slice", a, start_indices=[s for s, _, _ in bounds], end_indices=stop, strides=[1] * a.ndim)
-    for axis, ((_, _, st), m) in enumerate(zip(bounds, lengths)):
-        if st == 1 or m <= 1:
-            continue  # one element (or none) taken: the slice above is it
-        x = _every(b, x, axis, st, m)
+    if any((s, e) != (0, n) for s, e, n in zip(first, stop, a.shape)):
+        x = b.op("slice", a, start_indices=first, end_indices=stop, strides=[1] * a.ndim)
+    for axis, ((start, _, st), m) in enumerate(zip(bounds, lengths)):
+        if grouped[axis]:
+            x = _grouped(b, x, axis, st, start, m)
+        elif st > 1 and m > 1:  # one element (or none) taken: the slice above is it
+            x = _every(b, x, axis, st, m)
     return x
+
+
+def _grouped(b: FusionBuilder, x: TensorValue, axis: int, step: int, start: int, m: int) -> TensorValue:
+    """Elements start, start + step, ... (m of them) of ``axis``, whose size ``step`` divides: the
+    axis as [size/step, step], groups start//step onwards, position start % step in each."""
+    shape = list(x.shape)
+    split = shape[:axis] + [shape[axis] // step, step] + shape[axis + 1:]
+    x = b.op("reshape", x, new_shape=split)
+    lo, at = divmod(start, step)
+    begin, end = [0] * len(split), list(split)
+    begin[axis], begin[axis + 1] = lo, at
+    end[axis], end[axis + 1] = lo + m, at + 1
+    x = b.op("slice", x, start_indices=begin, end_indices=end, strides=[1] * len(split))
+    return b.op("squeeze", x, dims=[axis + 1])
 
 
 def _every(b: FusionBuilder, x: TensorValue, axis: int, step: int, m: int) -> TensorValue:
@@ -64,15 +94,32 @@ def interior_pad(b: FusionBuilder, a: TensorValue, value: Any, config: Sequence[
     ``interior`` copies of ``value`` between neighbouring elements. The interior padding is a
     masked broadcast (see the module docstring), the rest nvFuser's ``pad``."""
     x = a
-    for axis, (_, _, d) in enumerate(config):
-        if d and x.shape[axis] > 1:
+    outer = []
+    for axis, (lo, hi, d) in enumerate(config):
+        if d and x.shape[axis] > 1 and lo >= 0 and hi >= 0 and lo + hi == d:
+            x = _spread(b, x, axis, d + 1, lo, value)  # whole groups: the strided slice's backward over a grouped axis
+            lo = hi = 0
+        elif d and x.shape[axis] > 1:
             x = _dilate(b, x, axis, d, value)
+        outer.append((lo, hi))
     widths: list[int] = []
-    for lo, hi, _ in reversed(config):
+    for lo, hi in reversed(outer):
         widths += [lo, hi]
     if any(widths):
         x = b.op("pad", x, widths, value)
     return x
+
+
+def _spread(b: FusionBuilder, x: TensorValue, axis: int, k: int, at: int, value: Any) -> TensorValue:
+    """Each element of ``axis`` (size m) at position ``at`` of a group of ``k``, ``value`` in the
+    others: size m*k, with neither slice nor pad of the axis."""
+    shape = list(x.shape)
+    wide = shape[:axis + 1] + [k] + shape[axis + 1:]
+    spread = b.op("broadcast_in_dim", x, shape=wide, broadcast_dims=[i for i in range(len(wide)) if i != axis + 1])
+    here = b.op("eq", b.op("iota", k, 0, 1, DType.Int), at)
+    mask = b.op("broadcast_in_dim", here, shape=wide, broadcast_dims=[axis + 1])
+    kept = b.op("where", mask, spread, value)
+    return b.op("reshape", kept, new_shape=shape[:axis] + [shape[axis] * k] + shape[axis + 1:])
 
 
 def _dilate(b: FusionBuilder, x: TensorValue, axis: int, d: int, value: Any) -> TensorValue:

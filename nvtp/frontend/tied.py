@@ -13,7 +13,8 @@ inside the fusion, not a second copy of the weight. The other names are kept in 
 One tie mechanism for every route: ``nvtp.driver.trace`` takes ``aliases`` of the module (kept
 as ``Traced.tied``, which reports and ``ShardingTransform`` read) and applies ``merge_tied`` to
 whatever the route traced (the FX route already reads the weight once, under its first name;
-there the ``attrs["tied"]`` record is all it adds).
+there the ``attrs["tied"]`` record is all it adds). A pipeline traces with ``tie=False``, one input
+per name; on the FX route from a meta copy with the names untied (``untie``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ def aliases(module: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return out
+
+
+def untie(module: torch.nn.Module) -> None:
+    """Each second (third, ...) name of a tied parameter of ``module`` (a meta copy, traced) given a
+    parameter of its own, alike: dynamo reads a tied weight once, under its first name, so the FX
+    route traces one input per name only from a copy whose names hold distinct parameters (a
+    pipeline's stages hold each use: ``driver.trace(tie=False)``)."""
+    weights = dict(module.named_parameters(remove_duplicate=False))
+    for alias in aliases(module):
+        owner, _, attr = alias.rpartition(".")
+        p = weights[alias]
+        setattr(module.get_submodule(owner), attr,
+                torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad))
 
 
 def aliases_text(tied: Mapping[str, str]) -> str:

@@ -1,0 +1,243 @@
+"""A rank's lowered fusion compiled by torch's Inductor: the ``compile="inductor"`` mode.
+
+``compile="kernels"`` runs each rank's fusion as a torch.fx module of one call per op, the groups
+eager PyTorch runs as one kernel already replaced by it (``kernels.py``). This mode goes one step
+further: the module is cut into *pieces* at every node that must run as Python on each call, and
+each piece between them is traced to an aten graph (``make_fx``, real tensors) and compiled by
+Inductor (``torch._inductor.compile``: its C++ kernels fuse the pointwise ops and reductions
+around the matrix products). What stays Python, in its place and order:
+
+* collectives: every ``set`` op the program did not take out (it moves data between ranks), and
+  the scheduled start / wait / ring nodes of ``lower.lower`` (``meta["communicates"]``), so
+  communication still overlaps compute as the schedule says;
+* ops whose result depends on the call (``PER_CALL``: random draws, keyed by the call's seed; the
+  attention backward, which runs a cp ring when the program says so).
+
+A piece is traced with the context of the first call; what the compiled code bakes in from it
+(local shapes, the global indices a rank holds, folded constants) is fixed per mesh position,
+which is what the lowered module is cached by. A piece whose inputs arrive with other shapes or
+strides than it was compiled for runs its Python instead, and so does a piece that cannot be
+traced (a data-dependent read): counted in ``Compiled.python``, never silent.
+
+Where the reference backend runs a fusion op by op anyway (``reference.run``: inputs of other
+shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``, an ep axis's expert
+rows) nothing is compiled either: those runs are the kernels pass's, unchanged.
+
+Compiling is slow (Inductor's C++ build: tens of seconds for a small GPT's forward and backward
+on one core); Inductor keeps what it compiled in its own cache on disk (``TORCHINDUCTOR_CACHE_DIR``,
+default ``/tmp/torchinductor_<user>``), keyed by the aten graph, its inputs' shapes and strides
+and torch's version and configuration: the ranks of a job, and later runs, compile from it.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.split_module import split_module
+
+from nvtp.ir.ops import RANDOM
+
+# Op kinds whose implementation reads something of the call, not of the mesh position (why, per kind).
+PER_CALL: dict[str, str] = {kind: "draws random numbers from the call's seed" for kind in RANDOM} | {
+    "set": "moves data between ranks (a collective)",
+    "sdpfa_bwd": "runs a cp ring's exchanges when the program says so",
+}
+
+SCHEDULED = "starts, waits for or rings a scheduled collective"  # why lower.py's communicating nodes stay Python
+MIN_OPS = 4  # a piece of fewer op calls runs as Python: compiling it would cost more than it saves
+
+
+def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them)."""
+    return torch._inductor.compile(graph, inputs)
+
+
+# What compiles a piece's aten graph: Inductor. The fast tests put the traced aten graph itself here
+# (it runs what Inductor would compile, without its minutes of C++ builds), to check the cutting and
+# tracing on their own.
+compiler: Callable[[fx.GraphModule, list[torch.Tensor]], Callable[..., Any]] = inductor
+_LOCK = threading.Lock()  # one trace and compile at a time (simulated ranks are threads of one process)
+
+
+@dataclass
+class Compiled:
+    """A lowered module with its pieces compiled: ``run(ctx, *inputs)`` as the module's forward."""
+
+    run: Callable[..., Any]
+    pieces: int  # compiled by Inductor
+    python: dict[str, int] = field(default_factory=dict)  # why a piece runs as Python -> how many
+    seconds: float = 0.0  # tracing and compiling, on the first call
+
+
+def _why_python(node: fx.Node) -> str | None:
+    """Why ``node`` runs as Python on every call (a scheduled collective, or an op of ``PER_CALL``);
+    None: it computes, and may be compiled."""
+    if node.meta.get("communicates"):
+        return SCHEDULED
+    op = node.meta.get("op")
+    return PER_CALL.get(op.kind) if op is not None else None
+
+
+def _stays_python(node: fx.Node) -> bool:
+    return _why_python(node) is not None
+
+
+def _pieces(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each computing node's piece: runs of compute get one number each, every node that stays
+    Python (with the ``getitem``s of its results) one of its own, numbered in graph order."""
+    part: dict[fx.Node, int] = {}
+    k = 0
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part \
+                and _stays_python(node.args[0]):
+            part[node] = part[node.args[0]]
+        elif _stays_python(node):
+            k += 1
+            part[node] = k
+            k += 1
+        else:
+            part[node] = k
+    return part
+
+
+class _Piece:
+    """A compute piece of the split module: its Inductor code where inputs match what it was
+    compiled for, its Python (the submodule) otherwise."""
+
+    def __init__(self, sub: fx.GraphModule, name: str, report: Compiled):
+        self.sub, self.name, self.report = sub, name, report
+        self.code: Callable[..., Any] | None = None
+        self.tried = False
+        self.ctx_at: int | None = None
+        self.layout: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = []
+        self.spec: Any = None
+
+    def _python(self, why: str) -> None:
+        self.report.python[why] = self.report.python.get(why, 0) + 1
+
+    def _compile(self, args: tuple, out: Any) -> None:
+        self.tried = True
+        ops = sum(1 for n in self.sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        if ops < MIN_OPS:
+            self._python(f"fewer than {MIN_OPS} ops")
+            return
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        others = [i for i in range(len(args)) if i not in tensors]
+        if len(others) > 1:
+            self._python("reads values that are not tensors")
+            return
+        self.ctx_at = others[0] if others else None
+        ctx = args[self.ctx_at] if others else None
+        xs = [args[i] for i in tensors]
+        spec_box: list[Any] = []
+
+        def flat(*ts):
+            full = list(ts)
+            if self.ctx_at is not None:
+                full.insert(self.ctx_at, ctx)
+            out, spec = pytree.tree_flatten(self.sub(*full))
+            spec_box.append(spec)
+            return out
+
+        start = time.perf_counter()
+        try:
+            with _LOCK:
+                graph = make_fx(flat, tracing_mode="real")(*xs)
+            spec = spec_box[-1]
+            if not all(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out)):
+                self._python("gives values that are not tensors")
+                return
+            with _LOCK:
+                self.code = compiler(graph, xs)
+        except Exception as e:  # noqa: BLE001 - an untraceable piece runs as Python (counted, warned once)
+            self._python(f"not traced ({type(e).__name__})")
+            warnings.warn(f"nvtp compile='inductor': piece {self.name} runs op by op: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+            return
+        finally:
+            self.report.seconds += time.perf_counter() - start
+        self.spec = spec
+        self.layout = [(tuple(x.shape), tuple(x.stride()), x.dtype) for x in xs]
+        self.report.pieces += 1
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.tried:  # the first call runs the Python, which fills the context's per-position caches
+            out = self.sub(*args)  # (held indices, local shapes), then compiles: the trace reads them as given
+            self._compile(args, out)
+            return out
+        if self.code is None:
+            return self.sub(*args)
+        xs = [a for i, a in enumerate(args) if i != self.ctx_at]
+        if len(xs) != len(self.layout) or any(
+                not isinstance(x, torch.Tensor) or (tuple(x.shape), tuple(x.stride()), x.dtype) != want
+                for x, want in zip(xs, self.layout)):
+            return self.sub(*args)  # another layout than compiled for: the piece's Python, exactly
+        return pytree.tree_unflatten(list(self.code(*xs)), self.spec)
+
+
+def compile_module(module: fx.GraphModule) -> Compiled:
+    """``module`` (``lower.lower``'s GraphModule ``forward(ctx, *inputs)``, fused) cut into pieces
+    at the nodes that stay Python; each compute piece is compiled on its first call (see the module
+    docstring). Requires: every op node carries ``meta["op"]``, communicating nodes
+    ``meta["communicates"]``. Ensures: ``Compiled.run(ctx, *inputs)`` gives what
+    ``module.forward(ctx, *inputs)`` gives, the Python nodes run in their order on every call."""
+    module = _constants_inlined(module)
+    part = _pieces(module.graph)
+    stays = {k: _why_python(n) for n, k in part.items() if _stays_python(n)}
+    split = split_module(module, module, lambda n: part[n], keep_original_order=True)
+    report = Compiled(run=split.forward, pieces=0)
+    # Each submodule called as a function, not a module: a fusion is no module of the user's, so
+    # module hooks (torch's CommDebugMode / ModTracker) must not see its pieces.
+    for node in list(split.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = split.get_submodule(node.target)
+        why = stays.get(int(node.target.rsplit("_", 1)[-1]))
+        if why is not None:
+            report.python[why] = report.python.get(why, 0) + 1
+        call = sub.forward if why is not None else _Piece(sub, node.target, report)
+        with split.graph.inserting_before(node):
+            new = split.graph.call_function(_named(call, node.target), node.args, node.kwargs)
+        node.replace_all_uses_with(new)
+        split.graph.erase_node(node)
+    split.recompile()
+    report.run = split.forward
+    return report
+
+
+def _constants_inlined(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``module`` whose constants (``get_attr``) are made by a node before each reader:
+    ``split_module`` would pass them to the pieces as inputs, which ``make_fx`` traces as data
+    (a folded scalar read as a number would then be a data-dependent read)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(module, node.target)
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                made = graph.call_function(_named(lambda value=value: value, node.target), ())
+            made.meta = dict(node.meta)
+            user.replace_input_with(node, made)
+        graph.erase_node(node)
+    return fx.GraphModule(module, graph)
+
+
+def _named(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        return call(*args)
+
+    run.__name__ = run.__qualname__ = name
+    return run

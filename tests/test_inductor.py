@@ -1,0 +1,198 @@
+"""``compile="inductor"`` (nvtp/execute/inductor.py): each rank's lowered fusion cut at its
+collectives and random draws, the compute between them traced to aten graphs and compiled, with
+the values and gradients of eager PyTorch on one process (computed independently of nvtp).
+
+Inductor's C++ builds take tens of seconds to minutes on this project's CPUs, so the default tier
+puts the traced aten graph itself where Inductor's code would run (``inductor.compiler``): what
+is checked fast is the cutting, the tracing and the graphs Inductor is given; one slow test runs
+Inductor itself."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nvtp
+from nvtp.execute import inductor, reference, spmd
+from nvtp.models import gpt
+from nvtp.sharding.placements import DeviceMesh
+from tests.test_kernels import _close, _gpt
+from tests.test_kernels import _step as _step_once
+
+
+def _step(model, loss_of, *args):
+    """One step's loss and gradients, the gradients set to None after (steps do not accumulate)."""
+    got = _step_once(model, loss_of, *args)
+    getattr(model, "module", model).zero_grad(set_to_none=True)
+    return got
+
+
+@pytest.fixture
+def aten(monkeypatch):
+    """The traced aten graphs run as the compiled code; returns them (each with its call count)."""
+    graphs: list[list] = []
+
+    def compile_(graph, inputs):
+        entry = [graph, 0]
+        graphs.append(entry)
+
+        def run(*xs):
+            entry[1] += 1
+            return graph(*xs)
+
+        return run
+
+    monkeypatch.setattr(inductor, "compiler", compile_)
+    for entries in reference._CACHE.values():  # a program shared between tests compiles again, here
+        for e in entries:
+            e.lowered.compiled = None
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """The tiny GPT (vocabulary 512) traced once for the tests of one rank: (model, idx, targets,
+    eager's loss and gradients, a ShardedModule holding the program)."""
+    model, cfg, idx, tgt = _gpt(vocab_size=512)
+    want = _step(copy.deepcopy(model), _loss, idx, tgt)
+    base = nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1))
+    base.compile(idx, tgt)
+    return model, idx, tgt, want, base
+
+
+def _one_rank(traced):
+    model, idx, tgt, want, base = traced
+    return nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1), compile="inductor").share_compiled(base)
+
+
+COLLECTIVES = (inductor.PER_CALL["set"], inductor.SCHEDULED)
+SMALL = f"fewer than {inductor.MIN_OPS} ops"
+
+
+def _pieces(sm) -> dict[str, dict]:
+    return {phase: reference.compiled_pieces(sharded.fusion) for phase, sharded in sm.last.phases()}
+
+
+def _aten_ops(graph) -> set[str]:
+    return {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+
+
+def _loss(out):
+    return out
+
+
+def test_one_rank_of_the_gpt_runs_compiled_with_eagers_loss_and_gradients(aten, traced):
+    """A mesh of one: the forward and the backward are one compiled piece each, given to the
+    compiler with the kernels pass's fused aten kernels in them; the second step runs them."""
+    model, idx, tgt, want, base = traced
+    sm = _one_rank(traced)
+    first = _step(sm, _loss, idx, tgt)  # runs each fusion's Python, then traces and compiles it
+    second = _step(sm, _loss, idx, tgt)
+    pieces = _pieces(sm)
+    for phase in ("forward", "backward"):
+        assert pieces[phase]["compiled"] == 1 and pieces[phase]["python"] == {}, pieces
+    assert len(aten) == 2 and all(calls >= 1 for _, calls in aten), [calls for _, calls in aten]
+    assert 0 < sm.last.seconds["compile"] == pytest.approx(sum(p["seconds"] for p in pieces.values()))
+    forward, backward = (_aten_ops(g) for g, _ in aten)
+    assert {"aten._log_softmax.default", "aten.native_layer_norm.default",
+            "aten._scaled_dot_product_flash_attention_for_cpu.default"} <= forward, sorted(forward)
+    assert {"aten.embedding_dense_backward.default", "aten.native_layer_norm_backward.default",
+            "aten._log_softmax_backward_data.default"} <= backward, sorted(backward)
+    _close(first, want, "first step vs eager")
+    _close(second, want, "compiled step vs eager")
+
+
+def test_megatron_at_tp2_compiles_between_its_collectives_with_eagers_gradients(aten):
+    """Simulated ranks (threads), the GPT under megatron on tp=2: each rank's fusions are cut at
+    their ``set`` ops (the all-reduces), which run as Python in their place; the compute between
+    them is compiled; the loss and every assembled gradient as eager's on the unsharded model."""
+    model, cfg, idx, tgt = _gpt()
+    want = _step(copy.deepcopy(model), _loss, idx, tgt)
+    mesh = DeviceMesh.of_size(2)
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), compile="inductor")
+             for r in range(2)]
+    ranks[0].compile(idx, tgt)
+    ranks[1].share_compiled(ranks[0])
+    spmd.on_threads(lambda r: _step(ranks[r], _loss, idx, tgt), threads)
+    got = spmd.on_threads(lambda r: _step(ranks[r], _loss, idx, tgt), threads)
+    pieces = _pieces(ranks[0])
+    for phase in ("forward", "backward"):
+        assert pieces[phase]["compiled"] >= 2 * 2, pieces  # two ranks, each cut at least once
+        collectives = {why: n for why, n in pieces[phase]["python"].items() if why in COLLECTIVES}
+        assert sum(collectives.values()) >= 2 and not set(pieces[phase]["python"]) - set(COLLECTIVES) - {SMALL}, pieces
+    assert sum(calls for _, calls in aten) >= 8, [calls for _, calls in aten]
+    for r, (loss, grads) in enumerate(got):
+        whole = {n: spmd.assemble([g[1][n] for g in got], ranks[0].placement(n), want[1][n].shape, mesh) for n in grads}
+        _close((loss, whole), want, f"rank {r} vs eager")
+
+
+def test_dropout_draws_stay_python_and_draw_what_the_kernels_mode_draws(aten):
+    """The GPT with dropout 0.1 in training: every random draw runs as Python in its place (keyed
+    by the call's seed), so the compiled program draws the masks ``compile="kernels"`` draws."""
+    model, cfg, idx, tgt = _gpt(dropout=0.1)
+    kernels = nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1))
+    kernels.compile(idx, tgt)
+    compiled = nvtp.jit(copy.deepcopy(model), mesh=DeviceMesh.of_size(1), compile="inductor").share_compiled(kernels)
+    got, want = [], []
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        want.append(_step(kernels, _loss, idx, tgt))
+        torch.manual_seed(10 + step)
+        got.append(_step(compiled, _loss, idx, tgt))
+    pieces = _pieces(compiled)
+    assert pieces["forward"]["python"].get(inductor.PER_CALL["uniform"], 0) >= 1, pieces
+    assert pieces["forward"]["compiled"] >= 2, pieces
+    assert want[0][0].item() != want[1][0].item()  # two seeds, two masks
+    for g, w in zip(got, want):
+        _close(g, w, "compiled vs kernels, same seed")
+
+
+def test_a_piece_given_other_strides_runs_its_python(aten, traced, monkeypatch):
+    """Inductor's code assumes the strides it was compiled for: a call with others runs the
+    piece's Python instead (exact), never the compiled code on a layout it was not built for."""
+    model, idx, tgt, want, base = traced
+    sm = _one_rank(traced)
+    seen = []
+    run = reference.run
+    monkeypatch.setattr(reference, "run", lambda fusion, inputs, **kw: seen.append((fusion, list(inputs))) or run(fusion, inputs, **kw))
+    _step(sm, _loss, idx, tgt)
+    fusion, inputs = seen[-1]  # the backward's
+    lowered = next(e.lowered for e in reference._CACHE[id(fusion)] if e.lowered.compiled is not None)
+    ctx = lambda: reference.Context(fusion, shapes=lowered.shapes, held=lowered.held)  # noqa: E731
+    inputs = [reference.input_value(ctx(), v, x) for v, x in zip(fusion.inputs, inputs)]
+    strided = [x.t().contiguous().t() if isinstance(x, torch.Tensor) and x.ndim == 2 and x.is_floating_point() else x
+               for x in inputs]
+    assert any(a.stride() != b.stride() for a, b in zip(inputs, strided) if isinstance(a, torch.Tensor))
+    calls = [c for _, c in aten]
+    got = lowered.compiled.run(ctx(), *strided)
+    assert [c for _, c in aten] == calls  # the compiled code was not called
+    want = lowered.module.forward(ctx(), *strided)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    lowered.compiled.run(ctx(), *inputs)
+    assert sum(c for _, c in aten) == sum(calls) + 1  # inputs as compiled for: the compiled code
+
+
+def test_compile_inductor_is_a_choice_and_a_bad_value_names_it():
+    from nvtp.errors import InputError
+
+    with pytest.raises(InputError, match=r"compile='inductr' is not a way nvtp runs a rank's program; choose one of .*'inductor': "):
+        nvtp.jit(gpt.GPT(gpt.config("tiny")), compile="inductr")
+
+
+@pytest.mark.slow
+def test_inductor_itself_compiles_one_rank_of_the_gpt_with_eagers_values(traced):
+    """Inductor's C++ code (tens of seconds to minutes to build here; its disk cache makes a rerun fast)."""
+    model, idx, tgt, want, base = traced
+    for entries in reference._CACHE.values():  # compiled by the fast tests' stand-in: compile again
+        for e in entries:
+            e.lowered.compiled = None
+    sm = _one_rank(traced)
+    _step(sm, _loss, idx, tgt)
+    got = _step(sm, _loss, idx, tgt)
+    pieces = _pieces(sm)
+    assert pieces["forward"]["compiled"] == 1 and pieces["backward"]["compiled"] == 1, pieces
+    _close(got, want, "Inductor's step vs eager")
