@@ -42,6 +42,7 @@ import torch
 from nvtp import fakeguard, tracecache
 from nvtp.errors import InputError
 from nvtp.frontend.attention import claim_flash, claim_for_ring
+from nvtp.frontend.executor import rematerializing
 from nvtp.frontend.parts import splitting
 from nvtp.frontend.recompute import check_mode as recompute_mode, layers_of, recompute as recomputed, sequence_of
 from nvtp.frontend.regional import capture_regional
@@ -152,7 +153,7 @@ def _meta(x: Any, batch: int) -> Any:
 def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, frontend: str = "auto",
           regional: bool = True, split_parts: bool = False, batch: int = 1, on_meta: bool = True,
           like: torch.nn.Module | None = None, boundary: bool = True, ring: bool = False, tie: bool = True,
-          flash: bool = False) -> Traced:
+          flash: bool = False, remat: bool = True) -> Traced:
     """Trace ``module`` called with ``args``/``kwargs`` into a forward and a backward fusion.
 
     ``module`` is traced on the meta device (a meta copy unless ``on_meta=False``: then it must
@@ -170,7 +171,13 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     (``sdpfa_fwd``), float32 too, so that axis can run it by ring (``nvtp.sharding.axes.cp``); the
     ones declined are in ``Traced.declined``. ``flash`` (the reference backend's targets,
     ``Target.flash_attention``): attention without mask, GQA or dropout is claimed whole the same way,
-    so the backward reads its output and logsumexp (``nvtp.frontend.attention.claim_flash``)."""
+    so the backward reads its output and logsumexp (``nvtp.frontend.attention.claim_flash``).
+    ``remat=False``: no forward value is recomputed in the backward from others (a pipeline's
+    stages: ``nvtp.frontend.executor.rematerializing``)."""
+    if not remat:
+        with rematerializing(False):
+            return trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
+                         on_meta=on_meta, like=like, boundary=boundary, ring=ring, tie=tie, flash=flash)
     options = dict(frontend=frontend, regional=regional, split_parts=split_parts, batch=batch, on_meta=on_meta, like=like,
                    boundary=boundary, tie=tie)
     if ring:
@@ -421,7 +428,7 @@ def compile_pipeline(source: torch.nn.Module, *args: Any, plan: str | Mapping[st
     # one trace for every stage, as a stage's sub-mesh asks (a stage holds each fused projection
     # whole, and a weight tied across stages as one input per name)
     options = axes.trace_options(layout.submesh(0), plan) | {"split_parts": False}
-    options |= {"frontend": way, "tie": False}
+    options |= {"frontend": way, "tie": False, "remat": False}  # a stage's backward recomputes nothing of another's
     if cached is None:
         traced = trace(source, mb_args, kwargs, **options)
     else:

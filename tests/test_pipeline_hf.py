@@ -123,6 +123,24 @@ def test_a_weight_tied_across_stages_is_one_input_per_name_on_the_fx_route_each_
     assert relative_error(grads["grad(emb.weight)"] + grads["grad(head.weight)"], want.emb.weight.grad)[0] <= 1e-5
 
 
+def test_a_pipelines_trace_recomputes_no_forward_value_in_the_backward_so_gemma_2_cuts():
+    """Thunder's rematerialization rebuilt Gemma 2's residual stream in the backward from every
+    block's saved pieces (its post-attention and post-feedforward norms), so the last stage's
+    backward read stage 0's values: "StageError: backward ...: stage 1 reads T586 of stage 0". A
+    pipeline traces with it off (``driver.trace(remat=False)``): the cut holds, and the stages'
+    sends are the residual stream alone."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (uv sync installs the dev group)")
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_hidden_layers=2, vocab_size=256, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    args, _ = driver.bind_call(model, "thunder", (ids,), {"labels": ids})  # as the pipeline's call binds them
+    staged = driver.compile_pipeline(model, *args, mesh="2x1x1", microbatches=2).staged
+    assert [s.blocks for s in staged.stages] == [(0,), (1,)]
+    assert {tuple(t.shape) for t in staged.transfers} == {(1, 16, 64)}, staged.transfers  # a microbatch's residual stream
+
+
 def test_a_forward_of_several_tensors_none_named_the_loss_is_refused_saying_how_to_wrap_it(dict_lm):
     """The same program seen as a tuple ``(loss, logits)`` (no output object naming the loss), as
     nanoGPT's ``(logits, loss)`` is: refused, saying how to wrap it."""

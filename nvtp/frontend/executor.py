@@ -97,6 +97,22 @@ def current_runtime() -> Runtime:
     return _RUNTIME.get() or _DEFAULT_RUNTIME
 
 
+_REMATERIALIZE: contextvars.ContextVar[bool] = contextvars.ContextVar("nvtp_rematerialize", default=True)
+
+
+@contextlib.contextmanager
+def rematerializing(on: bool):
+    """Whether the fusion pass inside this block lets Thunder's rematerialization move forward
+    values into the backward (recomputed there from others the forward saves). A pipeline's trace
+    turns it off: recomputing Gemma 2's residual stream from every block's saved pieces put a
+    stage's forward values in another stage's backward (``StageError``)."""
+    token = _REMATERIALIZE.set(on)
+    try:
+        yield
+    finally:
+        _REMATERIALIZE.reset(token)
+
+
 @dataclass
 class FusionCallable:
     """What Thunder calls for an nvtp fusion: ``nvtpFusion0(*inputs) -> outputs``."""
@@ -228,7 +244,8 @@ class NvtpExecutor(FusionExecutor):
             bsyms.append(self.fuse(Region(producers, consumers, group), counter))
             counter += 1
         fused.bound_symbols = bsyms
-        fused = rematerialize(fused)
+        if _REMATERIALIZE.get():
+            fused = rematerialize(fused)
         fused = dce(fused)
         fused = update_fusion_call_ctx(fused)
         elapsed = (time.perf_counter_ns() - start) // 1_000_000
