@@ -270,11 +270,13 @@ def _pipeline_step(pm, args, train, rtol, outcome: Outcome) -> None:
             dist.all_gather(parts, t.contiguous(), group=pm._groups["data"])
             return torch.cat(parts)
         args = tuple(gathered(a) for a in args)
-    eager = _Eager(pm.module, whole, args, {}, train)
-    want = eager.outputs([""])[0]
-    if not isinstance(want, torch.Tensor):  # an output object holding the loss (a transformers model called with labels=)
-        want = want["loss"] if hasattr(want, "keys") else want.loss
-        eager.leaves = [want]
+    # The step's loss is the mean of its microbatches' losses (a loss that is not a mean over rows, an
+    # MoE load-balancing term, differs from the whole batch's): eager runs each microbatch, the rows
+    # of every dp rank's microbatch i together, as the program runs them.
+    m = pm.microbatches
+    runs = [_Eager(pm.module, whole, tuple(_microbatch(a, i, m, lay.dp) for a in args), {}, train) for i in range(m)]
+    losses = [_loss_of(e) for e in runs]
+    want = torch.stack(losses).mean()
     _compare(outcome, "the loss", loss, want, rtol)
     if not train or outcome.failures:
         return
@@ -283,9 +285,28 @@ def _pipeline_step(pm, args, train, rtol, outcome: Outcome) -> None:
     names = [name for name in grads if grads[name] is not None and name in whole and name in held]
     crossing = [name for name in names if name in pm._tie_groups]  # summed across stages: always compared
     sample = crossing + _sample([name for name in names if name not in crossing])
-    expected = eager.gradients(sample, [torch.ones_like(want)])
+    per_run = [e.gradients(sample, [torch.full_like(w, 1.0 / m)]) for e, w in zip(runs, losses)]
+    expected = [sum(gs) for gs in zip(*per_run)]
     for name, w in zip(sample, expected):
         _compare(outcome, f"gradient of {name}", grads[name], spmd.shard_tensor(w, mine.parameters[held[name]], mine.mesh, pm._pos), rtol)
+
+
+def _microbatch(a: Any, i: int, m: int, dp: int) -> Any:
+    """Microbatch ``i`` of ``m`` of the dp group's batch ``a`` (each of the ``dp`` ranks' rows in
+    turn): every rank's ``i``-th chunk, as the pipeline runtime cuts its own batch."""
+    if not isinstance(a, torch.Tensor) or not a.ndim:
+        return a
+    return torch.cat([part.chunk(m)[i] for part in a.chunk(dp)])
+
+
+def _loss_of(eager: "_Eager") -> torch.Tensor:
+    """The loss ``eager``'s model returned: itself, or the ``loss`` of its output object (a
+    transformers model called with ``labels=``); its gradients are then taken from it."""
+    out = eager.outputs([""])[0]
+    if not isinstance(out, torch.Tensor):
+        out = out["loss"] if hasattr(out, "keys") else out.loss
+        eager.leaves = [out]
+    return out
 
 
 def _held_here(pm) -> dict[str, str]:
