@@ -25,8 +25,10 @@ What "the same inputs" is, per runtime:
   (the output gradients 1/dp), as DDP averages. Tensor-parallel and cp boundaries are whole.
 * ``nvtp.ShardingTransform`` (``check_transform``): the same, on its 1-D mesh; the module's own
   parameters are meta by then (released), so the gathered ones stand in for them.
-* a pipeline (``check_pipeline``): the parameters gathered whole (``full_parameters``), the whole
-  batch; the loss on every rank, and each rank's part of its stage's sampled gradients.
+* a pipeline (``check_pipeline``): the parameters gathered whole (``full_parameters``), the dp
+  group's batch cut into the step's microbatches (eager runs each; the loss is their mean, as the
+  step's is); the loss on every rank, and each rank's part of the sampled gradients of the weights
+  its stage holds (a weight tied across stages: on its holder, after the sum over stages).
 
 The check leaves training as it would be without it, bit for bit (tests/test_guard.py): it runs
 the program's forward and backward directly (not through autograd: no ``.grad`` is touched), the
