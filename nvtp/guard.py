@@ -196,7 +196,8 @@ def check_transform(transform: Any, rp: Any, labels: list[str], tensors: Sequenc
     start = time.perf_counter()
     outcome = Outcome(skipped=_unchecked(rp.program.forward.source, transform))
     named = dict(zip(labels, tensors))
-    missing = [n for n in rp.arg_names if n not in named]
+    constants = rp.call.constants if rp.call is not None else {}  # the FX route's folded constants: the program's own
+    missing = [n for n in rp.arg_names if n not in named and n not in constants]
     if missing and not outcome.skipped:
         outcome.skipped = f"the program does not read argument(s) {', '.join(missing)}, so the call cannot be made again eagerly"
     if not outcome.skipped:
@@ -222,7 +223,11 @@ def _transform_step(transform, rp, named, module, train, rtol, outcome: Outcome)
     del values
     whole = {n: _gathered(named[n], transform._placements.get(n, REPLICATE), transform._whole_shapes[n], comm, mesh)
              for n, _ in module.named_parameters() if n in named and n in transform._whole_shapes}
-    eager = _Eager(module, whole, tuple(named[n] for n in rp.arg_names), {}, train)
+    if rp.call is not None:  # the FX route: the call's own structure, keywords included (labels=...)
+        args, kwargs = pytree.tree_unflatten([named[n] for n in rp.call.arg_names], rp.call.in_spec)
+    else:
+        args, kwargs = tuple(named[n] for n in rp.arg_names), {}
+    eager = _Eager(module, whole, args, kwargs, train)
     for path, got, want in zip(paths, outs, eager.outputs(paths)):
         _compare(outcome, _output_name(path), got, want, rtol)
     if not train or outcome.failures:

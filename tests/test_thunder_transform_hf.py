@@ -18,6 +18,7 @@ import thunder
 import torch
 
 import nvtp
+from nvtp import guard
 from nvtp.execute import spmd
 from nvtp.sharding.placements import DeviceMesh
 
@@ -49,6 +50,10 @@ def test_a_transformers_llama_through_the_thunder_transform_gives_eagers_loss_an
     for name, p in ref.named_parameters():
         assert (grads[name] - p.grad).abs().max().item() <= 1e-5, name
     assert transform.last.traced.route == "fx", transform.last.traced.how
+    # the first-call check ran against eager, the call rebuilt with its keywords (labels=): it was
+    # skipped ("does not read argument(s) nvtp_constant_0"), the folded mask taken for an argument
+    checks = guard.outcomes(transform)
+    assert checks and all(not o.skipped and o.compared > 1 and not o.failures for o in checks), checks
     with pytest.raises(InputError, match=r"nvtp does not return KV caches \(past_key_values\) under thunder.jit; call the model with use_cache=False"):
         jm(batch(0), labels=batch(0), use_cache=True)
 
