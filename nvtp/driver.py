@@ -174,19 +174,16 @@ def trace(module: torch.nn.Module, args: tuple = (), kwargs: Mapping[str, Any] |
     so the backward reads its output and logsumexp (``nvtp.frontend.attention.claim_flash``).
     ``remat=False``: no forward value is recomputed in the backward from others (a pipeline's
     stages: ``nvtp.frontend.executor.rematerializing``)."""
-    if not remat:
-        with rematerializing(False):
-            return trace(module, args, kwargs, frontend=frontend, regional=regional, split_parts=split_parts, batch=batch,
-                         on_meta=on_meta, like=like, boundary=boundary, ring=ring, tie=tie, flash=flash)
     options = dict(frontend=frontend, regional=regional, split_parts=split_parts, batch=batch, on_meta=on_meta, like=like,
                    boundary=boundary, tie=tie)
-    if ring:
-        with claim_for_ring() as declined:
-            traced = _trace(module, args, kwargs, **options)
-        traced.declined = list(dict.fromkeys(declined))
-        return traced
-    with claim_flash() if flash else contextlib.nullcontext():
-        return _trace(module, args, kwargs, **options)
+    with contextlib.nullcontext() if remat else rematerializing(False):
+        if ring:
+            with claim_for_ring() as declined:
+                traced = _trace(module, args, kwargs, **options)
+            traced.declined = list(dict.fromkeys(declined))
+            return traced
+        with claim_flash() if flash else contextlib.nullcontext():
+            return _trace(module, args, kwargs, **options)
 
 
 def _trace(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, frontend: str, regional: bool,

@@ -208,22 +208,27 @@ def test_a_bad_verify_option_is_refused_before_anything_is_traced():
         nvtp.jit(differing.model("same"), mesh=1, verify="yes")
 
 
-def _pipeline_worker(rank, world, init_method, out):
+def _first_step_on_pp2(net, batch, out, world):
+    """``net``'s first step on pp=2 with 2 microbatches: "trained", or the check's refusal; rank 0 saves every rank's."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nvtp.execute.launch import init_group
     from tests import workers
 
-    init_group(rank, world, init_method)
-    variants.Recording.variants = lambda self: ([0] * self.count, [])  # the miscompile, in this process
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    model = nvtp.jit(differing.model("attribute"), plan="megatron", mesh=mesh, microbatches=2)
+    model = nvtp.jit(net, plan="megatron", mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), microbatches=2)
     try:
-        model(*differing.batches(1, batch=4)[0])
+        model(*batch)
         result = "trained"
     except guard.MiscompileError as e:
         result = str(e)
     return workers.finish(result, out, world)
+
+
+def _pipeline_worker(rank, world, init_method, out):
+    from nvtp.execute.launch import init_group
+
+    init_group(rank, world, init_method)
+    variants.Recording.variants = lambda self: ([0] * self.count, [])  # the miscompile, in this process
+    return _first_step_on_pp2(differing.model("attribute"), differing.batches(1, batch=4)[0], out, world)
 
 
 @pytest.mark.slow  # 2 gloo processes: 60 s
@@ -235,13 +240,10 @@ def test_a_pipeline_refuses_a_miscompiled_program_on_every_rank(tmp_path):
 
 
 def _tied_worker(rank, world, init_method, out):
-    from torch.distributed.device_mesh import init_device_mesh
-
     from nvtp.execute.launch import init_group
     from nvtp.models import gpt
     from nvtp.execute.collectives import DistComm
     from nvtp.pipeline import runtime
-    from tests import workers
 
     class Unsummed(DistComm):
         def reduce(self, t, dst, op="sum"):  # the miscompile: the tied weight's gradients never summed across stages
@@ -252,13 +254,7 @@ def _tied_worker(rank, world, init_method, out):
     torch.manual_seed(0)
     net = gpt.GPT(gpt.config("tiny", n_layer=2, batch=4))
     net.lm_head.weight = net.wte.weight  # read by stage 0 (the embedding) and stage 1 (the head)
-    model = nvtp.jit(net, plan="megatron", mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), microbatches=2)
-    try:
-        model(*gpt.example_tokens(gpt.config("tiny", n_layer=2, batch=4), seed=0))
-        result = "trained"
-    except guard.MiscompileError as e:
-        result = str(e)
-    return workers.finish(result, out, world)
+    return _first_step_on_pp2(net, gpt.example_tokens(gpt.config("tiny", n_layer=2, batch=4), seed=0), out, world)
 
 
 @pytest.mark.slow  # 2 gloo processes: 20 s
