@@ -196,3 +196,69 @@ def test_inductor_itself_compiles_one_rank_of_the_gpt_with_eagers_values(traced)
     pieces = _pieces(sm)
     assert pieces["forward"]["compiled"] == 1 and pieces["backward"]["compiled"] == 1, pieces
     _close(got, want, "Inductor's step vs eager")
+
+
+# -- pipelines: each stage's program compiled ----------------------------------------------------
+
+
+def _pipeline_pieces_used(rank: dict, steps: int, microbatches: int, allowed=COLLECTIVES + (SMALL,)) -> None:
+    """A stage's fusions ran compiled: pieces in both phases, Python only where it must be, what
+    compiling took reported (``model.last.seconds``), and every compiled piece's code called on
+    every microbatch after the first call (which runs the Python, then compiles)."""
+    pieces, calls = rank["compiled"], rank["calls"]
+    for phase in ("forward", "backward"):
+        assert pieces[phase]["compiled"] >= 1, pieces
+        assert not set(pieces[phase]["python"]) - set(allowed), pieces
+    assert len(calls) == sum(p["compiled"] for p in pieces.values()), (calls, pieces)
+    assert all(c >= steps * microbatches - 1 for c in calls), calls
+    assert 0 < rank["compile_s"] == pytest.approx(sum(p["seconds"] for p in pieces.values())), rank["compile_s"]
+
+
+def test_a_pipeline_of_one_stage_runs_compiled_pieces_on_every_microbatch(aten):
+    """``nvtp.jit(model, mesh="1x1x1", microbatches=2, compile="inductor")`` in this process: the
+    pipeline's runtime (its schedule of microbatches, gradients summed over them) runs its stage's
+    compiled forward and backward, and trains three SGD steps as eager PyTorch does on the whole
+    batch (the gloo stages: the slow tests below)."""
+    from tests import test_pipeline as tp
+
+    model = nvtp.jit(tp._model(layers=2), plan="megatron", mesh="1x1x1", microbatches=2, compile="inductor")
+    losses, _ = tp._train(model, tp._batches(4, layers=2), dp=1, dp_rank=0)
+    want_losses, want_params, _ = tp._eager(2, False, 4)
+    for a, b in zip(losses, want_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, want_losses)
+    got = model.full_parameters()
+    for name, want in want_params.items():
+        assert tp._close(got[name].detach(), want) <= 1e-4, name
+    rank = {"compiled": _pieces_of(model.last), "calls": [calls for _, calls in aten], "compile_s": model.last.seconds.get("compile")}
+    _pipeline_pieces_used(rank, tp.STEPS, 2, allowed=())  # a stage of one rank: one piece a phase, nothing left Python
+    assert rank["compiled"]["forward"]["compiled"] == rank["compiled"]["backward"]["compiled"] == 1, rank
+
+
+def _pieces_of(program) -> dict[str, dict]:
+    return {phase: reference.compiled_pieces(sharded.fusion) for phase, sharded in program.phases()}
+
+
+@pytest.mark.slow
+def test_a_pp2_pipeline_compiled_by_inductor_trains_like_one_process(tmp_path):
+    """Two gloo processes, one stage each, Inductor's own C++ code (its disk cache makes a rerun
+    fast): the stages train as eager PyTorch on the whole batch (tests/test_pipeline.py's checks:
+    losses, gradient norms, weights, what each stage sends), each stage's forward and backward one
+    compiled piece, called on every microbatch."""
+    from tests import test_pipeline as tp
+
+    got = tp._check(tmp_path, (2, 1, 1), microbatches=2, layers=2, tied=True, compile="inductor")
+    for rank in got:
+        _pipeline_pieces_used(rank, tp.STEPS, 2, allowed=())
+
+
+@pytest.mark.slow
+def test_a_pp_tp_pipeline_compiles_each_stage_between_its_collectives(tmp_path):
+    """(pp, tp) = (2, 2) on four gloo processes, the traced aten graphs standing in for Inductor's
+    code: each stage's megatron program cut at its tp collectives, the pieces between compiled and
+    called on every microbatch; trains as eager PyTorch."""
+    from tests import test_pipeline as tp
+
+    got = tp._check(tmp_path, (2, 1, 2), microbatches=2, layers=2, compile="inductor", aten=True)
+    for rank in got:
+        _pipeline_pieces_used(rank, tp.STEPS, 2)
+        assert all(sum(n for why, n in p["python"].items() if why in COLLECTIVES) >= 2 for p in rank["compiled"].values()), rank
