@@ -10,6 +10,7 @@ Inductor itself."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -262,3 +263,100 @@ def test_a_pp_tp_pipeline_compiles_each_stage_between_its_collectives(tmp_path):
     for rank in got:
         _pipeline_pieces_used(rank, tp.STEPS, 2)
         assert all(sum(n for why, n in p["python"].items() if why in COLLECTIVES) >= 2 for p in rank["compiled"].values()), rank
+
+
+# -- an ep axis: compiled around its expert rows -------------------------------------------------
+
+
+def test_an_ep_axis_compiles_everything_but_its_expert_rows_with_eagers_values(aten):
+    """nvtp's MoE GPT at ep=2 (simulated ranks), a batch after which an expert is idle: the ops
+    ``ep.Experts`` runs on dispatched rows (each ``gather_mm``, ``gather_mm_wgrad`` and the
+    row-wise ops between them) stay Python in their place; the rest of each rank's fusions (the
+    kernels pass's fused groups among it) is compiled and runs on every step. Logits, loss and
+    every gradient as eager's; the all-to-alls each rank sends are the Program's, byte for byte."""
+    from nvtp.execute import ep as ep_run
+    from tests import test_ep
+
+    model, batch = test_ep.moe_gpt()
+    mesh = DeviceMesh.of_shape((2,), ("ep",))
+    threads = spmd.ThreadMesh(mesh, timeout=300)
+    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r), compile="inductor") for r in range(2)]
+    ranks[0].compile(*batch)
+    ranks[1].share_compiled(ranks[0])
+
+    def step(m):
+        logits, loss = m(*batch)
+        loss.backward()
+        return logits.detach(), loss.detach()
+
+    spmd.on_threads(lambda r: step(ranks[r]), threads)  # the first call: Python, then each piece compiled
+    for m in ranks:
+        m.module.zero_grad(set_to_none=True)
+    calls = [c for _, c in aten]
+    with ep_run.recording() as sent:
+        outs = spmd.on_threads(lambda r: step(ranks[r]), threads)
+    assert all(c == before + 1 for (_, c), before in zip(aten, calls)), (calls, [c for _, c in aten])  # every piece's code ran
+    pieces = _pieces(ranks[0])
+    for phase in ("forward", "backward"):
+        assert pieces[phase]["compiled"] >= 2 * 2, pieces
+        assert pieces[phase]["python"].get(inductor.EXPERT_ROWS, 0) >= 2 * 2, pieces  # two layers' experts, two ranks
+        assert not set(pieces[phase]["python"]) - set(COLLECTIVES) - {SMALL, inductor.EXPERT_ROWS}, pieces
+    assert reference.fused_patterns(ranks[0].last.forward.fusion), "the kernels pass runs on an ep program too"
+    planned = [(s.tensor, s.bytes) for s in ranks[0].last.steps() if s.kind == "alltoall"]
+    assert sorted(sent) == sorted(planned * mesh.size)
+    ref = test_ep.eager(model)
+    logits, loss = ref(*batch)
+    loss.backward()
+    for got_logits, got_loss in outs:
+        assert test_ep.relative_error(got_loss, loss.detach())[0] <= 1e-5
+        assert test_ep.relative_error(got_logits, logits.detach())[0] <= 1e-5
+    for name, p in ref.named_parameters():
+        got = spmd.assemble([m.module.get_parameter(name).grad for m in ranks], ranks[0].placement(name), p.shape, mesh)
+        assert test_ep.relative_error(got, p.grad)[0] <= 1e-5, name
+
+
+# -- what stays op by op is said ---------------------------------------------------------------
+
+
+def _pointwise_chain():
+    from nvtp.ir import DType, FusionBuilder, verify
+
+    b = FusionBuilder()
+    x = b.define_tensor([4, 8], DType.Float)
+    y = x
+    for kind in ("exp", "neg", "tanh", "abs", "sin"):
+        y = b.op(kind, y)
+    b.add_output(y)
+    return verify(b.build())
+
+
+@pytest.mark.parametrize("options,why", [({"strict": True}, "strict"), ({"values": {}}, "values="),
+                                         ({"compute_dtype": torch.float64}, "compute_dtype"),
+                                         ({"compiled": False}, "compile='none'"),
+                                         ({"shape": (2, 8)}, "inputs of other shapes or dtypes than declared")],
+                         ids=["strict", "values", "compute_dtype", "unfused", "undeclared-shape"])
+def test_a_run_asked_to_compile_that_runs_op_by_op_says_so(aten, options, why):
+    """The debugging runs (``strict``, ``values``, ``compute_dtype``), an unfused run and inputs of
+    other shapes than declared run every op by its implementation: with ``inductor`` asked for,
+    a warning names the fusion and why, once, and ``compiled_pieces`` counts the runs."""
+    f = _pointwise_chain()
+    x = torch.randn(options.pop("shape", (4, 8)), generator=torch.Generator().manual_seed(0))
+    want = torch.sin(torch.tanh(-torch.exp(x)).abs())
+    with pytest.warns(UserWarning, match=rf"compile='inductor': .* runs op by op, not compiled: {why}"):
+        got = reference.run(f, [x], inductor=True, **options)
+    torch.testing.assert_close(got[0].to(want.dtype), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per fusion and reason
+        reference.run(f, [x], inductor=True, **options)
+    assert reference.compiled_pieces(f) == {"compiled": 0, "python": {f"op by op: {why}": 2}, "seconds": 0.0}
+    assert not aten
+
+
+def test_the_same_chain_run_as_declared_compiles_without_a_word(aten):
+    f = _pointwise_chain()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reference.run(f, [x], inductor=True)
+        reference.run(f, [x], inductor=True)
+    assert reference.compiled_pieces(f)["compiled"] == 1 and len(aten) == 1 and aten[0][1] == 1
