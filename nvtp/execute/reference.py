@@ -290,6 +290,7 @@ def run(
     rings: Mapping[str, int] | None = None,
     axis_options: Mapping[str, Any] | None = None,
     inductor: bool = False,
+    ahead: bool = False,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -309,7 +310,9 @@ def run(
     ``rings``: the attentions the program runs by ring (first result -> mesh axis; its steps).
     ``axis_options``: the axis options the program was planned with (``ShardedFusion.options``).
     ``inductor`` (with the kernels): the lowered module's compute between collectives and random
-    draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared.
+    draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared;
+    with ``ahead`` (``compile="auto"``) only where an earlier run compiled them all, the rest
+    queued for a background compile (``nvtp/execute/precompile.py``).
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -329,11 +332,15 @@ def run(
         # The GraphModule's forward, not its __call__: a fusion is no module of the user's, so module
         # hooks (torch's CommDebugMode / ModTracker track every module called) must not see it.
         run = getattr(lowered.module, "forward", lowered.module)
+        pieces = None
         if inductor and fuse and lowered.accepts(inputs):
             if lowered.compiled is None:
-                lowered.compiled = compile_module(lowered.module)
-            run = lowered.compiled.run
+                lowered.compiled = compile_module(lowered.module, ahead=ahead)
+            pieces = lowered.compiled
+            run = pieces.run
         out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
+        if pieces is not None and pieces.ahead is not None and not pieces.decided:
+            pieces.decide(comm)  # compile="auto": compile now from the cache on every rank, or leave it for later
     except ExecutionError:
         raise
     except Exception as e:  # a fused kernel: name the fusion, keep the cause
