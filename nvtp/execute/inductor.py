@@ -24,9 +24,11 @@ shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``, an ep
 rows) nothing is compiled either: those runs are the kernels pass's, unchanged.
 
 Compiling is slow (Inductor's C++ build: tens of seconds for a small GPT's forward and backward
-on one core); Inductor keeps what it compiled in its own cache on disk (``TORCHINDUCTOR_CACHE_DIR``,
-default ``/tmp/torchinductor_<user>``), keyed by the aten graph, its inputs' shapes and strides
-and torch's version and configuration: the ranks of a job, and later runs, compile from it.
+on one core); Inductor keeps what it compiled in its own cache on disk, keyed by the aten graph,
+its inputs' shapes and strides and torch's version and configuration: the ranks of a job, and
+later runs, compile from it. Under nvtp that cache is ``$NVTP_CACHE_DIR/inductor`` (unless
+``TORCHINDUCTOR_CACHE_DIR`` is set), and Inductor's per-process check of the CPU's vector
+instructions is answered from disk after its first run (``inductor_cache.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
+from nvtp.execute import inductor_cache
 from nvtp.ir.ops import RANDOM
 
 # Op kinds whose implementation reads something of the call, not of the mesh position (why, per kind).
@@ -57,8 +60,17 @@ MIN_OPS = 4  # a piece of fewer op calls runs as Python: compiling it would cost
 
 
 def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
-    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them)."""
-    return torch._inductor.compile(graph, inputs)
+    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them).
+
+    Compiled inside a tracing context whose fake mode has a shape environment: Inductor's graph
+    cache on disk is read and written only there ("Bypassing FX Graph Cache because 'No shape
+    env'" otherwise), and without it every process generates and builds its C++ again."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return torch._inductor.compile(graph, inputs)
 
 
 # What compiles a piece's aten graph: Inductor. The fast tests put the traced aten graph itself here
@@ -192,6 +204,7 @@ def compile_module(module: fx.GraphModule) -> Compiled:
     docstring). Requires: every op node carries ``meta["op"]``, communicating nodes
     ``meta["communicates"]``. Ensures: ``Compiled.run(ctx, *inputs)`` gives what
     ``module.forward(ctx, *inputs)`` gives, the Python nodes run in their order on every call."""
+    inductor_cache.prepare()
     module = _constants_inlined(module)
     part = _pieces(module.graph)
     stays = {k: _why_python(n) for n, k in part.items() if _stays_python(n)}
