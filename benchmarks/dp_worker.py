@@ -63,7 +63,7 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     import nvtp
-    from benchmarks.harness import held_after, profile_step
+    from benchmarks.harness import held_after, mark, profile_step
     from benchmarks.tp_worker import timed_rounds
     from nvtp.execute.launch import _quiet_stdout, init_group
     from nvtp.models import gpt
@@ -106,7 +106,11 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
             opts[name] = torch.optim.SGD(models[name].parameters(), lr=0.1)
             step(name)
             opts[name].zero_grad(set_to_none=True)
-            return max((nvtp.full_tensor(p) - q).abs().max().item() for p, q in zip(models[name].parameters(), want))
+            worst = max((nvtp.full_tensor(p) - q).abs().max().item() for p, q in zip(models[name].parameters(), want))
+            mark()  # a second step: what it leaves live was freed unseen (harness.held_after)
+            step(name)
+            opts[name].zero_grad(set_to_none=True)
+            return worst
 
         for name in build:
             dist.barrier()
@@ -125,6 +129,7 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
         if rank == 0:
             result = {"job": asdict(job), "world": world, "seconds": seconds, "losses": losses, "weights_vs_unsharded": worst,
                       "first_call_seconds": first, "gemm_ms": {n: measured[n]["gemm_ms"] for n in models},
+                      "gemm_share": {n: measured[n]["gemm_share"] for n in models},
                       "step_at_peak": {n: measured[n]["at_peak"] for n in models},  # rank 0's
                       "param_bytes": {n: sum(nvtp.full_tensor(p).nbytes for p in m.parameters()) for n, m in models.items()},
                       "held_bytes": {n: memory[i, 0].item() for i, n in enumerate(models)},

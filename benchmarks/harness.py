@@ -185,7 +185,16 @@ def _by_op(live: dict[int, tuple[int, str]]) -> dict[str, int]:
     return dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:8])
 
 
-def _live(events) -> tuple[int, int, dict[str, int], dict[str, int]]:
+MARK_BYTES = 1_234_567  # an allocation of this size marks a point in a window of allocation events (``mark``)
+
+
+def mark() -> None:
+    """Mark this moment in ``held_after``'s window: what is allocated after it and still live at
+    the end does not count as kept."""
+    torch.empty(MARK_BYTES, dtype=torch.uint8)
+
+
+def _live(events, after_mark: bool = False) -> tuple[int, int, dict[str, int], dict[str, int]]:
     """(peak, end, at peak, at end): the most bytes allocated in the window and not yet freed at
     any moment, the bytes at its end, and what was live at the peak and at the end, by the op that
     allocated it (the largest 8). Frees of memory allocated before the window are left out: the
@@ -194,11 +203,19 @@ def _live(events) -> tuple[int, int, dict[str, int], dict[str, int]]:
     counts as live until the allocator hands its address out again, so the figures can be high by
     such buffers. Measured on the TP block at d = 2 (2026-12-01): what either side keeps is its
     parameters' 14,184,960 bytes within 3 KB (up to 2.4 MB over before the reuse correction), and
-    a step's peak varied between runs by one [256, 768] activation (0.8 MB of 19-24)."""
+    a step's peak varied between runs by one [256, 768] activation (0.8 MB of 19-24).
+    ``after_mark``: allocations after ``mark()``'s are not counted (``held_after``)."""
     live: dict[int, tuple[int, str]] = {}
     now = peak = 0
     at_peak: dict[int, tuple[int, str]] = {}
+    marked = False
     for f, op in events:
+        if f.alloc_size == MARK_BYTES and after_mark:
+            marked = True
+        if f.alloc_size > 0 and marked:  # after the mark: an allocation that stays live is not kept
+            if f.ptr in live:
+                now -= live.pop(f.ptr)[0]
+            continue
         if f.alloc_size > 0:
             if f.ptr in live:  # its free went unrecorded (in another thread: gloo's), as the allocator reuses it
                 now -= live[f.ptr][0]
@@ -212,12 +229,14 @@ def _live(events) -> tuple[int, int, dict[str, int], dict[str, int]]:
 
 
 def held_after(build: Callable[[], object], ops: bool = False) -> tuple[object, int, dict[str, int]]:
-    """``build()`` (make an implementation and run its first step) with the CPU allocator's events
+    """``build()`` (make an implementation and run its first steps) with the CPU allocator's events
     recorded: its result, the bytes of tensor memory it allocated and still holds at the end (and
     those bytes by the op that allocated them, the largest 8),
     i.e. what the implementation keeps between steps: its parameters, gradients and optimizer
     state, and whatever else it made and kept (DDP's gradient buckets, compiled constants, index
-    caches). Only torch's CPU allocator is seen (not gloo's buffers, oneDNN's scratch or Python
+    caches). ``build`` calls ``mark()`` before its last step: what that step allocates and has not
+    freed at the end was freed unseen (below), as a step keeps nothing a step before it did not
+    make. Only torch's CPU allocator is seen (not gloo's buffers, oneDNN's scratch or Python
     objects). Ops are not recorded unless ``ops`` (``_enable_record_function(False)``: a compile
     under a recording profiler took 2.5x as long), only allocations, so the bytes by op are all
     "(no op)" unless ``ops``. Every rank must call this together when ``build`` communicates."""
@@ -235,17 +254,20 @@ def held_after(build: Callable[[], object], ops: bool = False) -> tuple[object, 
     finally:
         torch._C._autograd._enable_record_function(True)
         result = _disable_profiler()
-    _, end, _, kept = _live(_allocations(result))
+    _, end, _, kept = _live(_allocations(result), after_mark=True)
     return out, end, kept
 
 
 def profile_step(step: Callable[[], object], calls: int = 3) -> dict:
     """``calls`` calls of ``step``, each under torch.profiler (CPU ops and CPU allocations), as
-    ``{"gemm_ms": ..., "peak_bytes": ..., "at_peak": ...}``:
+    ``{"gemm_ms": ..., "gemm_share": ..., "peak_bytes": ..., "at_peak": ...}``:
 
     * ``gemm_ms``: the self CPU time of the matrix products (``GEMMS``) in a call, the median over
-      the calls. Over an implementation's median step it is the GEMM floor: the least a step that
-      runs the same products can take on this CPU.
+      the calls; ``gemm_share``: that over the call's own wall time (the median over the calls),
+      the GEMM floor: the least share of its step a step that runs the same products can leave to
+      anything else on this CPU. Both from the same call, so a load that slows the machine
+      between the timed rounds and these calls does not move it (the profiler's own overhead,
+      on every op, makes it a little low).
     * ``peak_bytes``: the most bytes of tensor memory a call had allocated and not yet freed at
       any moment (the largest over the calls), from the CPU allocator's events (torch's CPU
       allocator keeps no statistics; the profiler records each allocation and free with its
@@ -254,16 +276,20 @@ def profile_step(step: Callable[[], object], calls: int = 3) -> dict:
     Every rank of a mesh must call this together when ``step`` communicates."""
     from torch.profiler import ProfilerActivity, profile
 
-    gemms, peaks, at_peak = [], [], {}
+    gemms, shares, peaks, at_peak = [], [], [], {}
     for _ in range(calls):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            start = time.perf_counter()
             step()
+            wall = time.perf_counter() - start
         gemms.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMMS) / 1000.0)
+        shares.append(gemms[-1] / (1000.0 * wall))
         peak, _, by_op, _ = _live(_allocations(prof.profiler.kineto_results))
         if not peaks or peak > max(peaks):
             at_peak = by_op
         peaks.append(peak)
-    return {"gemm_ms": round(statistics.median(gemms), 3), "peak_bytes": max(peaks), "at_peak": at_peak}
+    return {"gemm_ms": round(statistics.median(gemms), 3), "gemm_share": round(statistics.median(shares), 3),
+            "peak_bytes": max(peaks), "at_peak": at_peak}
 
 
 def run_ranks(worker: Callable[..., int], ranks: int, job) -> dict:
@@ -290,7 +316,7 @@ def against_plans(result: dict, plans: list[str], time_target: float) -> dict:
     """Each side of a worker's ``result`` (its ``seconds``, ``first_call_seconds``, ``gemm_ms``,
     ``held_bytes``, ``step_peak_bytes``, ``peak_bytes``) beside PyTorch's ``plans``: its timing,
     its paired ratio over each plan (median of the per-round ratios and its ~95% interval), its
-    GEMM floor (rank 0's matrix products over its own median step) and its peak memory per rank.
+    GEMM floor (rank 0's share of a profiled step in matrix products) and its peak memory per rank.
     ``misses``: every nvtp side's miss of ``time_target`` against a plan (by more than the noise),
     and of the memory target (peak per rank at or below the plan's)."""
     seconds = result["seconds"]
@@ -298,7 +324,7 @@ def against_plans(result: dict, plans: list[str], time_target: float) -> dict:
     for n in seconds:
         t = Timing.of(seconds[n])
         side = {"label": SIDES[n], "timing": asdict(t), "first_call_s": round(result["first_call_seconds"][n], 2),
-                "gemm_ms": result["gemm_ms"][n], "gemm_floor": round(result["gemm_ms"][n] / t.median_ms, 3),
+                "gemm_ms": result["gemm_ms"][n], "gemm_floor": result["gemm_share"][n],
                 "held_bytes": result["held_bytes"][n], "step_peak_bytes": result["step_peak_bytes"][n],
                 "peak_bytes": result["peak_bytes"][n], "vs": {},
                 "step_at_peak": result.get("step_at_peak", {}).get(n)}

@@ -2,9 +2,11 @@
 
     .venv/bin/python -m pytest benchmarks/                     # writes .benchmarks/nvtp-latest.json
     .venv/bin/python tools/bench_report.py                      # prints the table
-    .venv/bin/python tools/bench_report.py --write [--save NAME] # rewrites the table in docs/benchmarks.md,
+    .venv/bin/python tools/bench_report.py --write [--save NAME] # rewrites the tables in docs/benchmarks.md,
                                                                  # the plot docs/benchmarks-step-time.png,
                                                                  # and keeps the run as benchmarks/results/NAME.json
+    .venv/bin/python tools/bench_report.py --write --plans-only  # only the plans table (after a run of the
+                                                                 # three files it is made from)
 
 The tables sit between marker comments in docs/benchmarks.md: the results table, and the table
 of nvtp against PyTorch's plans, compiled and not (issue 37 item 3: every side of
@@ -100,8 +102,10 @@ def plans_table(run: dict) -> str:
                         f"{_mib(side['peak_bytes'])} | {side['first_call_s']:.1f} s |")
     m = run["machine"]
     load = m.get("load_average_1min_at_start")
-    head = (f"Measured {run['date']} on {m['cpu']}, {m['cores']} cores, torch {m['torch']}, 1-minute load "
-            f"{load if load is None else format(load, '.1f')} at the start; whole run {run['seconds']:.0f} s "
+    end = run.get("load_average_1min_at_end")
+    head = (f"Measured {run['date']} on {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+            f"1-minute load {load if load is None else format(load, '.1f')} at the start"
+            f"{'' if end is None else f', {end:.1f} at the end'}; whole run {run['seconds']:.0f} s "
             f"(`{run['command']}`). Ratios: the median over rounds of the side's step over the plan's in the same round, "
             f"± its ~95 % interval (bold: an nvtp side meeting the target). GEMM floor: rank 0's time in matrix products "
             f"over the side's median step. Peak per rank: what the side keeps between steps plus the most one step "
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", nargs="?", default=str(LATEST), help="a run's JSON (default: the last run)")
     ap.add_argument("--write", action="store_true", help="rewrite the table in docs/benchmarks.md and the plot")
     ap.add_argument("--save", metavar="NAME", help="also keep the run as benchmarks/results/NAME.json")
+    ap.add_argument("--plans-only", action="store_true", help="with --write: only the table against PyTorch's plans "
+                    "(the results table and plot stay as they are)")
     args = ap.parse_args(argv)
     path = Path(args.results)
     if not path.exists():
@@ -166,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             if begin not in doc or end not in doc:
                 print(f"{DOC} has no table markers ({begin} ... {end})", file=sys.stderr)
                 return 2
-        DOC.write_text(_replace(_replace(doc, BEGIN, END, text), PLANS_BEGIN, PLANS_END, plans))
-        plot(run, PLOT)
-        print(f"wrote {DOC.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}")
+        if args.plans_only:
+            DOC.write_text(_replace(doc, PLANS_BEGIN, PLANS_END, plans))
+            print(f"wrote the plans table of {DOC.relative_to(ROOT)}")
+        else:
+            DOC.write_text(_replace(_replace(doc, BEGIN, END, text), PLANS_BEGIN, PLANS_END, plans))
+            plot(run, PLOT)
+            print(f"wrote {DOC.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}")
     if args.save:
         dest = ROOT / "benchmarks" / "results" / f"{args.save}.json"
         dest.parent.mkdir(exist_ok=True)
