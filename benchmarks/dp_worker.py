@@ -107,7 +107,8 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
             step(name)
             opts[name].zero_grad(set_to_none=True)
             worst = max((nvtp.full_tensor(p) - q).abs().max().item() for p, q in zip(models[name].parameters(), want))
-            mark()  # a second step: what it leaves live was freed unseen (harness.held_after)
+            step(name)  # DDP rebuilds its buckets in its second iteration: kept
+            mark()  # a third step's leftovers were freed unseen (harness.held_after)
             step(name)
             opts[name].zero_grad(set_to_none=True)
             return worst

@@ -22,7 +22,7 @@ fullgraph=True)`` (FSDP2's hooks then wrap the compiled block and run eagerly ar
 
 Timed in interleaved rounds (``tp_worker.timed_rounds``). Memory per rank, from the CPU
 allocator's events under torch.profiler: what a side keeps between steps (``harness.held_after``:
-allocated while it was made and ran its first two steps, and not freed: parameters, optimizer state,
+allocated while it was made and ran its first three steps, and not freed: parameters, optimizer state,
 anything else it keeps), and the peak one step allocates on top of that
 (``harness.profile_step``: activations, gathered parameters, gradients, communication buffers);
 their sum is the rank's peak. The parameter and AdamW bytes are also counted (exact), which the
@@ -160,7 +160,8 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
             sides[name] = build[name]()
             optimizers[name] = torch.optim.AdamW(sides[name].parameters(), lr=1e-3)
             losses[name].append(float(step(name)))
-            mark()  # a second step: what it leaves live was freed unseen (harness.held_after)
+            losses[name].append(float(step(name)))  # a second step keeps what a side makes late; a third's leftovers
+            mark()  # were freed unseen (harness.held_after)
             losses[name].append(float(step(name)))
 
         for name in build:

@@ -234,9 +234,10 @@ def held_after(build: Callable[[], object], ops: bool = False) -> tuple[object, 
     those bytes by the op that allocated them, the largest 8),
     i.e. what the implementation keeps between steps: its parameters, gradients and optimizer
     state, and whatever else it made and kept (DDP's gradient buckets, compiled constants, index
-    caches). ``build`` calls ``mark()`` before its last step: what that step allocates and has not
-    freed at the end was freed unseen (below), as a step keeps nothing a step before it did not
-    make. Only torch's CPU allocator is seen (not gloo's buffers, oneDNN's scratch or Python
+    caches). ``build`` takes three steps and calls ``mark()`` before the last: what that step
+    allocates and has not freed at the end was freed unseen (below), as a side keeps nothing new
+    after its second step (DDP rebuilds its buckets in its second iteration: one step before the
+    mark was too few). Only torch's CPU allocator is seen (not gloo's buffers, oneDNN's scratch or Python
     objects). Ops are not recorded unless ``ops`` (``_enable_record_function(False)``: a compile
     under a recording profiler took 2.5x as long), only allocations, so the bytes by op are all
     "(no op)" unless ``ops``. Every rank must call this together when ``build`` communicates."""

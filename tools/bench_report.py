@@ -107,8 +107,8 @@ def plans_table(run: dict) -> str:
             f"1-minute load {load if load is None else format(load, '.1f')} at the start"
             f"{'' if end is None else f', {end:.1f} at the end'}; whole run {run['seconds']:.0f} s "
             f"(`{run['command']}`). Ratios: the median over rounds of the side's step over the plan's in the same round, "
-            f"± its ~95 % interval (bold: an nvtp side meeting the target). GEMM floor: rank 0's time in matrix products "
-            f"over the side's median step. Peak per rank: what the side keeps between steps plus the most one step "
+            f"± its ~95 % interval (bold: an nvtp side meeting the target). GEMM floor: the share of rank 0's step in "
+            f"matrix products (a profiled step, the median of 3). Peak per rank: what the side keeps between steps plus the most one step "
             f"allocates (torch's CPU allocator, the largest rank).")
     misses = [f"* {c['comparison'].split(':')[0]}: {'; '.join(c['plans']['misses'])}" for c in cases if c["plans"]["misses"]]
     tail = ("\n\nMissed targets in this run:\n" + "\n".join(misses)) if misses else "\n\nEvery target met in this run."
