@@ -85,17 +85,20 @@ def _eager(layers: int, tied: bool, global_batch: int, family: str = "gpt"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family):
+def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers, tied, global_batch, plan, family,
+            compile="kernels", aten=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nvtp.execute.launch import init_group
 
     init_group(rank, world, init_method)
+    calls = _count_compiled_calls(aten) if compile == "inductor" else None
     names = tuple(n for n, k in zip(("pp", "dp", "tp"), shape) if k > 1 or n == "pp")
     sizes = tuple(k for n, k in zip(("pp", "dp", "tp"), shape) if n in names)
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     dp = shape[1]
-    model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule)
+    model = nvtp.jit(_model(layers, tied, family), plan=plan, mesh=mesh, microbatches=microbatches, schedule=schedule,
+                     compile=compile)
     dp_rank = model.layout.coords(rank)[1]
     opt = _optimizer(model.module.parameters())
     losses, tie_gaps, sent, moved, norms = [], [], [], [], []
@@ -121,7 +124,35 @@ def _worker(rank, world, init_method, out, shape, microbatches, schedule, layers
                for s in model.program.steps(model.stage) if s.axis == "pp"]
     result = {"losses": losses, "norms": norms, "keys": keys, "params": whole, "sent": sent, "moved": moved, "planned_pp": planned, "p2p": model.program.p2p(), "stage": model.stage,
               "held": held, "planned_held": model.program.as_data()["stages"][model.stage]["parameter_bytes_per_rank"], "tie_gaps": tie_gaps, "blocks": [list(s.blocks) for s in model.program.stages]}
+    if calls is not None:  # compile="inductor": this stage's pieces, what compiling them took, how often their code ran
+        from nvtp.execute import reference
+
+        result["compiled"] = {phase: reference.compiled_pieces(s.fusion) for phase, s in model.last.phases()}
+        result["compile_s"], result["calls"] = model.last.seconds.get("compile"), list(calls)
     return workers.finish(result, out, world)
+
+
+def _count_compiled_calls(aten: bool) -> list[int]:
+    """Counts (one entry per compiled piece) the calls of the code ``inductor.compiler`` gives;
+    ``aten``: the traced aten graph stands in for Inductor's C++ (as tests/test_inductor.py's tier)."""
+    from nvtp.execute import inductor
+
+    calls: list[int] = []
+    make = inductor.compiler
+
+    def compile_(graph, inputs):
+        code = graph if aten else make(graph, inputs)
+        k = len(calls)
+        calls.append(0)
+
+        def run(*xs):
+            calls[k] += 1
+            return code(*xs)
+
+        return run
+
+    inductor.compiler = compile_
+    return calls
 
 
 def _tied_copy(model) -> torch.Tensor:
@@ -152,11 +183,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron", family="gpt"):
+def _check(tmp_path, shape, microbatches=2, schedule="1f1b", layers=4, tied=False, plan="megatron", family="gpt",
+           compile="kernels", aten=False):
     world = shape[0] * shape[1] * shape[2]
     global_batch = 4 * shape[1]
     out = tmp_path / "got.pt"
-    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan, family) == [0] * world
+    assert spawn(_worker, world, str(out), shape, microbatches, schedule, layers, tied, global_batch, plan, family,
+                 compile, aten) == [0] * world
     got = torch.load(out, weights_only=False)
     losses, params, norms = _eager(layers, tied, global_batch, family)
     for r, g in enumerate(got):

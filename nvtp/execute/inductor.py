@@ -11,7 +11,12 @@ around the matrix products). What stays Python, in its place and order:
   the scheduled start / wait / ring nodes of ``lower.lower`` (``meta["communicates"]``), so
   communication still overlaps compute as the schedule says;
 * ops whose result depends on the call (``PER_CALL``: random draws, keyed by the call's seed; the
-  attention backward, which runs a cp ring when the program says so).
+  attention backward, which runs a cp ring when the program says so);
+* on an ep axis, the ops that run on the expert rows (``meta["experts"]``, ``EXPERT_ROWS``): each
+  ``gather_mm`` / ``gather_mm_wgrad`` and the row-wise ops between them, which ``ep.Experts``
+  runs on rows it dispatched by all-to-all along routes read from the routing index (an argsort,
+  counts exchanged): communication and data-dependent indexing, op by op as the kernels pass
+  leaves them. The rest of the fusion (attention, norms, the router, the dense MLPs) compiles.
 
 A piece is traced with the context of the first call; what the compiled code bakes in from it
 (local shapes, the global indices a rank holds, folded constants) is fixed per mesh position,
@@ -24,8 +29,9 @@ an earlier run did (all of them, on every rank), and otherwise leaves them to a 
 for the next run (``precompile.py``): a first run pays no compile, a later one a second or two.
 
 Where the reference backend runs a fusion op by op anyway (``reference.run``: inputs of other
-shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``, an ep axis's expert
-rows) nothing is compiled either: those runs are the kernels pass's, unchanged.
+shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``) nothing is compiled
+either, and ``reference.run`` warns once per fusion that ``compile="inductor"`` was asked for and
+not done, with why (``Compiled.python`` cannot count what was never cut).
 
 Compiling is slow (Inductor's C++ build: tens of seconds for a small GPT's forward and backward
 on one core); Inductor keeps what it compiled in its own cache on disk, keyed by the aten graph,
@@ -60,6 +66,7 @@ PER_CALL: dict[str, str] = {kind: "draws random numbers from the call's seed" fo
 }
 
 SCHEDULED = "starts, waits for or rings a scheduled collective"  # why lower.py's communicating nodes stay Python
+EXPERT_ROWS = "runs on the rows an ep axis moves to its experts' ranks (all-to-all, data-dependent routes)"  # meta["experts"]
 MIN_OPS = 4  # a piece of fewer op calls runs as Python: compiling it would cost more than it saves
 
 
@@ -130,6 +137,8 @@ def _why_python(node: fx.Node) -> str | None:
     None: it computes, and may be compiled."""
     if node.meta.get("communicates"):
         return SCHEDULED
+    if node.meta.get("experts"):
+        return EXPERT_ROWS
     op = node.meta.get("op")
     return PER_CALL.get(op.kind) if op is not None else None
 

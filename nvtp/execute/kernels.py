@@ -91,13 +91,14 @@ def check_mode(mode: Any) -> str:
 
 def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], sharding: Callable[[Value], Any],
          dtype: Callable[[Any], torch.dtype], local_set: Callable[[Op], bool], ranks: int,
-         producer: Callable[[Value], Op | None]) -> dict[str, int]:
+         producer: Callable[[Value], Op | None], kept: Callable[[fx.Node], bool] = lambda n: False) -> dict[str, int]:
     """The pass: ``graph`` (``lower.lower``'s matching form) with its local ``set`` ops taken out
     (``local_set(op)``: the set moves nothing) and every group of ``patterns.PATTERNS`` and
     ``KERNELS`` (after ``ATTENTION``'s, which hold a softmax) replaced by its kernel.
     ``sharding(v)``: ``v``'s placements; on a mesh of one
     (``ranks`` 1) every placement holds the whole value, a partial sum of one part included.
     ``producer(v)``: the fusion's op that makes ``v`` (constants folded while lowering included).
+    ``kept(node)``: an op node no kernel takes (an ep axis's expert rows, which run as their ops).
     Returns how many times each pattern fused (and ``"set"``: the sets taken out, when any)."""
     removed = 0
     target = kind_target("set")
@@ -108,7 +109,7 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
             removed += 1
     if ranks == 1:
         sharding = _whole
-    counts = patterns.fuse(graph, local_shape, sharding, dtype, ATTENTION + patterns.PATTERNS + KERNELS, producer)
+    counts = patterns.fuse(graph, local_shape, sharding, dtype, ATTENTION + patterns.PATTERNS + KERNELS, producer, kept)
     return counts | ({"set": removed} if removed else {})
 
 

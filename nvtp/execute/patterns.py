@@ -414,11 +414,13 @@ class _Matcher(SubgraphMatcher):
 
 def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], sharding: Callable[[Value], Any],
          dtype: Callable[[Any], torch.dtype], patterns: list[Pattern] | None = None,
-         producer: Callable[[Value], Op | None] = lambda v: None) -> dict[str, int]:
+         producer: Callable[[Value], Op | None] = lambda v: None,
+         kept: Callable[[fx.Node], bool] = lambda n: False) -> dict[str, int]:
     """Replace each match of ``patterns`` in ``graph`` (the matching form of ``lower.lower``) by
     one call of its kernel; returns how many times each pattern fused. ``sharding(v)``: the
     placements of ``v`` (None: whole); ``dtype``: the run's torch dtype of a declared dtype;
-    ``producer(v)``: the op that makes ``v`` (a check may read how a folded constant was made)."""
+    ``producer(v)``: the op that makes ``v`` (a check may read how a folded constant was made);
+    ``kept(node)``: an op node no kernel may take (it must run as its own op: an ep axis's expert rows)."""
     first = lambda v: (sharding(v) or (None,))[0]  # noqa: E731 - the 1-D mesh's placement
     counts: dict[str, int] = {}
     for pat in patterns if patterns is not None else PATTERNS:
@@ -429,6 +431,8 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
             for found in matcher.match(graph):
                 if any(getattr(n, "_erased", False) for n in found.nodes_map.values() if isinstance(n, fx.Node)):
                     stale = True
+                    continue
+                if any(kept(n) for p, n in found.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, fx.Node)):
                     continue
                 m = Match(found.nodes_map, pat.built.named, local_shape, first, sharding, producer)
                 try:

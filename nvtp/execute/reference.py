@@ -17,11 +17,14 @@ The op table and ``Context`` are ``impls.py``'s; the implementations ``impls_ten
 
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from nvtp.execute import impls_nn, impls_tensor, moe, sets  # noqa: F401 - registers every op in IMPLS
 from nvtp.execute import ep
@@ -188,26 +191,35 @@ class Lowered:
 
 def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] | None = None, mesh: DeviceMesh | None = None,
                  rank: int = 0, size: int = 1, *, compute_dtype: torch.dtype | None = None, strict: bool = False,
-                 fuse: bool = True, all_values: bool = False, schedule: Any = None) -> Lowered:
+                 fuse: bool = True, all_values: bool = False, schedule: Any = None, experts: frozenset[str] = frozenset()) -> Lowered:
     """Lower ``fusion`` for mesh position ``rank`` of ``size``: constants folded, and with ``fuse``
     every group with a fused torch kernel replaced by it (``kernels.py``: cross-entropy, the
     embedding's gradient, LayerNorm, RMSNorm, softmax, GELU, SiLU).
     ``schedule`` (``nvtp.sharding.overlap.Schedule``): collectives start where it says, each waited
-    for where its ``set`` stands."""
+    for where its ``set`` stands. ``experts``: the ops (first results) an ep axis runs on its
+    experts' rows (``ep.Layout.runs``): no kernel takes them, and their nodes carry
+    ``meta["experts"]`` (``inductor.py`` leaves them Python)."""
     ctx = Context(fusion, shardings, mesh, _Position(rank, size), 0, compute_dtype)
     constants = _constants(ctx, fold=not all_values)
     folded = sum(1 for op in fusion.ops if op.kind != "define_scalar" and op.outputs and all(v.name in constants for v in op.outputs))
     fused: dict[str, int] = {}
     producers = fusion.producers()
 
+    def on_experts(node) -> bool:
+        op = node.meta.get("op")
+        return op is not None and bool(op.outputs) and op.outputs[0].name in experts
+
     def rewrite(graph):
         fused.update(kernels.fuse(graph, ctx.local_shape, ctx.sharding, ctx.dtype, lambda op: set_is_local(ctx, op), size,
-                                  lambda v: producers.get(v.name)))
+                                  lambda v: producers.get(v.name), on_experts))
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
     rings = getattr(schedule, "rings", ()) if starts is not None else ()
     module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values,
                    starts=starts, start_for=start_for, rings=rings, ring_for=ring_for)
+    for node in getattr(module, "graph", fx.Graph()).nodes if experts else ():
+        if on_experts(node):
+            node.meta["experts"] = True
     inputs = [(v, ctx.local_shape(v) if isinstance(v, TensorValue) else (), ctx.dtype(v.dtype)) for v in fusion.inputs]
     return Lowered(module, inputs, ctx.shapes, fused, folded)
 
@@ -221,6 +233,7 @@ class _Entry:
 
 
 _CACHE: dict[int, list[_Entry]] = {}
+_CACHE_LOCK = threading.RLock()
 _PER_FUSION = 8
 
 
@@ -228,17 +241,18 @@ def lowered_for(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] |
                 rank: int, size: int, **options: Any) -> Lowered:
     """The lowered module of ``fusion`` for this mesh position and options (lowered on first use)."""
     key = (id(shardings), mesh, rank, size, tuple(sorted((k, id(v) if k == "schedule" else v) for k, v in options.items())))
-    entries = _CACHE.get(id(fusion))
-    for e in entries or ():
-        if e.fusion() is fusion and e.key == key and e.shardings is shardings:
-            return e.lowered
-    lowered = lower_fusion(fusion, shardings, mesh, rank, size, **options)
-    if not entries or entries[0].fusion() is not fusion:
-        entries = _CACHE[id(fusion)] = []
-        weakref.finalize(fusion, _CACHE.pop, id(fusion), None)
-    entries.append(_Entry(weakref.ref(fusion), key, lowered, shardings))
-    del entries[:-_PER_FUSION]
-    return lowered
+    with _CACHE_LOCK:  # simulated ranks are threads: two lowering one fusion at once must not drop each other's entry
+        entries = _CACHE.get(id(fusion))
+        for e in entries or ():
+            if e.fusion() is fusion and e.key == key and e.shardings is shardings:
+                return e.lowered
+        lowered = lower_fusion(fusion, shardings, mesh, rank, size, **options)
+        if not entries or entries[0].fusion() is not fusion:
+            entries = _CACHE[id(fusion)] = []
+            weakref.finalize(fusion, _CACHE.pop, id(fusion), None)
+        entries.append(_Entry(weakref.ref(fusion), key, lowered, shardings))
+        del entries[:-_PER_FUSION]
+        return lowered
 
 
 def fused_patterns(fusion: Fusion) -> dict[str, int]:
@@ -252,11 +266,30 @@ def fused_patterns(fusion: Fusion) -> dict[str, int]:
     return counts
 
 
+_UNCOMPILED: dict[int, dict[str, int]] = {}  # id(fusion) -> why compile="inductor" ran it op by op -> runs
+
+
+def _uncompiled(fusion: Fusion, why: str, warn: bool = True) -> None:
+    """A run that asked for ``inductor`` and runs ``fusion`` op by op: counted (``compiled_pieces``),
+    and warned about once per fusion and reason (``warn``: asked for by ``compile="inductor"``;
+    under ``"auto"`` only counted)."""
+    seen = _UNCOMPILED.get(id(fusion))
+    if seen is None:
+        seen = _UNCOMPILED[id(fusion)] = {}
+        weakref.finalize(fusion, _UNCOMPILED.pop, id(fusion), None)
+    if why not in seen and warn:
+        warnings.warn(f"nvtp compile='inductor': {fusion.name or 'a fusion'} runs op by op, not compiled: {why} "
+                      "(nvtp/execute/inductor.py compiles a rank's fused run only)", stacklevel=3)
+    seen[why] = seen.get(why, 0) + 1
+
+
 def compiled_pieces(fusion: Fusion) -> dict[str, Any]:
     """With ``compile="inductor"``: how ``fusion``'s lowered modules ran (summed over the mesh
     positions it was lowered for): ``"compiled"`` pieces, ``"python"`` pieces by why
-    (``nvtp/execute/inductor.py``), and ``"seconds"`` spent tracing and compiling them."""
-    out: dict[str, Any] = {"compiled": 0, "python": {}, "seconds": 0.0}
+    (``nvtp/execute/inductor.py``; a run of the whole fusion op by op, as ``"op by op: <why>"``
+    with its count of runs), and ``"seconds"`` spent tracing and compiling them."""
+    out: dict[str, Any] = {"compiled": 0, "python": {f"op by op: {why}": n for why, n in _UNCOMPILED.get(id(fusion), {}).items()},
+                           "seconds": 0.0}
     for e in _CACHE.get(id(fusion), ()):
         c = e.lowered.compiled
         if e.fusion() is fusion and c is not None:
@@ -320,10 +353,15 @@ def run(
     inputs = [as_input(x, v.shape, v.dtype) if isinstance(v, TensorValue) else x for v, x in zip(fusion.inputs, inputs)]
     options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None, schedule=schedule)
     experts = ep.experts_for(fusion, shardings, mesh, comm, axis_options)  # None: no expert rows to move (nvtp/execute/ep.py)
-    fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS and experts is None
+    options["experts"] = experts.layout.runs if experts is not None else frozenset()  # they run as their ops (ep.Experts)
+    fuse = compiled and not strict and values is None and compute_dtype is None and IMPLS == _PRISTINE_IMPLS
     lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=fuse, **options)
     if fuse and lowered.fused and not lowered.accepts(inputs):
         lowered = lowered_for(fusion, shardings, mesh, comm.rank, comm.size, fuse=False, **options)
+    if inductor and not (fuse and lowered.accepts(inputs)):
+        _uncompiled(fusion, "strict" if strict else "values=" if values is not None else "compute_dtype" if compute_dtype is not None
+                    else "compile='none'" if not compiled else "the op table changed" if IMPLS != _PRISTINE_IMPLS
+                    else "inputs of other shapes or dtypes than declared", warn=not ahead)
     ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, held=lowered.held, steps=steps,
                   rings=dict(rings or {}), options=dict(axis_options or {}), experts=experts)
     if log is not None:

@@ -128,6 +128,13 @@ class PipelineModule(torch.nn.Module):
         ``jax.jit(f).lower(x)``): ``.steps(stage)``, ``.as_text()``, ``.programs[stage]``."""
         return self.compile(*args).program
 
+    @property
+    def last(self):
+        """This rank's stage ``Program`` (None before the first call), as ``ShardedModule.last``
+        is the whole one's: ``last.seconds["compile"]`` with ``compile="inductor"`` is what this
+        rank spent compiling its stage's pieces (``nvtp.execute.inductor``)."""
+        return None if self.program is None else self.program.programs[self.stage]
+
     def _compile(self, args: tuple) -> None:
         device = next((p.device.type for p in self.module.parameters()), "cpu")
         for a in args:
