@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ _STARTED = {}
 
 
 def pytest_sessionstart(session):
-    _STARTED["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    _STARTED["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     _STARTED["t0"] = time.perf_counter()
     _STARTED["machine"] = harness.machine()
 
@@ -36,7 +37,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not harness.RESULTS:
         return
     out = {"date": _STARTED.get("date"), "seconds": round(time.perf_counter() - _STARTED.get("t0", time.perf_counter()), 1),
-           "machine": _STARTED.get("machine"), "command": "python -m pytest benchmarks/", "cases": harness.RESULTS}
+           "machine": _STARTED.get("machine"), "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
+           "load_average_1min_at_end": round(os.getloadavg()[0], 2), "cases": harness.RESULTS}
     LATEST.parent.mkdir(exist_ok=True)
     LATEST.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -15,10 +15,19 @@ its rows) with a whole step: forward, cross-entropy, backward, ``clip_grad_norm_
   output (heads divided by tp, as that example does); then ``fully_shard`` over dp, each block
   and the model.
 
-Timed in interleaved rounds (``tp_worker.timed_rounds``). Memory per rank: the bytes of the
-parameters, gradients and AdamW state a rank holds (counted, exact), and the growth of the
-process's peak resident memory over one step (Linux's VmHWM, reset through
-``/proc/self/clear_refs`` before the step: measured, including the allocator's slack).
+With ``Job.compiled`` two more sides: ``nvtp.jit(..., compile="inductor")``, and PyTorch's plan
+compiled the way torchtitan compiles FSDP2 + TP (``apply_compile``): after ``parallelize_module``
+and before ``fully_shard``, each transformer block replaced by ``torch.compile(block,
+fullgraph=True)`` (FSDP2's hooks then wrap the compiled block and run eagerly around it).
+
+Timed in interleaved rounds (``tp_worker.timed_rounds``). Memory per rank, from the CPU
+allocator's events under torch.profiler: what a side keeps between steps (``harness.held_after``:
+allocated while it was made and ran its first three steps, and not freed: parameters, optimizer state,
+anything else it keeps), and the peak one step allocates on top of that
+(``harness.profile_step``: activations, gathered parameters, gradients, communication buffers);
+their sum is the rank's peak. The parameter and AdamW bytes are also counted (exact), which the
+measured figure must include. Also from the profiled steps: rank 0's time in matrix products (the
+GEMM floor).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Job:
     rounds: int = 10
     warmup: int = 2
     threads: int = 1
+    compiled: bool = False  # also nvtp compile="inductor" and PyTorch's plan under torch.compile
     profile: bool = False  # also write a torch.profiler table per side (rank 0)
 
     def config(self):
@@ -57,8 +67,9 @@ class Job:
                       hidden=self.hidden, max_seq=self.seq)
 
 
-def pytorch_plan(model, mesh) -> torch.nn.Module:
-    """fsdp_tp_example.py's plan on ``ComplexRotaryLM``'s module names."""
+def pytorch_plan(model, mesh, compiled: bool = False) -> torch.nn.Module:
+    """fsdp_tp_example.py's plan on ``ComplexRotaryLM``'s module names; ``compiled``: each block
+    under ``torch.compile`` between TP and FSDP, as torchtitan's ``apply_compile`` does."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -82,6 +93,9 @@ def pytorch_plan(model, mesh) -> torch.nn.Module:
         })
         block.attn.heads //= tp.size()
         block.attn.kv_heads //= tp.size()
+    if compiled:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True)
     for block in model.blocks:
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
@@ -102,30 +116,17 @@ def held_bytes(model, optimizer) -> int:
     return total
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
-def peak_growth(step) -> int:
-    """Bytes the process's peak resident memory grows over one call of ``step``."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident size
-    before = _rss_kib("VmRSS:")
-    step()
-    return (_rss_kib("VmHWM:") - before) * 1024
-
-
 def worker(rank: int, world: int, init_method: str, job: Job) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import nvtp
+    from benchmarks.harness import held_after, mark, profile_step
     from benchmarks.tp_worker import timed_rounds
     from nvtp.execute.launch import init_group
     from tests.complex_rotary import ComplexRotaryLM
 
-    init_group(rank, world, init_method, timeout_s=900.0)
+    init_group(rank, world, init_method, timeout_s=2400.0 if job.compiled else 900.0)
     torch.set_num_threads(job.threads)
     try:
         mesh = init_device_mesh("cpu", (job.dp, job.tp), mesh_dim_names=("dp", "tp"))
@@ -136,10 +137,14 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
         data = torch.randint(0, job.vocab, (job.batch, job.seq + 1), generator=torch.Generator().manual_seed(1))
         idx, targets = data[dp_rank * rows:(dp_rank + 1) * rows, :-1], data[dp_rank * rows:(dp_rank + 1) * rows, 1:]
 
-        sides = {"nvtp": nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, fsdp=True),
-                 "pytorch": pytorch_plan(copy.deepcopy(model), mesh)}
-        optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in sides.items()}
-        losses: dict[str, list[float]] = {n: [] for n in sides}
+        build = {"nvtp": lambda: nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, fsdp=True),
+                 "pytorch": lambda: pytorch_plan(copy.deepcopy(model), mesh)}
+        if job.compiled:
+            build["nvtp_inductor"] = lambda: nvtp.jit(copy.deepcopy(model), plan="megatron-sp", mesh=mesh, fsdp=True,
+                                                      compile="inductor")
+            build["pytorch_compiled"] = lambda: pytorch_plan(copy.deepcopy(model), mesh, compiled=True)
+        sides, optimizers, first, kept, kept_by_op = {}, {}, {}, {}, {}
+        losses: dict[str, list[float]] = {n: [] for n in build}
 
         def step(name):
             m, opt = sides[name], optimizers[name]
@@ -151,20 +156,32 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        first = {}
-        for name in sides:  # the first step compiles nvtp's program
-            start = time.perf_counter()
+        def made(name):  # the side, its optimizer and its first step (nvtp traces and shards, torch.compile compiles)
+            sides[name] = build[name]()
+            optimizers[name] = torch.optim.AdamW(sides[name].parameters(), lr=1e-3)
             losses[name].append(float(step(name)))
+            losses[name].append(float(step(name)))  # a second step keeps what a side makes late; a third's leftovers
+            mark()  # were freed unseen (harness.held_after)
+            losses[name].append(float(step(name)))
+
+        for name in build:
+            dist.barrier()
+            start = time.perf_counter()
+            _, kept[name], kept_by_op[name] = held_after(lambda name=name: made(name))
             first[name] = time.perf_counter() - start
 
         def timed(name):
             losses[name].append(float(step(name)))
 
         seconds = timed_rounds({n: (lambda n=n: timed(n)) for n in sides}, job.rounds, job.warmup)
-        held = {n: held_bytes(sides[n], optimizers[n]) for n in sides}
-        growth = {n: peak_growth(lambda n=n: timed(n)) for n in sides}
-        memory = torch.tensor([[held[n], growth[n]] for n in sides], dtype=torch.float64)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        counted = {n: held_bytes(sides[n], optimizers[n]) for n in sides}
+        measured = {}
+        for n in sides:  # the GEMM floor (rank 0) and each rank's peak memory, 3 steps each
+            dist.barrier()
+            measured[n] = profile_step(lambda n=n: timed(n))
+        memory = torch.tensor([[counted[n], kept[n], measured[n]["peak_bytes"], kept[n] + measured[n]["peak_bytes"]]
+                               for n in sides], dtype=torch.float64)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)  # the rank that needs the most
         profiles = {}
         if job.profile:
             from torch.profiler import ProfilerActivity, profile
@@ -176,8 +193,13 @@ def worker(rank: int, world: int, init_method: str, job: Job) -> int:
         if rank == 0:
             with open(job.out, "w") as f:
                 json.dump({"job": asdict(job), "world": world, "seconds": seconds, "losses": losses, "first_call_seconds": first,
-                           "held_bytes": {n: memory[i, 0].item() for i, n in enumerate(sides)},
-                           "peak_growth_bytes": {n: memory[i, 1].item() for i, n in enumerate(sides)},
+                           "state_bytes": {n: memory[i, 0].item() for i, n in enumerate(sides)},  # counted
+                           "held_bytes": {n: memory[i, 1].item() for i, n in enumerate(sides)},  # measured
+                           "step_peak_bytes": {n: memory[i, 2].item() for i, n in enumerate(sides)},
+                           "peak_bytes": {n: memory[i, 3].item() for i, n in enumerate(sides)},
+                           "gemm_ms": {n: measured[n]["gemm_ms"] for n in sides},
+                           "gemm_share": {n: measured[n]["gemm_share"] for n in sides},
+                           "step_at_peak": {n: measured[n]["at_peak"] for n in sides},  # rank 0's
                            "profiles": profiles}, f)
         return 0
     finally:

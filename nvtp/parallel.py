@@ -135,13 +135,16 @@ class ShardedModule(torch.nn.Module):
         as DDP users reach through ``.module``. A method of the model comes bound to this wrapper,
         so a ``self(idx)`` inside it (nanoGPT's ``generate``) runs the sharded program, and what it
         reads of ``self`` comes from the model."""
+        # No caught exception is kept in a local: it would hold this frame through its traceback, and
+        # the frame its callers' (a training step's activations, through zero_grad's getattr), in a
+        # cycle that only the garbage collector frees (docs/benchmarks.md, issue 37 item 3).
         try:
             return super().__getattr__(name)
-        except AttributeError as e:
-            missing = e
+        except AttributeError:
+            pass
         inner = self.__dict__.get("_modules", {}).get("module")
         if inner is None or name.startswith("__"):
-            raise missing
+            return super().__getattr__(name)  # raises torch's own AttributeError again
         try:
             value = getattr(inner, name)
         except AttributeError:
@@ -462,6 +465,13 @@ class _Run(torch.autograd.Function):
         n_params = len(param_labels)
         named = dict(zip(param_labels, tensors[:n_params])) | dict(zip(compiled.traced_args, tensors[n_params:]))
         user_outputs, values = compiled.forward(named, seed)
+        # The outputs the backward reads are saved the autograd way: an output kept on ctx itself would
+        # hold its own node (output -> grad_fn -> ctx -> output), a cycle that keeps the whole step's
+        # saved activations alive until the garbage collector runs (docs/benchmarks.md, issue 37 item 3).
+        returned = {id(t) for t in user_outputs}
+        ctx.output_names = [k for k, t in values.items() if isinstance(t, torch.Tensor) and id(t) in returned]
+        ctx.save_for_backward(*(values[k] for k in ctx.output_names))
+        values = {k: t for k, t in values.items() if k not in set(ctx.output_names)}
         ctx.module, ctx.compiled, ctx.values, ctx.named, ctx.n_params = module, compiled, values, named, n_params
         ctx.param_labels = param_labels
         for t in user_outputs:
@@ -475,7 +485,8 @@ class _Run(torch.autograd.Function):
         if compiled.backward_fusion is None:
             return (None,) * (4 + ctx.n_params + len(compiled.traced_args))
         params = {label: _dt.local(ctx.named[label]) for label in ctx.param_labels}
-        by_grad = compiled.backward(ctx.values, params, grads, device=_device_of(ctx.module.module))
+        values = ctx.values | dict(zip(ctx.output_names, ctx.saved_tensors))
+        by_grad = compiled.backward(values, params, grads, device=_device_of(ctx.module.module))
         result = [None, None, None, None]
         for label in ctx.param_labels:  # a DTensor parameter's gradient is a DTensor placed like it
             g = by_grad.get(label)

@@ -58,6 +58,7 @@ import thunder
 import torch
 import torch.utils._pytree as pytree
 
+from nvtp import cachedir
 from nvtp.frontend.fused import Part
 from nvtp.frontend.fx import Binding
 from nvtp.frontend.outputs import Leaf
@@ -110,10 +111,8 @@ def evict(root: Path, limit: int) -> list[Path]:
 
 def directory() -> Path | None:
     """Where entries live, or None when the cache is off (``NVTP_CACHE=0``)."""
-    if os.environ.get("NVTP_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    root = os.environ.get("NVTP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nvtp")
-    return Path(root) / "traces"
+    root = cachedir.root()
+    return None if root is None else root / "traces"
 
 
 # -- the key ---------------------------------------------------------------------------------------

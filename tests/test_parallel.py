@@ -407,6 +407,37 @@ def test_a_jitted_module_is_freed_with_its_parameters():
     assert [r() for r in alive] == [None, None]
 
 
+def test_a_training_step_leaves_no_tensor_for_the_garbage_collector():
+    """Every tensor a step makes is freed when its last reference goes, none left in a reference
+    cycle for the garbage collector: an output kept on the autograd ctx (output -> grad_fn -> ctx
+    -> output), or a caught AttributeError kept in ``__getattr__``'s frame (``zero_grad``'s
+    ``getattr``, the frame holding its callers'), each held a whole step's activations until the
+    collector ran (docs/benchmarks.md, issue 37 item 3)."""
+    import gc
+
+    cfg = gpt.config("tiny")
+    torch.manual_seed(0)
+    model = nvtp.jit(gpt.Block(cfg), mesh=DeviceMesh.of_size(1))
+    x = gpt.example_input(cfg, requires_grad=True)
+
+    def step():
+        model(x).square().sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # traced and lowered
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage
+    try:
+        step()
+        gc.collect()
+        # tensors, and frames (a frame holds its locals: a training loop's loss and outputs)
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, torch.Tensor) or type(o).__name__ == "frame"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == [], f"a step's tensors or frames freed only by the garbage collector: {left}"
+
+
 def test_a_model_with_every_parameter_frozen_returns_its_output():
     """No parameter needs a gradient: Thunder traces no backward and returns the output itself."""
     from nvtp.dump import relative_error

@@ -37,10 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import Timing, interleave, paired_ratio  # noqa: E402
-
-GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-         "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+from benchmarks.harness import GEMMS, Timing, interleave, paired_ratio  # noqa: E402
 
 
 def gpt_case():

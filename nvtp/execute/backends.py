@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from nvtp import cachedir
 from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
@@ -62,6 +63,8 @@ class ReferenceBackend(Backend):
         from nvtp.execute import reference  # lazy: kept off nvtp --help's path
 
         kernels = compile != "none"  # "none": every op by its own implementation
+        # "auto": Inductor where nvtp's cache can keep its work (nvtp/execute/precompile.py), else the kernels
+        inductor = compile == "inductor" or (compile == "auto" and cachedir.root() is not None)
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
 
@@ -69,8 +72,8 @@ class ReferenceBackend(Backend):
             sharded = phases[phase]
             out = reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase),
-                                compiled=kernels, axis_options=sharded.options, inductor=compile == "inductor")
-            if compile == "inductor":  # the first call's report: what compiling took (nvtp/execute/inductor.py)
+                                compiled=kernels, axis_options=sharded.options, inductor=inductor, ahead=compile == "auto")
+            if inductor:  # the first call's report: what compiling took (nvtp/execute/inductor.py)
                 program.seconds["compile"] = sum(reference.compiled_pieces(s.fusion)["seconds"] for _, s in phases.items())
             return out
 

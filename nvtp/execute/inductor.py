@@ -24,15 +24,21 @@ which is what the lowered module is cached by. A piece whose inputs arrive with 
 strides than it was compiled for runs its Python instead, and so does a piece that cannot be
 traced (a data-dependent read): counted in ``Compiled.python``, never silent.
 
+``compile="auto"`` traces the pieces the same way on the first call, but compiles them only where
+an earlier run did (all of them, on every rank), and otherwise leaves them to a background process
+for the next run (``precompile.py``): a first run pays no compile, a later one a second or two.
+
 Where the reference backend runs a fusion op by op anyway (``reference.run``: inputs of other
 shapes or dtypes than declared, ``strict``, ``values``, ``compute_dtype``) nothing is compiled
 either, and ``reference.run`` warns once per fusion that ``compile="inductor"`` was asked for and
 not done, with why (``Compiled.python`` cannot count what was never cut).
 
 Compiling is slow (Inductor's C++ build: tens of seconds for a small GPT's forward and backward
-on one core); Inductor keeps what it compiled in its own cache on disk (``TORCHINDUCTOR_CACHE_DIR``,
-default ``/tmp/torchinductor_<user>``), keyed by the aten graph, its inputs' shapes and strides
-and torch's version and configuration: the ranks of a job, and later runs, compile from it.
+on one core); Inductor keeps what it compiled in its own cache on disk, keyed by the aten graph,
+its inputs' shapes and strides and torch's version and configuration: the ranks of a job, and
+later runs, compile from it. Under nvtp that cache is ``$NVTP_CACHE_DIR/inductor`` (unless
+``TORCHINDUCTOR_CACHE_DIR`` is set), and Inductor's per-process check of the CPU's vector
+instructions is answered from disk after its first run (``inductor_cache.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
+from nvtp.execute import inductor_cache
 from nvtp.ir.ops import RANDOM
 
 # Op kinds whose implementation reads something of the call, not of the mesh position (why, per kind).
@@ -64,8 +71,17 @@ MIN_OPS = 4  # a piece of fewer op calls runs as Python: compiling it would cost
 
 
 def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
-    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them)."""
-    return torch._inductor.compile(graph, inputs)
+    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them).
+
+    Compiled inside a tracing context whose fake mode has a shape environment: Inductor's graph
+    cache on disk is read and written only there ("Bypassing FX Graph Cache because 'No shape
+    env'" otherwise), and without it every process generates and builds its C++ again."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return torch._inductor.compile(graph, inputs)
 
 
 # What compiles a piece's aten graph: Inductor. The fast tests put the traced aten graph itself here
@@ -83,6 +99,37 @@ class Compiled:
     pieces: int  # compiled by Inductor
     python: dict[str, int] = field(default_factory=dict)  # why a piece runs as Python -> how many
     seconds: float = 0.0  # tracing and compiling, on the first call
+    # compile="auto" (precompile.py): the directory of records and queue; None: compile="inductor",
+    # each piece compiled on its first call
+    ahead: Any = None
+    traced: list["_Piece"] = field(default_factory=list)  # pieces traced on the first call, waiting for decide()
+    decided: bool = False
+    queued: int = 0  # pieces left to the background compile for a later run
+
+    def decide(self, comm: Any) -> None:
+        """``compile="auto"``, after the module's first call: compile every traced piece now (from
+        Inductor's cache) if an earlier run compiled all of them, on every rank of ``comm`` (so
+        that replicated values are computed by the same code on each rank and stay equal), else
+        none and queue the missing ones for the background compile (precompile.py)."""
+        from nvtp.execute import precompile
+
+        self.decided = True
+        ready = all(p.graph is not None and p.warm for p in self.traced)
+        flag = torch.tensor([1.0 if ready else 0.0])
+        for axis in getattr(comm, "axes", None) or ([comm] if comm.size > 1 else []):
+            flag = axis.all_reduce(flag, "min")  # every rank ready, or none compiles
+        if flag.item() == 1.0:
+            for p in self.traced:
+                p.build()
+        else:
+            for p in self.traced:
+                if p.graph is not None and not p.warm:
+                    precompile.queue(self.ahead, p.key, p.graph, p.layout)
+                    self.queued += 1
+                p.graph = None
+                p._python("left to the background compile, for a later run")
+            precompile.start(self.ahead)
+        self.traced.clear()
 
 
 def _why_python(node: fx.Node) -> str | None:
@@ -131,6 +178,9 @@ class _Piece:
         self.ctx_at: int | None = None
         self.layout: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = []
         self.spec: Any = None
+        self.graph: fx.GraphModule | None = None  # the traced aten graph, until it is compiled
+        self.key = ""  # compile="auto": the graph's key among precompile.py's records
+        self.warm = False  # compile="auto": an earlier run compiled it
 
     def _python(self, why: str) -> None:
         self.report.python[why] = self.report.python.get(why, 0) + 1
@@ -163,21 +213,45 @@ class _Piece:
         try:
             with _LOCK:
                 graph = make_fx(flat, tracing_mode="real")(*xs)
-            spec = spec_box[-1]
             if not all(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out)):
                 self._python("gives values that are not tensors")
                 return
-            with _LOCK:
-                self.code = compiler(graph, xs)
+            self.graph, self.spec = graph, spec_box[-1]
+            self.layout = [(tuple(x.shape), tuple(x.stride()), x.dtype) for x in xs]
+            if self.report.ahead is None:
+                self.build(xs)
+                return
+            from nvtp.execute import precompile
+
+            self.graph = graph = precompile.settled(graph)
+            self.key = precompile.key(graph, self.layout)
+            self.warm = precompile.done(self.report.ahead, self.key)
+            self.report.traced.append(self)  # Compiled.decide compiles it, or queues it
         except Exception as e:  # noqa: BLE001 - an untraceable piece runs as Python (counted, warned once)
+            self.graph = None
             self._python(f"not traced ({type(e).__name__})")
-            warnings.warn(f"nvtp compile='inductor': piece {self.name} runs op by op: {type(e).__name__}: "
+            if self.report.ahead is None:  # asked for (compile="inductor"): said; under "auto", counted in the report
+                warnings.warn(f"nvtp compile='inductor': piece {self.name} runs op by op: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+        finally:
+            self.report.seconds += time.perf_counter() - start
+
+    def build(self, xs: list[torch.Tensor] | None = None) -> None:
+        """Compile the traced graph (on inputs like ``xs``: by default new ones of its layouts)."""
+        start = time.perf_counter()
+        try:
+            if xs is None:
+                xs = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in self.layout]
+            with _LOCK:
+                self.code = compiler(self.graph, xs)
+        except Exception as e:  # noqa: BLE001 - a piece Inductor cannot compile runs as Python (counted, warned)
+            self._python(f"not compiled ({type(e).__name__})")
+            warnings.warn(f"nvtp compile='inductor': piece {self.name} runs op by op: Inductor: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
             return
         finally:
+            self.graph = None
             self.report.seconds += time.perf_counter() - start
-        self.spec = spec
-        self.layout = [(tuple(x.shape), tuple(x.stride()), x.dtype) for x in xs]
         self.report.pieces += 1
 
     def __call__(self, *args: Any) -> Any:
@@ -195,17 +269,22 @@ class _Piece:
         return pytree.tree_unflatten(list(self.code(*xs)), self.spec)
 
 
-def compile_module(module: fx.GraphModule) -> Compiled:
+def compile_module(module: fx.GraphModule, *, ahead: bool = False) -> Compiled:
     """``module`` (``lower.lower``'s GraphModule ``forward(ctx, *inputs)``, fused) cut into pieces
     at the nodes that stay Python; each compute piece is compiled on its first call (see the module
     docstring). Requires: every op node carries ``meta["op"]``, communicating nodes
     ``meta["communicates"]``. Ensures: ``Compiled.run(ctx, *inputs)`` gives what
-    ``module.forward(ctx, *inputs)`` gives, the Python nodes run in their order on every call."""
+    ``module.forward(ctx, *inputs)`` gives, the Python nodes run in their order on every call.
+    ``ahead`` (``compile="auto"``): pieces are traced on the first call and compiled by
+    ``Compiled.decide`` after it, or left to the background compile (``precompile.py``)."""
+    inductor_cache.prepare()
     module = _constants_inlined(module)
     part = _pieces(module.graph)
     stays = {k: _why_python(n) for n, k in part.items() if _stays_python(n)}
     split = split_module(module, module, lambda n: part[n], keep_original_order=True)
-    report = Compiled(run=split.forward, pieces=0)
+    from nvtp.execute import precompile
+
+    report = Compiled(run=split.forward, pieces=0, ahead=precompile.directory() if ahead else None)
     # Each submodule called as a function, not a module: a fusion is no module of the user's, so
     # module hooks (torch's CommDebugMode / ModTracker) must not see its pieces.
     for node in list(split.graph.nodes):

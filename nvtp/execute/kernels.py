@@ -61,6 +61,8 @@ from nvtp.errors import InputError
 MODES = {
     "kernels": "each group of ops that eager PyTorch runs as one kernel (cross-entropy, the embedding's gradient, layer and "
                "RMS norm, softmax, causal attention (torch's flash kernels), GELU, SiLU) runs as that kernel, the other ops one by one",
+    "auto": "'inductor' where an earlier run compiled the program (its code read from nvtp's cache: a second or two), "
+            "else 'kernels' while a background process compiles it for the next run; 'kernels' with NVTP_CACHE=0",
     "inductor": "the kernels, then each rank's compute between collectives and random draws compiled by torch's Inductor "
                 "(faster steps; the first call compiles for tens of seconds, cached on disk by Inductor)",
     "none": "every op one by one, by its own implementation (the interpreter, slower)",
@@ -266,7 +268,9 @@ def _nll_loss_backward_check(m: Match):
     dtype = dlogp.dtype.torch
 
     def kernel(target, grad, count):
-        like = torch.empty((target.shape[0], v), dtype=grad.dtype)  # read for its shape only
+        # Read for its shape only: a broadcast zero, made from grad so that a trace of this kernel
+        # (compile="inductor") records it as ops, not as a constant of uninitialised memory.
+        like = grad.new_zeros(()).expand(target.shape[0], v)
         return {"dlogp": backward(grad, like, target, None, 1, ignore, count.to(grad.dtype)).to(dtype)}
 
     return ["target", "grad", "count"], {"dlogp": "dlogp"}, kernel

@@ -269,14 +269,15 @@ def fused_patterns(fusion: Fusion) -> dict[str, int]:
 _UNCOMPILED: dict[int, dict[str, int]] = {}  # id(fusion) -> why compile="inductor" ran it op by op -> runs
 
 
-def _uncompiled(fusion: Fusion, why: str) -> None:
+def _uncompiled(fusion: Fusion, why: str, warn: bool = True) -> None:
     """A run that asked for ``inductor`` and runs ``fusion`` op by op: counted (``compiled_pieces``),
-    and warned about once per fusion and reason."""
+    and warned about once per fusion and reason (``warn``: asked for by ``compile="inductor"``;
+    under ``"auto"`` only counted)."""
     seen = _UNCOMPILED.get(id(fusion))
     if seen is None:
         seen = _UNCOMPILED[id(fusion)] = {}
         weakref.finalize(fusion, _UNCOMPILED.pop, id(fusion), None)
-    if why not in seen:
+    if why not in seen and warn:
         warnings.warn(f"nvtp compile='inductor': {fusion.name or 'a fusion'} runs op by op, not compiled: {why} "
                       "(nvtp/execute/inductor.py compiles a rank's fused run only)", stacklevel=3)
     seen[why] = seen.get(why, 0) + 1
@@ -322,6 +323,7 @@ def run(
     rings: Mapping[str, int] | None = None,
     axis_options: Mapping[str, Any] | None = None,
     inductor: bool = False,
+    ahead: bool = False,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -341,7 +343,9 @@ def run(
     ``rings``: the attentions the program runs by ring (first result -> mesh axis; its steps).
     ``axis_options``: the axis options the program was planned with (``ShardedFusion.options``).
     ``inductor`` (with the kernels): the lowered module's compute between collectives and random
-    draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared.
+    draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared;
+    with ``ahead`` (``compile="auto"``) only where an earlier run compiled them all, the rest
+    queued for a background compile (``nvtp/execute/precompile.py``).
     """
     comm = comm or SoloComm()
     if len(inputs) != len(fusion.inputs):
@@ -357,7 +361,7 @@ def run(
     if inductor and not (fuse and lowered.accepts(inputs)):
         _uncompiled(fusion, "strict" if strict else "values=" if values is not None else "compute_dtype" if compute_dtype is not None
                     else "compile='none'" if not compiled else "the op table changed" if IMPLS != _PRISTINE_IMPLS
-                    else "inputs of other shapes or dtypes than declared")
+                    else "inputs of other shapes or dtypes than declared", warn=not ahead)
     ctx = Context(fusion, shardings, mesh, comm, seed, compute_dtype, shapes=lowered.shapes, held=lowered.held, steps=steps,
                   rings=dict(rings or {}), options=dict(axis_options or {}), experts=experts)
     if log is not None:
@@ -366,11 +370,15 @@ def run(
         # The GraphModule's forward, not its __call__: a fusion is no module of the user's, so module
         # hooks (torch's CommDebugMode / ModTracker track every module called) must not see it.
         run = getattr(lowered.module, "forward", lowered.module)
+        pieces = None
         if inductor and fuse and lowered.accepts(inputs):
             if lowered.compiled is None:
-                lowered.compiled = compile_module(lowered.module)
-            run = lowered.compiled.run
+                lowered.compiled = compile_module(lowered.module, ahead=ahead)
+            pieces = lowered.compiled
+            run = pieces.run
         out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
+        if pieces is not None and pieces.ahead is not None and not pieces.decided:
+            pieces.decide(comm)  # compile="auto": compile now from the cache on every rank, or leave it for later
     except ExecutionError:
         raise
     except Exception as e:  # a fused kernel: name the fusion, keep the cause
