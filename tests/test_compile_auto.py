@@ -108,12 +108,12 @@ def test_ranks_compile_all_together_or_none_so_replicated_values_stay_equal(tmp_
     monkeypatch.setattr(precompile, "queue", lambda where, k, graph, layout: queued.append(k))
     monkeypatch.setattr(precompile, "start", lambda where: None)
     pieces = [_Piece(True), _Piece(True)]
-    report = inductor.Compiled(run=None, pieces=0, ahead=tmp_path, traced=list(pieces))
+    report = inductor.Compiled(run=None, pieces=0, ahead=precompile.Ahead(tmp_path), traced=list(pieces))
     report.decide(_Peer(peer))
     assert all(p.built == (peer == 1.0) for p in pieces)  # this rank is warm: it compiles only if its peer is
     assert queued == [] and all(p.why == ([] if peer == 1.0 else [LATER]) for p in pieces)
     cold = [_Piece(True), _Piece(False)]
-    report = inductor.Compiled(run=None, pieces=0, ahead=tmp_path, traced=list(cold))
+    report = inductor.Compiled(run=None, pieces=0, ahead=precompile.Ahead(tmp_path), traced=list(cold))
     report.decide(_Peer(1.0))
     assert not any(p.built for p in cold) and queued == [cold[1].key]  # one piece cold here: none compiles, it is queued
 

@@ -85,6 +85,7 @@ OPTIONAL = {
     "transformers": "optional extra (pip install nvtp[hf])",
     "nvfuser_direct": "only the nvFuser backend needs it; a CPU install may lack it",
     "nvtp.execute.nvfuser": "imports nvfuser_direct",
+    "torch._inductor": "only compile='inductor' / 'auto' need it: 1.5 s of imports kept off every other path",
 }
 # Modules that load Thunder (3+ s), imported inside a function only by the files on the CLI's lazy path.
 THUNDER = {"thunder", "nvtp.driver", "nvtp.auto.cli", "nvtp.auto.search", "nvtp.frontend.capture"}

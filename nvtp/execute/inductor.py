@@ -53,7 +53,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.split_module import split_module
 
 from nvtp.execute import inductor_cache
@@ -76,10 +79,6 @@ def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[...,
     Compiled inside a tracing context whose fake mode has a shape environment: Inductor's graph
     cache on disk is read and written only there ("Bypassing FX Graph Cache because 'No shape
     env'" otherwise), and without it every process generates and builds its C++ again."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
         return torch._inductor.compile(graph, inputs)
 
@@ -99,7 +98,7 @@ class Compiled:
     pieces: int  # compiled by Inductor
     python: dict[str, int] = field(default_factory=dict)  # why a piece runs as Python -> how many
     seconds: float = 0.0  # tracing and compiling, on the first call
-    # compile="auto" (precompile.py): the directory of records and queue; None: compile="inductor",
+    # compile="auto": the records and queue (precompile.Ahead); None: compile="inductor",
     # each piece compiled on its first call
     ahead: Any = None
     traced: list["_Piece"] = field(default_factory=list)  # pieces traced on the first call, waiting for decide()
@@ -111,8 +110,6 @@ class Compiled:
         Inductor's cache) if an earlier run compiled all of them, on every rank of ``comm`` (so
         that replicated values are computed by the same code on each rank and stay equal), else
         none and queue the missing ones for the background compile (precompile.py)."""
-        from nvtp.execute import precompile
-
         self.decided = True
         ready = all(p.graph is not None and p.warm for p in self.traced)
         flag = torch.tensor([1.0 if ready else 0.0])
@@ -124,11 +121,11 @@ class Compiled:
         else:
             for p in self.traced:
                 if p.graph is not None and not p.warm:
-                    precompile.queue(self.ahead, p.key, p.graph, p.layout)
+                    self.ahead.queue(p.key, p.graph, p.layout)
                     self.queued += 1
                 p.graph = None
                 p._python("left to the background compile, for a later run")
-            precompile.start(self.ahead)
+            self.ahead.start()
         self.traced.clear()
 
 
@@ -221,11 +218,10 @@ class _Piece:
             if self.report.ahead is None:
                 self.build(xs)
                 return
-            from nvtp.execute import precompile
-
-            self.graph = graph = precompile.settled(graph)
-            self.key = precompile.key(graph, self.layout)
-            self.warm = precompile.done(self.report.ahead, self.key)
+            ahead = self.report.ahead
+            self.graph = graph = ahead.settled(graph)
+            self.key = ahead.key(graph, self.layout)
+            self.warm = ahead.done(self.key)
             self.report.traced.append(self)  # Compiled.decide compiles it, or queues it
         except Exception as e:  # noqa: BLE001 - an untraceable piece runs as Python (counted, warned once)
             self.graph = None
@@ -269,22 +265,20 @@ class _Piece:
         return pytree.tree_unflatten(list(self.code(*xs)), self.spec)
 
 
-def compile_module(module: fx.GraphModule, *, ahead: bool = False) -> Compiled:
+def compile_module(module: fx.GraphModule, *, ahead: Any = None) -> Compiled:
     """``module`` (``lower.lower``'s GraphModule ``forward(ctx, *inputs)``, fused) cut into pieces
     at the nodes that stay Python; each compute piece is compiled on its first call (see the module
     docstring). Requires: every op node carries ``meta["op"]``, communicating nodes
     ``meta["communicates"]``. Ensures: ``Compiled.run(ctx, *inputs)`` gives what
     ``module.forward(ctx, *inputs)`` gives, the Python nodes run in their order on every call.
-    ``ahead`` (``compile="auto"``): pieces are traced on the first call and compiled by
-    ``Compiled.decide`` after it, or left to the background compile (``precompile.py``)."""
+    ``ahead`` (``compile="auto"``: a ``precompile.Ahead``): pieces are traced on the first call and
+    compiled by ``Compiled.decide`` after it, or left to the background compile (``precompile.py``)."""
     inductor_cache.prepare()
     module = _constants_inlined(module)
     part = _pieces(module.graph)
     stays = {k: _why_python(n) for n, k in part.items() if _stays_python(n)}
     split = split_module(module, module, lambda n: part[n], keep_original_order=True)
-    from nvtp.execute import precompile
-
-    report = Compiled(run=split.forward, pieces=0, ahead=precompile.directory() if ahead else None)
+    report = Compiled(run=split.forward, pieces=0, ahead=ahead)
     # Each submodule called as a function, not a module: a fusion is no module of the user's, so
     # module hooks (torch's CommDebugMode / ModTracker) must not see its pieces.
     for node in list(split.graph.nodes):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from nvtp import cachedir
+from nvtp.execute import inductor, inductor_cache
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
@@ -40,8 +42,6 @@ def directory() -> Path | None:
     """Where records and the queue live, or None when nvtp's cache is off."""
     if cachedir.root() is None:
         return None
-    from nvtp.execute import inductor_cache
-
     inductor_cache.prepare()
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cachedir.root() / "inductor") / "nvtp"
 
@@ -51,8 +51,6 @@ def settled(graph: fx.GraphModule) -> fx.GraphModule:
     reads it by tracing that code again, which renames its nodes (``view`` -> ``view_default``).
     Inductor's cache keys a graph by its code, so the run compiles this form, as the background
     compile does, and the two find each other's code (reading it back again changes nothing)."""
-    import io
-
     import torch._inductor.compile_fx  # noqa: F401 - what reading a make_fx graph back needs imported (its tracer's ops)
 
     buf = io.BytesIO()
@@ -107,20 +105,45 @@ def start(where: Path) -> subprocess.Popen | None:
     if not any((where / "queued").glob("*.pt")):
         return None
     log = open(where / "precompile.log", "ab")  # noqa: SIM115 - the child holds it
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # one core for the compiler: the run keeps the others
     try:
         return subprocess.Popen([sys.executable, "-m", "nvtp.execute.precompile", str(where)], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log, start_new_session=True, env=dict(os.environ))
+                                stdout=log, stderr=log, start_new_session=True, env=env)
     finally:
         log.close()
+
+
+class Ahead:
+    """One directory's records and queue, as ``inductor.Compiled`` uses them under ``compile="auto"``."""
+
+    settled = staticmethod(settled)
+    key = staticmethod(key)
+
+    def __init__(self, where: Path):
+        self.where = where
+
+    def done(self, k: str) -> bool:
+        return done(self.where, k)
+
+    def queue(self, k: str, graph: fx.GraphModule, layouts: list[Layout]) -> None:
+        queue(self.where, k, graph, layouts)
+
+    def start(self) -> subprocess.Popen | None:
+        return start(self.where)
+
+
+def ahead() -> Ahead | None:
+    """The records and queue of nvtp's cache directory, or None when the cache is off."""
+    where = directory()
+    return None if where is None else Ahead(where)
 
 
 def compile_queue(where: Path) -> int:
     """Compile every queued graph of ``where`` into Inductor's cache, leaving a record for each
     (one process at a time per directory: others wait for the lock, then find the work done).
     Returns how many it compiled."""
-    from nvtp.execute import inductor, inductor_cache
-
-    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401 - what torch.load of a make_fx graph needs imported
 
     inductor_cache.prepare()  # Inductor's cache and instruction-set record as the run has them
     where.mkdir(parents=True, exist_ok=True)

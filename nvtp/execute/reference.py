@@ -31,6 +31,7 @@ from nvtp.execute import ep
 from nvtp.execute import kernels
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
+from nvtp.execute import precompile
 from nvtp.execute.inductor import compile_module
 from nvtp.execute.lower import lower, value_args
 from nvtp.execute.sets import ring_for, set_is_local, start_for
@@ -373,7 +374,7 @@ def run(
         pieces = None
         if inductor and fuse and lowered.accepts(inputs):
             if lowered.compiled is None:
-                lowered.compiled = compile_module(lowered.module, ahead=ahead)
+                lowered.compiled = compile_module(lowered.module, ahead=precompile.ahead() if ahead else None)
             pieces = lowered.compiled
             run = pieces.run
         out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
