@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from nvtp import cachedir
 from nvtp.sharding import axes
 from nvtp.errors import InputError
 from nvtp.sharding.target import TARGETS, Target
@@ -63,8 +62,7 @@ class ReferenceBackend(Backend):
         from nvtp.execute import reference  # lazy: kept off nvtp --help's path
 
         kernels = compile != "none"  # "none": every op by its own implementation
-        # "auto": Inductor where nvtp's cache can keep its work (nvtp/execute/precompile.py), else the kernels
-        inductor = compile == "inductor" or (compile == "auto" and cachedir.root() is not None)
+        inductor = compile in ("inductor", "auto")  # "auto": reference.run decides (nvtp/execute/precompile.py)
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
 

@@ -133,12 +133,6 @@ class Ahead:
         return start(self.where)
 
 
-def ahead() -> Ahead | None:
-    """The records and queue of nvtp's cache directory, or None when the cache is off."""
-    where = directory()
-    return None if where is None else Ahead(where)
-
-
 def compile_queue(where: Path) -> int:
     """Compile every queued graph of ``where`` into Inductor's cache, leaving a record for each
     (one process at a time per directory: others wait for the lock, then find the work done).

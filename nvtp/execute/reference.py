@@ -31,6 +31,7 @@ from nvtp.execute import ep
 from nvtp.execute import kernels
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
+from nvtp import cachedir
 from nvtp.execute import precompile
 from nvtp.execute.inductor import compile_module
 from nvtp.execute.lower import lower, value_args
@@ -346,9 +347,12 @@ def run(
     ``inductor`` (with the kernels): the lowered module's compute between collectives and random
     draws compiled by Inductor (``nvtp/execute/inductor.py``), where the inputs are as declared;
     with ``ahead`` (``compile="auto"``) only where an earlier run compiled them all, the rest
-    queued for a background compile (``nvtp/execute/precompile.py``).
+    queued for a background compile (``nvtp/execute/precompile.py``), and not at all where nvtp's
+    cache is off (``NVTP_CACHE=0``: the kernels).
     """
     comm = comm or SoloComm()
+    if ahead and cachedir.root() is None:  # compile="auto" with nvtp's cache off: nowhere to keep the work, the kernels
+        inductor = False
     if len(inputs) != len(fusion.inputs):
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
     inputs = [as_input(x, v.shape, v.dtype) if isinstance(v, TensorValue) else x for v, x in zip(fusion.inputs, inputs)]
@@ -374,7 +378,7 @@ def run(
         pieces = None
         if inductor and fuse and lowered.accepts(inputs):
             if lowered.compiled is None:
-                lowered.compiled = compile_module(lowered.module, ahead=precompile.ahead() if ahead else None)
+                lowered.compiled = compile_module(lowered.module, ahead=precompile.Ahead(precompile.directory()) if ahead else None)
             pieces = lowered.compiled
             run = pieces.run
         out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
