@@ -465,13 +465,14 @@ class _Run(torch.autograd.Function):
         n_params = len(param_labels)
         named = dict(zip(param_labels, tensors[:n_params])) | dict(zip(compiled.traced_args, tensors[n_params:]))
         user_outputs, values = compiled.forward(named, seed)
-        # The outputs the backward reads are saved the autograd way: an output kept on ctx itself would
+        # The tensors the backward reads are saved the autograd way: an output kept on ctx itself would
         # hold its own node (output -> grad_fn -> ctx -> output), a cycle that keeps the whole step's
-        # saved activations alive until the garbage collector runs (docs/benchmarks.md, issue 37 item 3).
-        returned = {id(t) for t in user_outputs}
-        ctx.output_names = [k for k, t in values.items() if isinstance(t, torch.Tensor) and id(t) in returned]
-        ctx.save_for_backward(*(values[k] for k in ctx.output_names))
-        values = {k: t for k, t in values.items() if k not in set(ctx.output_names)}
+        # saved activations alive until the garbage collector runs (docs/benchmarks.md, issue 37 item 3);
+        # and autograd checks each one's version, so an input changed in place before the backward
+        # raises as in eager PyTorch instead of giving gradients of other values.
+        ctx.saved_names = [k for k, t in values.items() if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(*(values[k] for k in ctx.saved_names))
+        values = {k: t for k, t in values.items() if not isinstance(t, torch.Tensor)}
         ctx.module, ctx.compiled, ctx.values, ctx.named, ctx.n_params = module, compiled, values, named, n_params
         ctx.param_labels = param_labels
         for t in user_outputs:
@@ -484,9 +485,20 @@ class _Run(torch.autograd.Function):
         compiled: RankProgram = ctx.compiled
         if compiled.backward_fusion is None:
             return (None,) * (4 + ctx.n_params + len(compiled.traced_args))
+        if ctx.values is None:
+            raise RuntimeError("Trying to backward through an nvtp module's step a second time: its saved values were freed "
+                               "after the first backward, as they were read. Pass retain_graph=True to the first backward "
+                               "(loss.backward(retain_graph=True)) to keep them")
         params = {label: _dt.local(ctx.named[label]) for label in ctx.param_labels}
-        values = ctx.values | dict(zip(ctx.output_names, ctx.saved_tensors))
-        by_grad = compiled.backward(values, params, grads, device=_device_of(ctx.module.module))
+        values = ctx.values | dict(zip(ctx.saved_names, ctx.saved_tensors))
+        # Unless the graph is kept (retain_graph=True), the backward takes the saved values: each is
+        # freed after its last use, as eager autograd frees a node's saved tensors when it has run,
+        # not all at the end (torch's compiled autograd and Thunder clear them the same way).
+        take = not torch._C._autograd._get_current_graph_task_keep_graph()
+        if take:
+            ctx.values = None
+            ctx.maybe_clear_saved_tensors()
+        by_grad = compiled.backward(values, params, grads, device=_device_of(ctx.module.module), take=take)
         result = [None, None, None, None]
         for label in ctx.param_labels:  # a DTensor parameter's gradient is a DTensor placed like it
             g = by_grad.get(label)

@@ -36,7 +36,7 @@ PICK = textwrap.dedent("""
         from nvtp.execute import inductor
         x = torch.arange(64.0).reshape(8, 8)
         graph = make_fx(lambda a: [torch.softmax(a @ a.t() * 0.5, -1).sum(0)])(x)
-        got = inductor.inductor(graph, [x])(x)[0]
+        got = inductor.inductor(graph, [x])([x])[0]
         torch.testing.assert_close(got, torch.softmax(x @ x.t() * 0.5, -1).sum(0))
         hits = counters["inductor"]["fxgraph_cache_hit"]
     print(json.dumps({"isa": isa, "cache": cache_dir(), "hits": hits}))

@@ -66,11 +66,12 @@ class ReferenceBackend(Backend):
         phases = dict(program.phases())
         rings = ring_attentions(program.steps(), program.mesh)
 
-        def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None) -> list[Any]:
+        def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None, take: bool = False) -> list[Any]:
             sharded = phases[phase]
             out = reference.run(sharded.fusion, inputs, shardings=sharded.shardings, mesh=sharded.mesh, comm=comm, seed=seed,
                                 log=log, steps=sharded.set_steps, schedule=program.schedules.get(phase), rings=rings.get(phase),
-                                compiled=kernels, axis_options=sharded.options, inductor=inductor, ahead=compile == "auto")
+                                compiled=kernels, axis_options=sharded.options, inductor=inductor, ahead=compile == "auto",
+                                take=take)
             if inductor:  # the first call's report: what compiling took (nvtp/execute/inductor.py)
                 program.seconds["compile"] = sum(reference.compiled_pieces(s.fusion)["seconds"] for _, s in phases.items())
             return out
@@ -139,12 +140,14 @@ class NvFuserBackend(Backend):  # compile= is the reference backend's: nvFuser f
         device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
         phases = dict(program.phases())
 
-        def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None) -> list[Any]:
+        def run(phase: str, inputs: Sequence[Any], *, seed: int = 0, log: list | None = None, take: bool = False) -> list[Any]:
             sharded = phases[phase]
             fd = built.get(phase)
             if fd is None:  # once per rank and fusion
                 fd = built[phase] = nvfuser.build_definition(sharded.fusion, schedule_steps(sharded) if multi else ())
             prepared = nvfuser.prepare_inputs(sharded.fusion, inputs, device)
+            if take:  # the caller's list: nvFuser holds what it reads until the fusion ends
+                inputs.clear()
             outputs = fd.execute(prepared) if multi else fd.execute(prepared, device=device)
             return nvfuser.as_declared(sharded.fusion, list(outputs))
 

@@ -60,6 +60,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.split_module import split_module
 
 from nvtp.execute import inductor_cache
+from nvtp.execute.lower import taking_list
 from nvtp.ir.ops import RANDOM
 
 # Op kinds whose implementation reads something of the call, not of the mesh position (why, per kind).
@@ -73,19 +74,35 @@ EXPERT_ROWS = "runs on the rows an ep axis moves to its experts' ranks (all-to-a
 MIN_OPS = 4  # a piece of fewer op calls runs as Python: compiling it would cost more than it saves
 
 
-def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
-    """Inductor's code for an aten graph traced on ``inputs`` (called with tensors like them).
+def inductor(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
+    """Inductor's code for an aten graph traced on ``inputs``, called as ``code(xs)`` with a list
+    of tensors like them, which it empties: each input is freed inside the code after its last
+    use (the graph is compiled as taking one list, the placeholder marked ``steal_arg``: torch's
+    boxed calling convention, as compiled autograd's graphs are; called with the tensors as
+    arguments, Inductor's wrapper would hold every one of them to its end).
 
     Compiled inside a tracing context whose fake mode has a shape environment: Inductor's graph
     cache on disk is read and written only there ("Bypassing FX Graph Cache because 'No shape
     env'" otherwise), and without it every process generates and builds its C++ again."""
     with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
-        return torch._inductor.compile(graph, inputs)
+        return torch._inductor.compile(_taking_one_list(graph), [list(inputs)])
 
 
-# What compiles a piece's aten graph: Inductor. The fast tests put the traced aten graph itself here
-# (it runs what Inductor would compile, without its minutes of C++ builds), to check the cutting and
-# tracing on their own.
+def _taking_one_list(graph: fx.GraphModule) -> fx.GraphModule:
+    """``graph`` with its inputs taken from one list placeholder (``inputs[k]``), marked for
+    Inductor to empty (``steal_arg``)."""
+    g = fx.Graph()
+    box = g.placeholder("inputs")
+    box.meta["steal_arg"] = True
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    env = {p: g.call_function(operator.getitem, (box, k)) for k, p in enumerate(placeholders)}
+    g.output(g.graph_copy(graph.graph, env))
+    return fx.GraphModule(graph, g)
+
+
+# What compiles a piece's aten graph: Inductor; its code is called with a list of the graph's inputs,
+# which it may empty. The fast tests put the traced aten graph itself here (it runs what Inductor
+# would compile, without its minutes of C++ builds), to check the cutting and tracing on their own.
 compiler: Callable[[fx.GraphModule, list[torch.Tensor]], Callable[..., Any]] = inductor
 _LOCK = threading.Lock()  # one trace and compile at a time (simulated ranks are threads of one process)
 
@@ -104,6 +121,7 @@ class Compiled:
     traced: list["_Piece"] = field(default_factory=list)  # pieces traced on the first call, waiting for decide()
     decided: bool = False
     queued: int = 0  # pieces left to the background compile for a later run
+    taking: Callable[[list[Any]], Any] | None = None  # run as run([ctx, *inputs]), the list emptied (lower.taking_list)
 
     def decide(self, comm: Any) -> None:
         """``compile="auto"``, after the module's first call: compile every traced piece now (from
@@ -170,7 +188,8 @@ class _Piece:
 
     def __init__(self, sub: fx.GraphModule, name: str, report: Compiled):
         self.sub, self.name, self.report = sub, name, report
-        self.code: Callable[..., Any] | None = None
+        self.code: Callable[[list[torch.Tensor]], Any] | None = None  # Inductor's, called with a list it empties
+        self.as_python: Callable[[list[Any]], Any] | None = None  # the submodule taking a list (lower.taking_list)
         self.tried = False
         self.ctx_at: int | None = None
         self.layout: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = []
@@ -251,18 +270,26 @@ class _Piece:
         self.report.pieces += 1
 
     def __call__(self, *args: Any) -> Any:
+        return self.take(list(args))
+
+    def take(self, args: list[Any]) -> Any:
+        """The piece on ``args`` (its inputs in order), a list it empties: each input is dropped
+        after its last use, in the compiled code as in the Python."""
         if not self.tried:  # the first call runs the Python, which fills the context's per-position caches
-            out = self.sub(*args)  # (held indices, local shapes), then compiles: the trace reads them as given
-            self._compile(args, out)
+            given = tuple(args)  # (held indices, local shapes), then compiles: the trace reads them as given
+            args.clear()
+            out = self.sub(*given)
+            self._compile(given, out)
             return out
-        if self.code is None:
-            return self.sub(*args)
         xs = [a for i, a in enumerate(args) if i != self.ctx_at]
-        if len(xs) != len(self.layout) or any(
+        if self.code is None or len(xs) != len(self.layout) or any(
                 not isinstance(x, torch.Tensor) or (tuple(x.shape), tuple(x.stride()), x.dtype) != want
                 for x, want in zip(xs, self.layout)):
-            return self.sub(*args)  # another layout than compiled for: the piece's Python, exactly
-        return pytree.tree_unflatten(list(self.code(*xs)), self.spec)
+            if self.as_python is None:  # not compiled, or another layout than compiled for: the piece's Python, exactly
+                self.as_python = taking_list(self.sub)
+            return self.as_python(args)
+        args.clear()
+        return pytree.tree_unflatten(list(self.code(xs)), self.spec)
 
 
 def compile_module(module: fx.GraphModule, *, ahead: Any = None) -> Compiled:
@@ -288,13 +315,17 @@ def compile_module(module: fx.GraphModule, *, ahead: Any = None) -> Compiled:
         why = stays.get(int(node.target.rsplit("_", 1)[-1]))
         if why is not None:
             report.python[why] = report.python.get(why, 0) + 1
-        call = sub.forward if why is not None else _Piece(sub, node.target, report)
         with split.graph.inserting_before(node):
-            new = split.graph.call_function(_named(call, node.target), node.args, node.kwargs)
+            if why is not None:
+                new = split.graph.call_function(_named(sub.forward, node.target), node.args, node.kwargs)
+            else:  # its inputs handed over in a list the piece empties: none is held by this call to its end
+                inputs = split.graph.call_function(_listed, node.args, name=f"inputs_{node.target}")
+                new = split.graph.call_function(_named(_Piece(sub, node.target, report).take, node.target), (inputs,))
         node.replace_all_uses_with(new)
         split.graph.erase_node(node)
     split.recompile()
     report.run = split.forward
+    report.taking = taking_list(split)
     return report
 
 
@@ -315,6 +346,10 @@ def _constants_inlined(module: fx.GraphModule) -> fx.GraphModule:
             user.replace_input_with(node, made)
         graph.erase_node(node)
     return fx.GraphModule(module, graph)
+
+
+def _listed(*values: Any) -> list[Any]:
+    return list(values)
 
 
 def _named(call: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -54,6 +54,30 @@ def _wait(handles: list[Any], k: int) -> Any:
     return handles[k].wait()
 
 
+class _TakesList(fx.graph.CodeGen):
+    """Code taking its inputs in one list, which it empties: ``forward(self, inputs)``. A
+    function's arguments live until it returns, so a module called as ``forward(ctx, *inputs)``
+    holds every input to its end; from a list it drops each after its last use, as fx drops its
+    own values (a backward frees each activation the forward saved once it has read it, as
+    eager autograd does). The boxed calling convention of torch's compiled autograd."""
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **kwargs: Any) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        head = f"def {self._func_name}(self, inputs){maybe_return_annotation}:"
+        if not names:
+            return head
+        return f"{head}\n    {', '.join(names)}, = inputs\n    inputs.clear()"
+
+
+def taking_list(module: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """``module``'s code as ``run(inputs)``, ``inputs`` the list of what ``module.forward``
+    takes (``[ctx, *values]``): emptied on entry, each input dropped after its last use."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    graph.set_codegen(_TakesList())
+    return fx.GraphModule(module, graph, class_name=type(module).__name__).forward
+
+
 def lower(
     fusion: Fusion,
     call_for: Callable[[Op], Callable[..., Any]],

@@ -34,7 +34,7 @@ from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  
 from nvtp import cachedir
 from nvtp.execute import precompile
 from nvtp.execute.inductor import compile_module
-from nvtp.execute.lower import lower, value_args
+from nvtp.execute.lower import lower, taking_list, value_args
 from nvtp.execute.sets import ring_for, set_is_local, start_for
 from nvtp.ir.dtypes import as_input
 from nvtp.ir.graph import Fusion, Op, TensorValue, Value, is_value
@@ -183,6 +183,7 @@ class Lowered:
     folded: int  # ops computed while lowering
     held: dict[str, list[Any]] = field(default_factory=dict)  # the global indices held, filled as the runs ask (Context.indices)
     compiled: Any = None  # with compile="inductor": its pieces compiled (nvtp.execute.inductor.Compiled), made on first use
+    taking: Any = None  # the module as run([ctx, *inputs]), the list emptied (lower.taking_list), made on first use
 
     def accepts(self, inputs: Sequence[Any]) -> bool:
         """True when ``inputs`` have the local shapes and dtypes the module was lowered for."""
@@ -326,6 +327,7 @@ def run(
     axis_options: Mapping[str, Any] | None = None,
     inductor: bool = False,
     ahead: bool = False,
+    take: bool = False,
 ) -> list[Any]:
     """Run ``fusion`` on ``inputs`` (this rank's parts when ``shardings`` are given) and return its outputs.
 
@@ -349,13 +351,19 @@ def run(
     with ``ahead`` (``compile="auto"``) only where an earlier run compiled them all, the rest
     queued for a background compile (``nvtp/execute/precompile.py``), and not at all where nvtp's
     cache is off (``NVTP_CACHE=0``: the kernels).
+    ``take``: ``inputs`` is a list the run empties, so that each input is dropped after its last
+    use (a backward frees the activations its forward saved as it goes, as eager autograd does);
+    the caller must hold no other reference to what it wants freed.
     """
     comm = comm or SoloComm()
     if ahead and cachedir.root() is None:  # compile="auto" with nvtp's cache off: nowhere to keep the work, the kernels
         inductor = False
     if len(inputs) != len(fusion.inputs):
         raise ExecutionError(f"{fusion.name} takes {len(fusion.inputs)} inputs, got {len(inputs)}")
+    given = inputs
     inputs = [as_input(x, v.shape, v.dtype) if isinstance(v, TensorValue) else x for v, x in zip(fusion.inputs, inputs)]
+    if take:
+        given.clear()
     options = dict(compute_dtype=compute_dtype, strict=strict, all_values=values is not None, schedule=schedule)
     experts = ep.experts_for(fusion, shardings, mesh, comm, axis_options)  # None: no expert rows to move (nvtp/execute/ep.py)
     options["experts"] = experts.layout.runs if experts is not None else frozenset()  # they run as their ops (ep.Experts)
@@ -381,7 +389,15 @@ def run(
                 lowered.compiled = compile_module(lowered.module, ahead=precompile.Ahead(precompile.directory()) if ahead else None)
             pieces = lowered.compiled
             run = pieces.run
-        out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
+        if take and values is None:  # each input dropped after its last use (lower.taking_list)
+            if pieces is None and lowered.taking is None:
+                lowered.taking = taking_list(lowered.module)
+            run = pieces.taking if pieces is not None else lowered.taking
+            box = [ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs))]
+            del inputs
+            out = run(box)
+        else:
+            out = run(ctx, *(input_value(ctx, v, x) for v, x in zip(fusion.inputs, inputs)))
         if pieces is not None and pieces.ahead is not None and not pieces.decided:
             pieces.decide(comm)  # compile="auto": compile now from the cache on every rank, or leave it for later
     except ExecutionError:

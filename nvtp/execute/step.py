@@ -169,11 +169,13 @@ class RankProgram:
     # -- backward -----------------------------------------------------------------------------
 
     def backward(self, values: Mapping[str, Any], params: Mapping[str, torch.Tensor], grads: Sequence[torch.Tensor | None],
-                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                 device: str | torch.device = "cpu", take: bool = False) -> dict[str, torch.Tensor]:
         """Run the backward fusion: ``values`` from ``forward``, ``params`` each parameter's local
         tensor by label, ``grads`` the gradient of each module output (whole; None: zeros). Returns
         label -> gradient: a parameter's placed like this rank's part (a fused projection's parts
-        joined), an argument's whole. Empty without a backward fusion."""
+        joined), an argument's whole. Empty without a backward fusion. ``take``: ``values`` is a
+        dict this call empties, so that the backward frees each saved value after its last use
+        (the caller holds none of them elsewhere)."""
         bwd = self.backward_fusion
         if bwd is None:
             return {}
@@ -201,7 +203,10 @@ class RankProgram:
         f = self.forward_fusion.source  # inputs the backward reads by label that are not parameters (the FX
         params |= {f.label(v.name): values[v.name] for v in f.inputs if f.label(v.name) not in params}  # route's constants): this rank's part
         inputs = backward_inputs(b, params, dict(values), local_grads)
-        outs = self.run("backward", inputs, seed=0)
+        if take:
+            values.clear()
+            local_grads = grads = g = local = None
+        outs = self.run("backward", inputs, seed=0, take=take)
         by_grad = {b.grad_of(v.name): t for v, t in zip(b.outputs, outs)}
         by_grad |= joined_grads(self.part_rows, by_grad, params)
         return by_grad

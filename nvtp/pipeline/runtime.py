@@ -352,7 +352,8 @@ class PipelineModule(torch.nn.Module):
                 else:  # the loss's gradient: the step's loss is the mean over microbatches
                     shape = local_shape(v.shape, mine.backward.sharding(v.name), mine.mesh)
                     inputs.append(torch.full(shape, 1.0 / m, dtype=v.dtype.torch))
-            outs = rp.run("backward", inputs, seed=_seed(base, self.stage, i))
+            vals = received = None  # the run takes the list: each saved value freed after its last use
+            outs = rp.run("backward", inputs, seed=_seed(base, self.stage, i), take=True)
             by_name = {v.name: t for v, t in zip(b.outputs, outs)}
             for p in send_b:
                 send(by_name[p["value"]], p, BACKWARD_TAG)
