@@ -418,11 +418,11 @@ class Costing:
                 mesh = p.sharded.mesh
                 exclude = saved if phase == "forward" else {v.name for v in p.sharded.fusion.outputs}
                 held, kept = None, 0.0
-                if phase == "backward":  # what the runtime holds through the whole backward (``nvtp.parallel._Run``)
+                if phase == "backward":  # the saved values (to their last reader) and what the caller holds (``nvtp.parallel._Run``)
                     f, src = priced.phases["forward"], p.sharded.source
                     held = {}
                     for v in src.inputs:
-                        if src.role(v.name) == "saved":  # every saved activation, to the end (not freed after its last reader)
+                        if src.role(v.name) == "saved":  # every saved activation, to its last reader in the backward
                             i = f.at.get(src.info[v.name].source)
                             held[v.name] = float(mult[f.block[i]] if i is not None else 1)
                         elif src.role(v.name) == "grad":  # each output's incoming gradient, this rank's part (zeros if unused)

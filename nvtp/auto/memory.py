@@ -6,8 +6,10 @@
 A value lives from the op making it to its last reader (the reference backend drops each value
 after its last use: ``nvtp.execute.lower``); an output to the end. A value made as a torch view
 of its operand (``VIEWS``) holds no bytes and keeps the operand alive as long as it is read.
-A backward's inputs (the saved activations, its incoming gradients) live to its end: the caller
-holds them while it runs (``nvtp.parallel._Run``). A scheduled collective
+A backward's saved activations live from its start to their last reader: the runtime hands them
+to the backward in a list it empties (``nvtp.parallel._Run``, ``lower.taking_list``), so each is
+freed where it was last read, as any value; its incoming gradients live to its end (the caller
+holds them while it runs). A scheduled collective
 (``nvtp.sharding.overlap``) reads its operands where it starts, not where its ``set`` stands,
 and its buffers live from its start: ``BUFFERS`` says what the runtime allocates for one
 (``nvtp.execute.collectives.start_reshards``, ``_dist_async``), per kind, in terms of B, this
@@ -107,9 +109,10 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
     collective blocking), leaving out its inputs and ``exclude`` (an all-reduce whose results are
     all excluded holds only its flat copy); with what is alive then, by label. ``cap``: the most
     bytes one collective's buffer may hold (a bucket's limit). ``held``: inputs alive from the
-    start to the end (a backward's saved activations: the runtime's autograd function holds every
-    forward value until its backward returns, ``nvtp.parallel._Run``), each that many copies (the
-    blocks of the model its sample block stands for), labelled ``ACTIVATIONS``. ``kept``: other
+    start to their last reader (a backward's saved activations: the runtime's autograd function
+    hands them over in a list the backward empties, ``nvtp.parallel._Run``), each that many copies
+    (the blocks of the model its sample block stands for; all of them to the last reader in the
+    sample, as at the first of those blocks the backward reaches), labelled ``ACTIVATIONS``. ``kept``: other
     bytes alive throughout (a backward's incoming gradients, the forward's outputs it does not
     read), labelled ``VALUES``."""
     f = sharded.fusion
@@ -207,7 +210,7 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
 
     for v in f.inputs:
         if isinstance(v, TensorValue) and held and v.name in held:
-            add(ACTIVATIONS, local_bytes(sharded, v, factor) * held[v.name], n_ops, -1)
+            add(ACTIVATIONS, local_bytes(sharded, v, factor) * held[v.name], last_use.get(v.name, n_ops), -1)
     if kept:
         add(VALUES, kept, n_ops, -1)
     start(-1)
