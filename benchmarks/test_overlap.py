@@ -68,8 +68,10 @@ def test_data_parallel_step_against_ddp(benchmark, tmp_path, request):
 # empty_strided, 67 MiB in all against 39 MiB with overlap=False), where DDP keeps one set of
 # buckets between steps (what it keeps: parameters + buckets, 40 MiB). Since 2026-12-02 nvtp keeps
 # them too, the gradients views of them (nvtp/execute/buckets.py): kept 41.5 + step 39.2 MiB, the
-# step's peak the blocking program's; what is left over DDP's step (28.5) is the backward holding
-# every saved activation to its end.
+# step's peak the blocking program's, with the same live at it (aten::mm 16 MiB, aten::sub 8,
+# aten::addmm 7): the weight gradients as the backward makes them, alive until their bucket starts
+# after its last member (DDP copies each into its bucket as autograd makes it), and the
+# activations the backward holds to its end.
 KNOWN_MISS = ("time: the reference backend's per-rank compute, which compile='inductor' does not bring to eager's at this "
-              "size; memory: the backward program holds every activation its forward saved until it ends, where eager "
-              "autograd frees each as its node runs (docs/benchmarks.md)")
+              "size; memory: a step's peak is the blocking program's, the unreduced gradients alive until their bucket "
+              "starts and the backward holding every saved activation to its end (docs/benchmarks.md)")
