@@ -9,6 +9,7 @@ GPU); ``ThreadComm`` runs the ranks of one process as threads for the fast simul
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+from nvtp.execute.buckets import Bucket, views
 from nvtp.sharding.placements import Placement, Zigzag, axis_split, is_partial, local_indices
 
 
@@ -46,6 +48,9 @@ class SoloComm:
 
     def reduce_scatter(self, chunks, op):
         return chunks[0]
+
+    def all_reduce_(self, t, op):
+        return t
 
 
 def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
@@ -129,6 +134,12 @@ class ThreadComm:
 
     def all_reduce(self, t, op):
         return _reduce(self.group.exchange(self.rank, t), op)
+
+    def all_reduce_(self, t, op):
+        """``all_reduce`` into ``t`` itself, once every rank has read it."""
+        out = self.all_reduce(t, op)
+        self.group.barrier.wait()
+        return t.copy_(out)
 
     def all_gather(self, t):
         return [x.clone() for x in self.group.exchange(self.rank, t)]
@@ -223,6 +234,12 @@ class DistComm:
 
     def all_reduce(self, t, op):
         t = t.contiguous().clone()
+        with self._waiting("an all-reduce"):
+            self.dist.all_reduce(t, op=self._op(op), group=self.group)
+        return t
+
+    def all_reduce_(self, t, op):
+        """``all_reduce`` into ``t`` itself (contiguous)."""
         with self._waiting("an all-reduce"):
             self.dist.all_reduce(t, op=self._op(op), group=self.group)
         return t
@@ -378,7 +395,20 @@ def start(comm: Comm, kind: str, arg, op: str = "sum"):
     return Done(getattr(comm, kind)(arg, op) if kind != "all_gather" else getattr(comm, kind)(arg))
 
 
+def start_all_reduce_(comm: Comm, t: torch.Tensor, op: str = "sum"):
+    """Start ``comm``'s all-reduce of the contiguous ``t`` into ``t`` itself: a handle whose
+    ``wait()`` gives ``t``, reduced; None for a comm with no in-place form (one that wraps another,
+    as the tests' counting comms do), which the caller reduces out of place."""
+    method = getattr(comm, "all_reduce_async_", None)
+    if method is not None:
+        return method(t, op)
+    method = getattr(comm, "all_reduce_", None)
+    return Done(method(t, op)) if method is not None else None
+
+
 def _dist_async(self, kind: str, arg, op: str = "sum"):
+    if kind == "all_reduce_":
+        return _Work(self.dist.all_reduce(arg, op=self._op(op), group=self.group, async_op=True), arg, self, "an all-reduce")
     if kind == "all_reduce":
         t = arg.contiguous().clone()
         return _Work(self.dist.all_reduce(t, op=self._op(op), group=self.group, async_op=True), t, self, "an all-reduce")
@@ -393,6 +423,7 @@ def _dist_async(self, kind: str, arg, op: str = "sum"):
 
 
 DistComm.all_reduce_async = lambda self, t, op: _dist_async(self, "all_reduce", t, op)  # type: ignore[attr-defined]
+DistComm.all_reduce_async_ = lambda self, t, op: _dist_async(self, "all_reduce_", t, op)  # type: ignore[attr-defined]
 DistComm.all_gather_async = lambda self, t: _dist_async(self, "all_gather", t)  # type: ignore[attr-defined]
 DistComm.reduce_scatter_async = lambda self, chunks, op: _dist_async(self, "reduce_scatter", chunks, op)  # type: ignore[attr-defined]
 
@@ -419,27 +450,23 @@ class _Share:
         return self.finish(self.shared.wait())
 
 
-def start_reshards(items: Sequence[tuple], comm: Comm) -> list:
+def start_reshards(items: Sequence[tuple], comm: Comm, bucket: Bucket | None = None) -> list:
     """Start the reshards ``items`` ((local tensor, kind, src, dst, global size), all of one kind,
     reduction and dtype, on one mesh axis) as ONE collective on flattened, concatenated buffers;
     returns one handle per item whose ``wait()`` gives what ``reshard`` gives for it. Reductions
     are elementwise, so each element is summed over the same ranks as alone (bitwise equal on
-    two ranks; gloo may order a sum of more ranks differently for another buffer size)."""
+    two ranks; gloo may order a sum of more ranks differently for another buffer size).
+
+    An all-reduce copies its members into one flat buffer, reduces it in place and gives each
+    member's result as a view of it: ``bucket``'s, kept between steps (``nvtp.execute.buckets``:
+    a gradient bucket, reused while nothing holds a view of it), else a fresh one."""
     kind = items[0][1]
     if kind in ("slice", "partition"):
         return [Done(_from_whole(t, dst, size, comm)) for t, _, _, dst, size in items]
     src0 = items[0][2]
     op = src0.reduce_op if is_partial(src0) else "sum"
     if kind == "allreduce":
-        flats = [t.reshape(-1) for t, *_ in items]
-        shared = _Shared(start(comm, "all_reduce", torch.cat(flats) if len(flats) > 1 else flats[0], op))
-        out, at = [], 0
-        for (t, _, _, dst, size), flat in zip(items, flats):
-            n = flat.numel()
-            out.append(_Share(shared, lambda whole, at=at, n=n, shape=t.shape, dst=dst, size=size:
-                              _from_whole(whole[at:at + n].view(shape), dst, size, comm)))
-            at += n
-        return out
+        return _start_all_reduce(items, comm, op, bucket)
     if kind == "allgather":
         flats = [t.contiguous().reshape(-1) for t, *_ in items]
         shared = _Shared(start(comm, "all_gather", torch.cat(flats) if len(flats) > 1 else flats[0]))
@@ -473,3 +500,26 @@ def start_reshards(items: Sequence[tuple], comm: Comm) -> list:
             at += n
         return out
     raise ValueError(f"no reshard step {kind!r}; nvtp.sharding.reshard.reshard_kind names the steps")
+
+
+def _start_all_reduce(items: Sequence[tuple], comm: Comm, op: str, bucket: Bucket | None) -> list:
+    """``start_reshards`` of all-reduces: each member copied into its slice of one flat buffer
+    (``bucket``'s where the tensors are plain, a fresh one otherwise), the buffer reduced in
+    place, each result the member's view of it (a comm with no in-place form reduces a copy)."""
+    t0 = items[0][0]
+    shapes = [t.shape for t, *_ in items]
+    if bucket is not None and all(type(t) is torch.Tensor for t, *_ in items) and t0.device.type != "meta":
+        buffer, slices = bucket.take(shapes, t0.dtype, t0.device)
+    else:  # a fake or traced tensor, or a bucket not kept: this step's own buffer (the type of the tensors')
+        buffer = t0.new_empty(sum(t.numel() for t, *_ in items))
+        slices = views(buffer, shapes)
+    for (t, *_), mine in zip(items, slices):
+        mine.copy_(t)
+    handle = start_all_reduce_(comm, buffer, op)
+    in_place = handle is not None
+    shared = _Shared(handle if in_place else start(comm, "all_reduce", buffer, op))  # out of place: slices of its result
+
+    def finish(whole, k, dst, size):
+        return _from_whole(slices[k] if in_place else views(whole, shapes)[k], dst, size, comm)
+
+    return [_Share(shared, functools.partial(finish, k=k, dst=dst, size=size)) for k, (_, _, _, dst, size) in enumerate(items)]

@@ -29,13 +29,14 @@ import torch.fx as fx
 from nvtp.execute import impls_nn, impls_tensor, moe, sets  # noqa: F401 - registers every op in IMPLS
 from nvtp.execute import ep
 from nvtp.execute import kernels
+from nvtp.execute.buckets import Bucket
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
 from nvtp import cachedir
 from nvtp.execute import precompile
 from nvtp.execute.inductor import compile_module
 from nvtp.execute.lower import lower, taking_list, value_args
-from nvtp.execute.sets import ring_for, set_is_local, start_for
+from nvtp.execute.sets import keeps_bucket, ring_for, set_is_local, start_for
 from nvtp.ir.dtypes import as_input
 from nvtp.ir.graph import Fusion, Op, TensorValue, Value, is_value
 from nvtp.ir.ops import RANDOM
@@ -219,7 +220,8 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
     rings = getattr(schedule, "rings", ()) if starts is not None else ()
     module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values,
-                   starts=starts, start_for=start_for, rings=rings, ring_for=ring_for)
+                   starts=starts, start_for=lambda issue, ops: start_for(issue, ops, keeps_bucket(fusion, issue)),
+                   rings=rings, ring_for=ring_for)
     for node in getattr(module, "graph", fx.Graph()).nodes if experts else ():
         if on_experts(node):
             node.meta["experts"] = True
@@ -267,6 +269,19 @@ def fused_patterns(fusion: Fusion) -> dict[str, int]:
             for name, n in e.lowered.fused.items():
                 counts[name] = counts.get(name, 0) + n
     return counts
+
+
+def kept_buckets(fusion: Fusion, rank: int | None = None) -> list[Bucket]:
+    """The buffers ``fusion``'s lowered modules keep between steps (``nvtp.execute.buckets``: a
+    backward's gradient buckets), of mesh position ``rank`` (None: every position lowered so far)."""
+    out = []
+    for e in _CACHE.get(id(fusion), ()):
+        if e.fusion() is fusion and (rank is None or e.key[2] == rank):
+            for node in getattr(e.lowered.module, "graph", fx.Graph()).nodes:
+                bucket = getattr(node.target, "bucket", None)
+                if bucket is not None:
+                    out.append(bucket)
+    return out
 
 
 _UNCOMPILED: dict[int, dict[str, int]] = {}  # id(fusion) -> why compile="inductor" ran it op by op -> runs

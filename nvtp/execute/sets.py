@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from nvtp.execute.buckets import Bucket
 from nvtp.execute.collectives import Communication, on_axis, reshard, start_reshards
 from nvtp.execute.impls import Context, ExecutionError, impl
 from nvtp.execute.impls_nn import bias_applies
-from nvtp.ir.graph import Op
+from nvtp.ir.graph import Fusion, Op
 from nvtp.sharding.placements import Placement, axis_split, held, induced
 from nvtp.sharding.reshard import reshard_kind
 from nvtp.execute import ring_matmul
@@ -62,9 +63,11 @@ def _splits(p: Placement, dim: int) -> bool:
     return split is not None and split[0] == dim
 
 
-def start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
+def start_for(issue: Any, ops: list[Op], keep: bool = False) -> Callable[..., list[Any]]:
     """How a scheduled program starts the ``set`` ops of one ``Issue`` (nvtp.sharding.overlap): one
-    collective on their concatenated buffers, begun now, waited for where each ``set`` stood."""
+    collective on their concatenated buffers, begun now, waited for where each ``set`` stood. With
+    ``keep`` (``keeps_bucket``), an all-reduce's buffer is this node's ``Bucket``, kept between steps."""
+    bucket = Bucket() if keep else None
 
     def start(ctx: Context, *xs: Any) -> list[Any]:
         items = []
@@ -72,10 +75,25 @@ def start_for(issue: Any, ops: list[Op]) -> Callable[..., list[Any]]:
             (axis, kind, s, d, size), = _reshards(ctx, op)  # a scheduled set changes one mesh axis
             items.append((x, kind, s, d, size))
             ctx.log.append(Communication(kind, op.outputs[0].name, op.outputs[0].nbytes, axis))
-        return start_reshards(items, on_axis(ctx.comm, issue.axis))
+        return start_reshards(items, on_axis(ctx.comm, issue.axis), bucket)
+
+    start.bucket = bucket  # type: ignore[attr-defined]
 
     start.__name__ = start.__qualname__ = f"start_{issue.kind}"
     return start
+
+
+def keeps_bucket(fusion: Fusion, issue: Any) -> bool:
+    """Whether a scheduled collective keeps its buffer between steps (``nvtp.execute.buckets``): an
+    all-reduce in a backward (a fusion that reads incoming gradients) with a result among the
+    fusion's outputs, the gradients it returns: DDP's buckets of weight gradients, which the
+    caller holds to the next step's ``zero_grad`` anyway (a member the fusion reads on, e.g. a
+    reduced sum that a returned gradient is a product of, is a slice of the same bucket). Other
+    all-reduces (activations, the backward's activation gradients) take a fresh buffer each step:
+    kept, they would hold memory between steps that nothing needs then."""
+    backward = any(fusion.role(v.name) == "grad" for v in fusion.inputs)
+    returned = {v.name for v in fusion.outputs}
+    return backward and issue.kind == "allreduce" and any(name in returned for name in issue.sets)
 
 
 def ring_for(ring: Any, op: Op, products: list[Op]) -> Callable[..., Any]:

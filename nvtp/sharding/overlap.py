@@ -19,6 +19,8 @@ torch.distributed collectives with ``async_op=True``: ``nvtp.execute.collectives
   point go as one collective on a concatenated buffer, up to ``bucket_bytes`` (default 25 MiB,
   DDP's ``bucket_cap_mb``): many small gradient all-reduces become one. A bucket never starts
   after one of its members is needed, so it waits for no later value than a member would alone.
+  The reference backend keeps a backward's gradient buckets between steps, the gradients views
+  of them (``nvtp.execute.buckets``).
 
 The schedule is data (``Issue``s) computed from the sharded fusion's ``ReshardStep``s: it changes
 no op and no collective, only when collectives start and how they are grouped, so the scheduled
