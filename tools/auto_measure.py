@@ -112,10 +112,25 @@ def _owner(n) -> str:
     return "outside: " + " < ".join(path[:4])
 
 
+def _kept_buffers() -> list[torch.Tensor]:
+    """The buffers nvtp's lowered programs in this process keep between steps (a backward's
+    gradient buckets, ``reference.kept_buckets``): allocated before a step and reused in it, so
+    the step's profile never sees them."""
+    from nvtp.execute import reference
+
+    out = []
+    for entries in list(reference._CACHE.values()):
+        for e in entries:
+            f = e.fusion()
+            if f is not None:
+                out += [b.buffer for b in reference.kept_buckets(f) if b.buffer is not None]
+    return out
+
+
 def peak_live_bytes(step, held, named: dict | None = None) -> tuple[int, int]:
     """(peak, start): the bytes of CPU tensors alive at the fullest moment of ``step()``, and at its
     start: the distinct storages of the tensors ``held`` (the parameters' parts, the optimizer's
-    state, the inputs: the step must free none of them) plus the largest running sum of the
+    state, the inputs, nvtp's kept gradient buckets: the step must free none of them) plus the largest running sum of the
     allocations and frees torch's profiler records during the step (``profile_memory``).
     ``named`` (after ``name_values()``) receives the bytes alive at that moment by what made them."""
     from torch.profiler import ProfilerActivity, profile
@@ -191,7 +206,8 @@ def _worker(rank, world, init_method, cfg, extents, options, warmup, steps, out,
     opt.zero_grad()  # the gradients freed before the profiled step (a free of an older block has no size in the profile)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     named = {} if name_peak else None
-    peak, held = peak_live_bytes(step, [*sm.parameters(), *state, *whole], named)  # one more step, profiled: each rank's own
+    kept = _kept_buffers()  # nvtp's gradient buckets, kept between steps (nvtp/execute/buckets.py): held at the start too
+    peak, held = peak_live_bytes(step, [*sm.parameters(), *state, *whole, *kept], named)  # one more step, profiled: each rank's own
     peaks = [None] * world
     dist.all_gather_object(peaks, (peak, held, named))
     if rank == 0:

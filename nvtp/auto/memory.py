@@ -15,10 +15,9 @@ and its buffers live from its start: ``BUFFERS`` says what the runtime allocates
 (``nvtp.execute.collectives.start_reshards``, ``_dist_async``), per kind, in terms of B, this
 rank's bytes of the bucket's operands, and n, the ranks of its axis:
 
-* all-reduce: the operands concatenated into one flat buffer (B, when the bucket has several
-  members; alive only while the collective starts), and the buffer reduced in place (a clone of
-  it, B), whose slices are the results: it lives as long as any result does (a gradient: to the
-  end of the step);
+* all-reduce: the operands copied into one flat buffer (B) reduced in place, whose slices are the
+  results: it lives as long as any result does (a gradient: to the end of the step; a backward's
+  gradient bucket is kept between steps, ``nvtp.execute.buckets``, the gradients' own bytes);
 * all-gather: the operands concatenated (B, several members) and every rank's part (n B), alive
   until the last member is waited for; each member's whole result is made where it is waited
   for (a value of its own, from there to its last reader);
@@ -54,7 +53,7 @@ ACTIVATIONS = "activations"  # the label of the ``held`` inputs
 # kind -> (held while the collective runs, in units of B; momentary at its start; the same unscheduled)
 # with B this rank's bytes of the bucket's operands and n the ranks of the axis (see the module docstring)
 BUFFERS: dict[str, Callable[[float, int, int], tuple[float, float]]] = {
-    "allreduce": lambda b, n, members: (b, b if members > 1 else 0.0),
+    "allreduce": lambda b, n, members: (b, 0.0),
     "allgather": lambda b, n, members: (n * b + (b if members > 1 else 0.0), 0.0),
     "reduce_scatter": lambda b, n, members: ((b if members > 1 else 0.0) + b * (n - 1) / n, 0.0),
 }
@@ -107,7 +106,7 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
               held: Mapping[str, float] | None = None, kept: float = 0.0) -> Peak:
     """The most bytes alive at once while ``sharded`` runs under ``schedule`` (None: every
     collective blocking), leaving out its inputs and ``exclude`` (an all-reduce whose results are
-    all excluded holds only its flat copy); with what is alive then, by label. ``cap``: the most
+    all excluded holds nothing of its own: its buffer is its results); with what is alive then, by label. ``cap``: the most
     bytes one collective's buffer may hold (a bucket's limit). ``held``: inputs alive from the
     start to their last reader (a backward's saved activations: the runtime's autograd function
     hands them over in a list the backward empties, ``nvtp.parallel._Run``), each that many copies

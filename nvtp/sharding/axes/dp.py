@@ -147,7 +147,8 @@ class DataParallel(Strategy):
 
 
     def memory_label(self, kind: str, parameter: bool) -> str | None:
-        """DDP's all-reduce of a bucket of gradients copies them into one flat buffer; FSDP's
+        """DDP's all-reduce of a bucket of gradients copies them into one flat buffer (kept between
+        steps, the gradients views of it: ``nvtp.execute.buckets``); FSDP's
         gather holds every rank's part of a bucket of weights and makes each weight whole where it
         is used; its reduce-scatter copies a bucket of whole gradients into per-rank chunks."""
         return _MEMORY_LABELS.get((kind, parameter)) or super().memory_label(kind, parameter)
@@ -160,7 +161,7 @@ class DataParallel(Strategy):
 
 
 _MEMORY_LABELS = {  # (reshard step, gathers a weight) -> the term's name (nvtp.auto.memory says what each holds)
-    ("allreduce", False): "dp: gradient bucket, flat copy (DDP all-reduce)",
+    ("allreduce", False): "dp: gradient bucket (DDP all-reduce)",
     ("reduce_scatter", False): "dp: gradient bucket, per-rank chunks (FSDP reduce-scatter)",
     ("allgather", True): "dp: weight bucket, every rank's part (FSDP all-gather)",
     ("allgather result", True): "dp: gathered whole weights (FSDP)",
