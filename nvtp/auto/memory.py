@@ -20,10 +20,11 @@ rank's bytes of the bucket's operands, and n, the ranks of its axis:
 * all-gather: the operands concatenated (B, several members) and every rank's part (n B), alive
   until the last member is waited for; each member's whole result is made where it is waited
   for (a value of its own, from there to its last reader);
-* reduce-scatter: every rank's chunk, concatenated (B, several members), and the other ranks'
-  chunks copied again by gloo's reduce-scatter (``c10d::reduce_scatter_`` clones them: (n - 1) B
-  / n, seen in torch's profiler on 4 gloo processes), until the last member is waited for; the
-  results (B / n) are values.
+* reduce-scatter: every rank's chunk, packed into one buffer per rank (B, several members), and
+  the other ranks' chunks copied again by gloo's reduce-scatter (``c10d::reduce_scatter_`` clones
+  them: (n - 1) B / n, seen in torch's profiler on 4 gloo processes), until it is waited for:
+  where the schedule says it is done (FSDP's weight gradients: where the next block's starts,
+  ``Issue.done``), else at its first member's wait; the results (B / n) are values.
 
 A ``set`` the schedule does not start (blocking, as ``collectives.reshard`` runs it) holds its
 gathered parts (n B, all-gather) only while it runs.
@@ -200,7 +201,12 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
             if kind == "allreduce":  # the reduced buffer is its results: those the caller excludes it counts itself
                 held = rule(bucket(lambda name: name not in exclude), n, len(members))[0]
             key = buffer_label(kind, issue.axis, parameter(issue.sets[0]))
-            end = max(issue.waits) if kind != "allreduce" else max(last_use.get(name, n_ops) for name in issue.sets)
+            if kind == "allreduce":  # its reduced buffer is its results
+                end = max(last_use.get(name, n_ops) for name in issue.sets)
+            elif kind == "reduce_scatter":  # its buffers go when it is waited for: where it is done, or its first wait
+                end = issue.done if issue.done is not None else min(issue.waits)
+            else:  # every rank's part, until the last member is made whole
+                end = max(issue.waits)
             if held:
                 add(key, held, end, at)
             check({key: momentary} if momentary else None)
