@@ -89,17 +89,19 @@ def test_memory_terms_are_what_the_runtime_allocates(choice):
     reference runtime allocates it (``nvtp.auto.memory``), against W, the model's weight bytes
     counted from torch: DDP's all-reduce concatenates the gradients of its bucket (the whole
     model's, save those reduced alone) into one flat copy, about W; FSDP's reduce-scatter copies
-    the bucket of whole gradients into per-rank chunks (W) and gloo copies the other ranks' chunks
-    again ((dp - 1) W / dp): its fullest moment (seen in torch's profiler on 4 gloo processes:
-    0.89 + 0.67 MiB). Without these terms the model missed 0.8 and 1.6 MiB of the measured peaks
-    (docs/auto.md)."""
+    a block's whole gradients into per-rank chunks (B, the block's weight bytes) and gloo copies
+    the other ranks' chunks again ((dp - 1) B / dp), one block under way at a time (the schedule's
+    ``Issue.done``; until 2026-12-02 one bucket of the whole model's, 1.75 W: seen in torch's
+    profiler on 4 gloo processes, 0.89 + 0.67 MiB). Without these terms the model missed 0.8 and
+    1.6 MiB of the measured peaks (docs/auto.md)."""
     weights = sum(p.numel() * p.element_size() for p in _model().parameters())
+    block = sum(p.numel() * p.element_size() for n, p in _model().named_parameters() if n.startswith("h.0."))
     by_text = {c.candidate.text(): c for c in choice.ranked}
     ddp, fsdp = by_text["dp4"].memory, by_text["dp4 fsdp"].memory
     flat = ddp.get("dp: gradient bucket, flat copy (DDP all-reduce)", 0.0)
     assert 0.85 * weights <= flat <= weights, (flat, weights)
     chunks = fsdp.get("dp: gradient bucket, per-rank chunks (FSDP reduce-scatter)", 0.0)
-    assert 0.85 * 1.75 * weights <= chunks <= 1.75 * weights, (chunks, weights)
+    assert 0.85 * 1.75 * block <= chunks <= 1.75 * block, (chunks, block, weights)
     for c in (ddp, fsdp):
         assert c["total"] == pytest.approx(sum(v for k, v in c.items() if k not in ("total", "gradients")))
     assert "dp: gradient bucket, flat copy" in choice.as_text()  # the chosen dp4's memory line names it
@@ -181,24 +183,29 @@ def test_a_pipeline_stage_holds_its_gradient_sum_only_from_its_first_backward():
 
 # The tiny GPT's (this file's CFG) peaks per rank measured on 4 gloo processes, AdamW (docs/auto.md,
 # "What the backward holds, and views": tools/auto_measure.py, 2026-11-27 11:19-11:27 UTC), MiB
-MEASURED_PEAKS = {"dp4": 5.56, "dp4 fsdp": 3.70, "tp4 megatron": 1.94, "dp2 tp2 megatron": 3.11,
-                  "pp2 dp2 microbatches=2 schedule=1f1b": 3.35, "tp4 megatron-sp": 1.95, "dp2 tp2 megatron fsdp": 2.74}
+# The FSDP candidates measured again 2026-12-02 (tools/auto_measure.py --name-peak) once FSDP held one
+# block of gathered weights at a time (nvtp.sharding.overlap): 3.70 -> 2.19 and 2.74 -> 1.82 MiB.
+MEASURED_PEAKS = {"dp4": 5.56, "dp4 fsdp": 2.19, "tp4 megatron": 1.94, "dp2 tp2 megatron": 3.11,
+                  "pp2 dp2 microbatches=2 schedule=1f1b": 3.35, "tp4 megatron-sp": 1.95, "dp2 tp2 megatron fsdp": 1.82}
 
 
-def test_predicted_memory_is_within_12_percent_of_the_measured_peaks(choice):
-    """The planner's memory per rank against the peaks measured for the same candidates (the
-    issue asks 15 %; all are within 0.97-1.09 now). Counting views as bytes of their own gave
-    tp4 megatron 1.23; freeing saved activations in the backward gave dp2 tp2 megatron fsdp 0.87."""
+def test_predicted_memory_is_within_15_percent_of_the_measured_peaks(choice):
+    """The planner's memory per rank against the peaks measured for the same candidates, within
+    the issue's 15 % (0.97-1.09 before FSDP's gathers went by block; now dp2 tp2 megatron fsdp is
+    1.14: at the backward's fullest moment the runtime's collectives are as the model counts them,
+    0.51 MiB measured against 0.49, and the values over-counted, 0.63 against 0.98; docs/auto.md).
+    Counting views as bytes of their own gave tp4 megatron 1.23; freeing saved activations in the
+    backward gave dp2 tp2 megatron fsdp 0.87."""
     by_text = {c.candidate.text(): c for c in choice.ranked}
     ratios = {t: by_text[t].total_memory / (m * 2**20) for t, m in MEASURED_PEAKS.items()}
-    assert all(0.88 <= r <= 1.12 for r in ratios.values()), ratios
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
 
 
 def test_a_budget_below_the_measured_peak_refuses_it(choice):
     """dp4's peak measured 5.56 MiB a rank on 4 gloo processes (docs/auto.md, AdamW); the model
     without the runtime's buffers predicted 4.76 MiB, so under a 5.2 MiB budget it chose dp4,
     which does not fit. With them (5.31 MiB predicted) dp4 is over that budget and the choice is
-    one that fits (dp4 fsdp: 3.70 MiB measured)."""
+    one that fits (dp4 fsdp: 3.70 MiB measured then, 2.19 since FSDP gathers by block)."""
     tight = choice.within(5.2 * 2**20)
     assert choice.best.candidate.text() == "dp4" and tight.best.candidate.text() != "dp4"
     assert tight.best.total_memory <= 5.2 * 2**20
