@@ -7,8 +7,9 @@ make (each rank's part of a bucket, and each weight made whole from them) from t
 made to the moment it is freed. The most of them alive at once must not grow with the model's
 depth, and must stay within two blocks' weights and one more weight: the block running and the
 one prefetched. It grew with the depth when one bucket of 25 MiB held every weight of the step
-(docs/benchmarks.md, "Against PyTorch's plans, compiled and not"). The training itself must be
-one process's on the whole batch.
+(docs/benchmarks.md, "Against PyTorch's plans, compiled and not"). The schedule behind it is
+checked too: each FSDP bucket one block's, each weight-gradient reduce-scatter done where the next
+starts. The training itself must be one process's on the whole batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 import nvtp
 from nvtp.execute import collectives, spmd
 from nvtp.models import gpt
+from nvtp.sharding.overlap import block_of
 from nvtp.sharding.placements import DeviceMesh
+from nvtp.sharding.report import weight_of
 
 DP = 2
 CFG = replace(gpt.config("tiny"), batch=2)  # hidden 64, 4 heads, sequence 16, vocabulary 256; batch 2 a rank
@@ -100,7 +103,23 @@ def _fsdp_step(layers: int, monkeypatch) -> tuple[int, list[float], dict[str, to
     for name, p in base.named_parameters():
         parts = [dict(m.module.named_parameters())[name].detach() for m in ranks]
         params[name] = spmd.assemble(parts, ranks[0].placement(name), p.shape, mesh)
+    _check_schedule(ranks[0].last)
     return max(gathered.most.values()), losses, params, base
+
+
+def _check_schedule(program) -> None:
+    """Each FSDP bucket moves one block's weights (or the model's own: ``block_of`` ""), and a
+    reduce-scatter of weight gradients is waited for where the next one starts."""
+    for phase, sharded in program.phases():
+        reduce_scatters = []
+        for issue in program.schedules[phase].issues:
+            labels = {weight_of(sharded, name, sharded.set_steps[name]) for name in issue.sets}
+            if issue.kind in ("allgather", "reduce_scatter") and all(labels):
+                assert len({block_of(label) for label in labels}) == 1, (phase, issue.at, sorted(labels))
+                if issue.kind == "reduce_scatter":
+                    reduce_scatters.append(issue)
+        for before, after in zip(reduce_scatters, reduce_scatters[1:]):
+            assert before.done == after.at, (phase, before, after)
 
 
 def _eager(base: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
