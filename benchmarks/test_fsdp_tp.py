@@ -59,9 +59,10 @@ def test_fsdp_tp_step_against_pytorch(benchmark, tmp_path, request):
 # 2026-12-01 with the compiled sides (docs/benchmarks.md, "Against PyTorch's plans, compiled and not"):
 # matrix products are 3-6 % of every side's step; torch.compile of the blocks takes FSDP2 + TP to about
 # 0.75x, as compile="inductor" takes nvtp; what is left on every side is per-op Python, DTensor
-# dispatch in clip_grad_norm_ and AdamW, and gloo. Memory: at its peak nvtp holds 4.1 MiB made by
-# aten::cat (this rank's gathered parameters) and 3.9 MiB of empty_strided buffers, where FSDP2 holds
-# one block's all-gather (1.5 MiB) and frees it after use.
+# dispatch in clip_grad_norm_ and AdamW, and gloo. Memory: nvtp held every gathered parameter and every
+# weight gradient's reduce-scatter buffers at once (one 25 MiB bucket); since 2026-12-02 it gathers and
+# reduce-scatters one block at a time, as FSDP2 does: 14.3 MiB a rank against FSDP2's 14.8, compiled 13.3.
 KNOWN_MISS = ("time: the step is 3-6 % matrix products; compiled, both sides are left with per-op Python, DTensor dispatch "
-              "in clip_grad_norm_ and AdamW, and gloo; memory: nvtp gathers the rank's parameters for the whole step where "
-              "FSDP2 gathers one block at a time (docs/benchmarks.md)")
+              "in clip_grad_norm_ and AdamW, and gloo; memory: nvtp holds one block of gathered weights and the next, as "
+              "FSDP2 does, but computes every block's weight gradients at the backward's end (Thunder's order); compiled "
+              "FSDP2 + TP keeps 1-1.5 MiB less (docs/benchmarks.md)")

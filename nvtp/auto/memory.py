@@ -18,13 +18,15 @@ rank's bytes of the bucket's operands, and n, the ranks of its axis:
 * all-reduce: the operands copied into one flat buffer (B) reduced in place, whose slices are the
   results: it lives as long as any result does (a gradient: to the end of the step; a backward's
   gradient bucket is kept between steps, ``nvtp.execute.buckets``, the gradients' own bytes);
-* all-gather: the operands concatenated (B, several members) and every rank's part (n B), alive
-  until the last member is waited for; each member's whole result is made where it is waited
-  for (a value of its own, from there to its last reader);
-* reduce-scatter: every rank's chunk, concatenated (B, several members), and the other ranks'
-  chunks copied again by gloo's reduce-scatter (``c10d::reduce_scatter_`` clones them: (n - 1) B
-  / n, seen in torch's profiler on 4 gloo processes), until the last member is waited for; the
-  results (B / n) are values.
+* all-gather: the operands concatenated (B, several members; the collective holds it until it
+  is waited for, at its first member) and every rank's part (n B), alive until the last member
+  is waited for; each member's whole result is made where it is waited for (a value of its own,
+  from there to its last reader);
+* reduce-scatter: every rank's chunk, packed into one buffer per rank (B, several members), and
+  the other ranks' chunks copied again by gloo's reduce-scatter (``c10d::reduce_scatter_`` clones
+  them: (n - 1) B / n, seen in torch's profiler on 4 gloo processes), until it is waited for:
+  where the schedule says it is done (FSDP's weight gradients: where the next block's starts,
+  ``Issue.done``), else at its first member's wait; the results (B / n) are values.
 
 A ``set`` the schedule does not start (blocking, as ``collectives.reshard`` runs it) holds its
 gathered parts (n B, all-gather) only while it runs.
@@ -54,9 +56,10 @@ ACTIVATIONS = "activations"  # the label of the ``held`` inputs
 # with B this rank's bytes of the bucket's operands and n the ranks of the axis (see the module docstring)
 BUFFERS: dict[str, Callable[[float, int, int], tuple[float, float]]] = {
     "allreduce": lambda b, n, members: (b, 0.0),
-    "allgather": lambda b, n, members: (n * b + (b if members > 1 else 0.0), 0.0),
+    "allgather": lambda b, n, members: (n * b, 0.0),  # and the operands concatenated, to the first wait (SENT)
     "reduce_scatter": lambda b, n, members: ((b if members > 1 else 0.0) + b * (n - 1) / n, 0.0),
 }
+SENT = frozenset({"allgather"})  # kinds whose operands, concatenated (B, several members), live until the first wait
 UNSCHEDULED: dict[str, Callable[[float, int], float]] = {
     "allgather": lambda b, n: n * b,
 }
@@ -160,9 +163,11 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
     live: dict[str, float] = {}
     peak = Peak()
 
-    def add(key: str, nbytes: float, end: int, now: int) -> None:
+    done: dict[int, list[tuple[str, float]]] = {}  # op index -> (label, bytes) of collectives done there, before what starts there
+
+    def add(key: str, nbytes: float, end: int, now: int, at_done: bool = False) -> None:
         live[key] = live.get(key, 0.0) + nbytes
-        events.setdefault(max(end, now), []).append((key, nbytes))
+        (done if at_done else events).setdefault(max(end, now), []).append((key, nbytes))
 
     now = -1
 
@@ -184,6 +189,8 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
     steps = sharded.set_steps
 
     def start(at: int) -> None:
+        for key, nbytes in done.pop(at, ()):  # the runtime waits for these before it starts the next (lower.py)
+            live[key] -= nbytes
         for issue in starts.get(at, ()):
             members = [ops[made[name]] for name in issue.sets]
             kind = steps[issue.sets[0]].kind
@@ -202,9 +209,16 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
             if kind == "allreduce":  # the reduced buffer is its results: those the caller excludes it counts itself
                 held = rule(bucket(lambda name: name not in exclude), n, len(members))[0]
             key = buffer_label(kind, issue.axis, parameter(issue.sets[0]))
-            end = max(issue.waits) if kind != "allreduce" else max(last_use.get(name, n_ops) for name in issue.sets)
+            if kind == "allreduce":  # its reduced buffer is its results
+                end = max(last_use.get(name, n_ops) for name in issue.sets)
+            elif kind == "reduce_scatter":  # its buffers go when it is waited for: where it is done, or its first wait
+                end = issue.done if issue.done is not None else min(issue.waits)
+            else:  # every rank's part, until the last member is made whole
+                end = max(issue.waits)
             if held:
-                add(key, held, end, at)
+                add(key, held, end, at, at_done=issue.done is not None)
+            if kind in SENT and len(members) > 1:
+                add(key, bucket(lambda name: True), min(issue.waits), at)
             check({key: momentary} if momentary else None)
 
     for v in f.inputs:
@@ -238,4 +252,4 @@ def live_peak(sharded: Any, schedule: Any, factor: Any, *, exclude: Collection[s
     return peak
 
 
-__all__ = ["ACTIVATIONS", "BUFFERS", "Peak", "STRIDED", "VALUES", "VIEWS", "live_peak", "local_bytes", "view_roots"]
+__all__ = ["ACTIVATIONS", "BUFFERS", "Peak", "SENT", "STRIDED", "VALUES", "VIEWS", "live_peak", "local_bytes", "view_roots"]

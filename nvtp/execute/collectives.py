@@ -370,6 +370,9 @@ class Done:
     def wait(self):
         return self.value
 
+    def complete(self) -> None:
+        pass
+
 
 class _Work:
     """A torch.distributed collective under way (``async_op=True``): ``wait`` blocks until it is done."""
@@ -449,6 +452,23 @@ class _Share:
     def wait(self):
         return self.finish(self.shared.wait())
 
+    def complete(self) -> None:
+        """Wait for the collective, not yet for this reshard's result: the collective's buffers go."""
+        self.shared.wait()
+
+
+def _packed(chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``chunks`` one after the other in one flat buffer, each copied once (a strided chunk too:
+    no contiguous copy of it first); one contiguous chunk is its own buffer."""
+    if len(chunks) == 1 and chunks[0].is_contiguous():
+        return chunks[0].reshape(-1)
+    flat = torch.empty(sum(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
+    at = 0
+    for c in chunks:
+        flat[at:at + c.numel()].view(c.shape).copy_(c)
+        at += c.numel()
+    return flat
+
 
 def start_reshards(items: Sequence[tuple], comm: Comm, bucket: Bucket | None = None) -> list:
     """Start the reshards ``items`` ((local tensor, kind, src, dst, global size), all of one kind,
@@ -482,16 +502,17 @@ def start_reshards(items: Sequence[tuple], comm: Comm, bucket: Bucket | None = N
             at += n
         return out
     if kind == "reduce_scatter":
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(comm.size)]
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(comm.size)]  # views of the operands
         mine = []
         for t, _, _, dst, size in items:
             dim, _ = axis_split(dst)
             for r in range(comm.size):
                 chunk = take(t, dim, local_indices(size[dim], dst, comm.size, r))
-                per_rank[r].append(chunk.contiguous().reshape(-1))
+                per_rank[r].append(chunk)
                 if r == comm.rank:
                     mine.append(chunk.shape)
-        chunks = [torch.cat(c) if len(c) > 1 else c[0] for c in per_rank]
+        chunks = [_packed(c) for c in per_rank]
+        del per_rank
         shared = _Shared(start(comm, "reduce_scatter", chunks, op))
         out, at = [], 0
         for shape in mine:

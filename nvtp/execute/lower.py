@@ -78,6 +78,12 @@ def taking_list(module: fx.GraphModule) -> Callable[[list[Any]], Any]:
     return fx.GraphModule(module, graph, class_name=type(module).__name__).forward
 
 
+def _complete(handles: list[Any]) -> None:
+    """Block until the collective a start node began is done, freeing its buffers; each result
+    is still taken where its ``set`` stands (``Issue.done``)."""
+    handles[0].complete()
+
+
 def lower(
     fusion: Fusion,
     call_for: Callable[[Op], Callable[..., Any]],
@@ -98,7 +104,8 @@ def lower(
     ``starts`` (op index -> the ``nvtp.sharding.overlap.Issue``s started after that op; -1:
     before the first) schedule collectives: after the op, one node ``start_for(issue, set ops)(ctx,
     *their operands)`` starts them and gives one handle per ``set``; each ``set`` op becomes a node
-    that waits for its handle where the op stood.
+    that waits for its handle where the op stood. An issue with a ``done`` is first waited for as
+    a whole after that op (before the issues starting there).
 
     ``rings`` (``nvtp.sharding.overlap.Ring``s): each runs its ``set`` and ``linear``s as one node
     ``ring_for(ring, set op, linear ops)(ctx, x, *(weight, bias) of each linear)``, where the
@@ -129,7 +136,15 @@ def lower(
     set_ops = {op.outputs[0].name: op for op in fusion.ops if op.kind == "set" and op.outputs}
     handles: dict[str, tuple[fx.Node, int]] = {}
 
+    done_at: dict[int, list[Any]] = {}
+    for issue in (i for at_issues in (starts or {}).values() for i in at_issues):
+        if issue.done is not None:
+            done_at.setdefault(issue.done, []).append(issue)
+
     def start(at: int) -> None:
+        for issue in done_at.get(at, ()):
+            node = g.call_function(_complete, (handles[issue.sets[0]][0],), name=f"done_{issue.sets[0]}")
+            node.meta["communicates"] = True
         for issue in (starts or {}).get(at, ()):
             ops = [set_ops[name] for name in issue.sets]
             node = g.call_function(start_for(issue, ops), (ctx, *(env[op.operands[0].name] for op in ops)),

@@ -200,8 +200,8 @@ class Timeline:
 def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine, sizes: Sizes | None = None) -> Timeline:
     """Simulate one rank: ops run in order; each mesh axis's link carries its collectives one at a
     time, in the order they start (an ``Issue`` of the schedule, or an unscheduled ``set`` where it
-    stands); a ``set`` waits for its collective; a collective matmul's ring takes its
-    ``ring_seconds``. ``sizes``: the values' sizes on the rank costed (default: as traced)."""
+    stands); a ``set`` waits for its collective, and so does the op an issue is ``done`` after; a
+    collective matmul's ring takes its ``ring_seconds``. ``sizes``: the values' sizes on the rank costed (default: as traced)."""
     f = sharded.fusion
     factor = (sizes or Sizes()).factor_of(sharded)
 
@@ -220,6 +220,10 @@ def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
     busy_by_op: dict[int, tuple[int, float]] = {}
     waits: list[tuple[int, int, float]] = []
     issues = schedule.by_position() if schedule is not None else {}
+    finished: dict[int, list[Issue]] = {}
+    for issue in schedule.issues if schedule is not None else ():
+        if issue.done is not None:
+            finished.setdefault(issue.done, []).append(issue)
     done: dict[str, float] = {}
     link_free: dict[int, float] = {}
     compute_by_op: dict[int, float] = {}
@@ -268,6 +272,8 @@ def simulate(sharded: ShardedFusion, schedule: Schedule | None, machine: Machine
             t = op_seconds(op, machine, local, factor)
             compute_by_op[i] = t
             now += t
+        for issue in finished.get(i, ()):  # waited for as a whole here (``Issue.done``), before the issues starting here
+            wait(i, done[issue.sets[0]], issue.axis)
         for issue in issues.get(i, ()):
             launch(issue)
     return Timeline(now, compute_by_op, waited_by_op, waited_by_axis, busy, waits, busy_by_op)

@@ -13,14 +13,20 @@ torch.distributed collectives with ``async_op=True``: ``nvtp.execute.collectives
   gradient reductions start while the rest of the backward runs, as DDP's and FSDP's do.
 * **Prefetch, one bucket ahead.** Gathers of inputs (FSDP's all-gathers of the weights a rank
   holds a part of) would all start before the first op, holding every weight whole at once; as
-  FSDP2 does, they go in buckets of consecutive uses, and a bucket starts where the previous
-  bucket's first gather is waited for.
+  FSDP2 does, they go in buckets of consecutive uses of one block (``block_of``: the weights of
+  ``blocks.3``, as FSDP2 gathers each ``fully_shard`` unit), and a bucket starts where the
+  previous bucket's first gather is waited for: a rank holds the weights of the block it runs
+  and of the next, in the forward and again in the backward.
 * **Buckets.** Collectives of one kind, mesh axis, dtype and reduction that can start at the same
   point go as one collective on a concatenated buffer, up to ``bucket_bytes`` (default 25 MiB,
   DDP's ``bucket_cap_mb``): many small gradient all-reduces become one. A bucket never starts
   after one of its members is needed, so it waits for no later value than a member would alone.
   The reference backend keeps a backward's gradient buckets between steps, the gradients views
   of them (``nvtp.execute.buckets``).
+  Reduce-scatters of weight gradients (FSDP's) go by block too, and only one is under way at a
+  time, as in FSDP2: a bucket is waited for where the next one starts (``Issue.done``), so its
+  buffers (every rank's chunk of the block's gradients) are freed a block later, not at the end
+  of the backward where the gradients are needed.
 
 The schedule is data (``Issue``s) computed from the sharded fusion's ``ReshardStep``s: it changes
 no op and no collective, only when collectives start and how they are grouped, so the scheduled
@@ -31,11 +37,12 @@ runs the fusion as written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from nvtp.ir.graph import TensorValue
 from nvtp.sharding.placements import is_partial
+from nvtp.sharding.report import weight_of
 from nvtp.sharding.sharded import ShardedFusion
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket_cap_mb
@@ -52,6 +59,7 @@ class Issue:
     axis: int
     kind: str
     bytes: int  # sent per rank, all of them together
+    done: int | None = None  # the op after which it is waited for as a whole, its buffers freed (None: at its first wait)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,19 @@ class _Comm:
     bytes: int
     tensor_bytes: int
     gathers_input: bool
+    block: str | None = None  # the block of the weight it moves (``block_of``), None: it moves no weight
+
+
+def block_of(label: str) -> str:
+    """The block a parameter belongs to, by its label: its path up to the first index into a list
+    of modules (``blocks.3.attn.wq.weight`` and ``grad(blocks.3.mlp.w1.weight)`` -> ``blocks.3``,
+    ``model.layers.0.experts.1.w`` -> ``model.layers.0``); "" for one outside every list (an
+    embedding, the final norm, the head). FSDP2's unit, as torchtitan wraps a model: each block,
+    then the model itself."""
+    inner = label[5:-1] if label.startswith("grad(") and label.endswith(")") else label
+    parts = inner.split(".")
+    first = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return "" if first is None else ".".join(parts[:first + 1])
 
 
 def collectives_of(sharded: ShardedFusion) -> list[_Comm]:
@@ -134,17 +155,19 @@ def collectives_of(sharded: ShardedFusion) -> list[_Comm]:
         ready = -1 if operand in inputs else index[operand]
         reduce = step.src.reduce_op if is_partial(step.src) else ""
         dtype = v.dtype.value if isinstance(v, TensorValue) else ""
+        weight = weight_of(sharded, name, step) if step.kind in ("allgather", "reduce_scatter") else ""
         out.append(_Comm(name, ready, i, step.axis, step.kind, (step.axis, step.kind, dtype, reduce), step.bytes,
-                         step.tensor_bytes, operand in inputs and step.kind == "allgather"))
+                         step.tensor_bytes, operand in inputs and step.kind == "allgather", block_of(weight) if weight else None))
     return out
 
 
 def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTES, rings: Sequence[Ring] = ()) -> Schedule:
     """The start point and bucket of every collective of ``sharded`` (see the module docstring);
     the ``set``s of ``rings`` (``plan_rings``) run as their rings instead.
-    Ensures: every issue starts after its inputs exist and before its first member is waited for;
-    members share kind, mesh axis, dtype and reduction; a bucket holds at most ``bucket_bytes``
-    of tensor (or one collective larger than that)."""
+    Ensures: every issue starts after its inputs exist and before its first member is waited for
+    (and is done, where ``done`` says, after its start and before that wait); members share kind,
+    mesh axis, dtype and reduction, and the block of the weights they move; a bucket holds at
+    most ``bucket_bytes`` of tensor (or one collective larger than that)."""
     in_rings = {r.name for r in rings}
     comms = [c for c in collectives_of(sharded) if c.name not in in_rings]
     f = sharded.fusion
@@ -165,7 +188,7 @@ def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTE
     # Everything else: as soon as the input exists, in buckets that never start after a member is needed.
     open_buckets: dict[tuple, list[_Comm]] = {}
     for c in sorted(rest, key=lambda c: (c.ready, c.wait)):
-        bucket = open_buckets.get(c.key)
+        bucket = open_buckets.get((c.key, c.block))
         if bucket is not None:
             start = max(c.ready, max(b.ready for b in bucket))
             fits = start < min(c.wait, min(b.wait for b in bucket)) and \
@@ -174,19 +197,38 @@ def schedule_collectives(sharded: ShardedFusion, bucket_bytes: int = BUCKET_BYTE
                 bucket.append(c)
                 continue
             issues.append(_issue(bucket, max(b.ready for b in bucket), names))
-        open_buckets[c.key] = [c]
+        open_buckets[(c.key, c.block)] = [c]
     for bucket in open_buckets.values():
         issues.append(_issue(bucket, max(b.ready for b in bucket), names))
     issues.sort(key=lambda i: (i.at, min(i.waits)))
-    return Schedule(issues, bucket_bytes, list(rings))
+    return Schedule(_one_at_a_time(issues, comms), bucket_bytes, list(rings))
+
+
+def _one_at_a_time(issues: list[Issue], comms: list[_Comm]) -> list[Issue]:
+    """``issues`` (in start order) with each reduce-scatter of weight gradients done where the
+    next one of its kind and axis starts, when that is before its first wait (FSDP2 keeps one
+    under way: its buffers are freed a block later)."""
+    moves_weights = {c.name for c in comms if c.kind == "reduce_scatter" and c.block is not None}
+    previous: dict[tuple, int] = {}
+    out = list(issues)
+    for k, issue in enumerate(out):
+        if issue.sets[0] not in moves_weights:
+            continue
+        link = (issue.axis, issue.kind)
+        before = previous.get(link)
+        if before is not None and out[before].at < issue.at < min(out[before].waits):
+            out[before] = replace(out[before], done=issue.at)
+        previous[link] = k
+    return out
 
 
 def _consecutive_buckets(comms: list[_Comm], bucket_bytes: int) -> list[list[_Comm]]:
-    """``comms`` (in wait order) cut into runs of one key of at most ``bucket_bytes``."""
+    """``comms`` (in wait order) cut into runs of one key and block of at most ``bucket_bytes``."""
     out: list[list[_Comm]] = []
     for c in comms:
         last = out[-1] if out else None
-        if last is not None and last[0].key == c.key and sum(b.tensor_bytes for b in last) + c.tensor_bytes <= bucket_bytes:
+        if last is not None and (last[0].key, last[0].block) == (c.key, c.block) and \
+                sum(b.tensor_bytes for b in last) + c.tensor_bytes <= bucket_bytes:
             last.append(c)
         else:
             out.append([c])
