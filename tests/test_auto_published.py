@@ -18,7 +18,7 @@ from nvtp.sharding.cost import MACHINES
 def test_gpt3_on_64_h100s_fits_keeps_tp_in_a_node_and_costs_about_its_flops():
     """The choice fits 80 GB, its tensor-parallel extent stays within a node of 8, and its compute
     term is between the model's FLOPs at the machine's matmul rate (6 N T + 12 L h s T, the forward
-    and backward of every product) and twice that (the rest: the ops priced by bytes). Every
+    and backward of every product) and three times that (the rest: the ops priced by bytes). Every
     candidate's compute is between 1 and 6 times it (measured 2026-11-27: 1.45 for dp16 tp4, up to
     4.7 for pp8 tp8 megatron-sp with 16 one-row microbatches, whose programs repeat the weights'
     ops per microbatch as the runtime does). A step cannot beat that bound; a planner that priced
@@ -38,7 +38,10 @@ def test_gpt3_on_64_h100s_fits_keeps_tp_in_a_node_and_costs_about_its_flops():
     tokens = cfg.batch * cfg.seq_len
     flops = 6 * n * tokens + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens
     bound = flops / (64 * machine.flops)
-    assert bound <= best.terms["compute"] <= 2 * bound, (best.candidate.text(), best.terms, bound)
+    # The choice's compute within 3x the bound: since FSDP's reduce-scatters go one block at a time
+    # (2026-12-02) the choice is pp8 tp8 megatron with 16 microbatches, 2.40x (its programs repeat the
+    # weights' ops per microbatch); it had been within 2x.
+    assert bound <= best.terms["compute"] <= 3 * bound, (best.candidate.text(), best.terms, bound)
     assert best.seconds >= bound
     outside = [(c.candidate.text(), c.terms["compute"] / bound) for c in choice.ranked if not bound <= c.terms["compute"] <= 6 * bound]
     assert not outside and any(c.candidate.pipelined for c in choice.ranked), outside

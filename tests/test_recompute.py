@@ -148,10 +148,10 @@ def test_recomputation_computes_what_eager_computes_and_keeps_fewer_activations(
         producers = {v.name: op.kind for op in before.ops for v in op.outputs}
         assert len(dropped) == 2 and all(producers[v.name] not in ("matmul", "permute", "reshape") for v in dropped), \
             [(v.name, producers[v.name], v.shape) for v in dropped]
-    if size == 1:  # the measured peak (one process, the runtime holds every saved value through the backward) is lower by
-        example = build()[1]  # what the forward no longer saves (selective: 1.27 -> 1.15 MB, the 122880 B dropped)
-        got, was = _measured_peak(module, example), _measured_peak(plain_module, example)
-        assert was - got >= 0.9 * (_saved_bytes(plain) - _saved_bytes(program)), (got, was)
+    if size == 1:  # the measured peak (one process) is lower too: the backward frees each saved value after its last
+        example = build()[1]  # reader (since 2026-12-02), so what the forward no longer saves weighs only as far as it is
+        got, was = _measured_peak(module, example), _measured_peak(plain_module, example)  # alive at the peak: selective
+        assert was - got >= 0.25 * (_saved_bytes(plain) - _saved_bytes(program)), (got, was)  # 936972 -> 875532 B, half the 122880 dropped
 
 
 def _gpt32():
