@@ -142,6 +142,7 @@ def collectives_of(sharded: ShardedFusion) -> list[_Comm]:
     f = sharded.fusion
     index = {v.name: i for i, op in enumerate(f.ops) for v in op.outputs}
     inputs = {v.name for v in f.inputs}
+    users = f.consumers()  # once: weight_of per collective would make it quadratic in the ops
     out = []
     for i, op in enumerate(f.ops):
         if op.kind != "set" or not op.outputs:
@@ -155,7 +156,7 @@ def collectives_of(sharded: ShardedFusion) -> list[_Comm]:
         ready = -1 if operand in inputs else index[operand]
         reduce = step.src.reduce_op if is_partial(step.src) else ""
         dtype = v.dtype.value if isinstance(v, TensorValue) else ""
-        weight = weight_of(sharded, name, step) if step.kind in ("allgather", "reduce_scatter") else ""
+        weight = weight_of(sharded, name, step, users) if step.kind in ("allgather", "reduce_scatter") else ""
         out.append(_Comm(name, ready, i, step.axis, step.kind, (step.axis, step.kind, dtype, reduce), step.bytes,
                          step.tensor_bytes, operand in inputs and step.kind == "allgather", block_of(weight) if weight else None))
     return out

@@ -39,15 +39,16 @@ def size_text(n: float) -> str:
     return f"{int(n)} B"
 
 
-def weight_of(sharded: ShardedFusion, result: str, step) -> str:
+def weight_of(sharded: ShardedFusion, result: str, step, users: dict | None = None) -> str:
     """The label of the parameter a collective moves: the parameter itself (FSDP's gathers), or the
     parameter whose gradient output the reduced value becomes through single-use ops (a cast, a
-    slice to the at-rest shard); "" for anything else."""
+    slice to the at-rest shard); "" for anything else. ``users``: ``sharded.fusion.consumers()``,
+    when the caller asks for many collectives (computing it is linear in the ops)."""
     src = sharded.source
     if step.value in src.info and src.role(step.value) == "parameter":
         return src.label(step.value)
     outputs = {out.name: s.name for s, out in zip(src.outputs, sharded.fusion.outputs)}
-    users = sharded.fusion.consumers()
+    users = sharded.fusion.consumers() if users is None else users
     name = result
     for _ in range(8):
         if name in outputs:
