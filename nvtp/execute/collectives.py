@@ -233,10 +233,7 @@ class DistComm:
         return getattr(self.dist.ReduceOp, self._OPS[op])
 
     def all_reduce(self, t, op):
-        t = t.contiguous().clone()
-        with self._waiting("an all-reduce"):
-            self.dist.all_reduce(t, op=self._op(op), group=self.group)
-        return t
+        return self.all_reduce_(t.contiguous().clone(), op)
 
     def all_reduce_(self, t, op):
         """``all_reduce`` into ``t`` itself (contiguous)."""
@@ -410,10 +407,8 @@ def start_all_reduce_(comm: Comm, t: torch.Tensor, op: str = "sum"):
 
 
 def _dist_async(self, kind: str, arg, op: str = "sum"):
-    if kind == "all_reduce_":
-        return _Work(self.dist.all_reduce(arg, op=self._op(op), group=self.group, async_op=True), arg, self, "an all-reduce")
-    if kind == "all_reduce":
-        t = arg.contiguous().clone()
+    if kind in ("all_reduce", "all_reduce_"):  # out of place: a contiguous copy reduced in place
+        t = arg if kind == "all_reduce_" else arg.contiguous().clone()
         return _Work(self.dist.all_reduce(t, op=self._op(op), group=self.group, async_op=True), t, self, "an all-reduce")
     if kind == "all_gather":
         t = arg.contiguous()

@@ -269,9 +269,6 @@ class _Piece:
             self.report.seconds += time.perf_counter() - start
         self.report.pieces += 1
 
-    def __call__(self, *args: Any) -> Any:
-        return self.take(list(args))
-
     def take(self, args: list[Any]) -> Any:
         """The piece on ``args`` (its inputs in order), a list it empties: each input is dropped
         after its last use, in the compiled code as in the Python."""
