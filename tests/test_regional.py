@@ -69,6 +69,10 @@ def test_spliced_fusions_equal_a_whole_trace(tiny):
         assert _kinds(mine) == _kinds(want)
         roles = lambda f: collections.Counter((i.role, i.label, i.grad_of) for i in f.info.values())  # noqa: E731
         assert roles(mine) == roles(want)  # every parameter, gradient and saved value, by name
+    for mine, want in ((spliced.forward, whole.forward), (spliced.backward, whole.backward)):
+        # the same torch kernels (the spliced forward makes the targets' mask and count first, the
+        # whole trace beside the loss: the cross-entropy must fuse in both orders)
+        assert reference.lower_fusion(mine).fused == reference.lower_fusion(want).fused
     named = dict(model.named_parameters()) | {"idx": idx, "targets": tgt}
     run = lambda f, inputs: reference.run(f, inputs, seed=7)  # noqa: E731  (draws in the same order: the same masks)
     values, grads = run_pair(whole.forward, whole.backward, named, torch.ones(()), run)

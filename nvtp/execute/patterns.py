@@ -452,7 +452,8 @@ def _replace(graph: fx.Graph, name: str, m: Match, found: InternalMatch, made, d
         return False
     last = max(leaf_nodes, key=order.__getitem__)
     replaced = {m.node(n): key for n, key in exports.items()}
-    if any(order[u] <= order[last] for n in replaced for u in n.users):
+    inner = {n for p, n in found.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, fx.Node)}
+    if any(order[u] <= order[last] for n in replaced for u in n.users if u not in inner):
         return False  # a reader of a result comes before the kernel's operands are ready
     want = {key: dtype(n.meta["value"].dtype) for n, key in replaced.items()}
 
@@ -468,8 +469,9 @@ def _replace(graph: fx.Graph, name: str, m: Match, found: InternalMatch, made, d
         with graph.inserting_after(anchor):
             anchor = graph.call_function(operator.getitem, (call, key), name=f"{n.name}_")
         anchor.meta["value"] = n.meta["value"]
-        n.replace_all_uses_with(anchor)
-    inner = [n for p, n in found.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, fx.Node)]
+        # The match's own ops before the kernel (a cast of the count the loss divides by, made
+        # where the targets are) keep reading the old value; they are erased below with the rest.
+        n.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inner or order[user] > order[last])
     for n in sorted(inner, key=order.__getitem__, reverse=True):  # the matched ops nothing reads any more
         if not n.users:
             graph.erase_node(n)
