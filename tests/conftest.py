@@ -15,6 +15,21 @@ from nvtp.models import gpt
 os.environ["NVTP_CACHE"] = "0"
 
 
+@pytest.fixture(autouse=True)
+def _collector_left_on():
+    """A test that leaves Python's cyclic collector off (a rank thread of simulated ranks still
+    inside nvtp's pause, nvtp/gcpause.py, after its test gave up on it) would run every later test
+    of its worker without it: turned back on, and the test named."""
+    import gc
+    import warnings
+
+    was = gc.isenabled()
+    yield
+    if was and not gc.isenabled():
+        gc.enable()
+        warnings.warn("this test left the cyclic garbage collector disabled; re-enabled", stacklevel=1)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> gpt.GPTConfig:
     return gpt.config("tiny")

@@ -230,3 +230,64 @@ def test_megatron_at_tp2_saves_attentions_output_and_logsumexp_and_runs_flash_ke
     for r, (loss, grads) in enumerate(got):
         whole = {n: spmd.assemble([g[1][n] for g in got], ranks[0].placement(n), want[1][n].shape, mesh) for n in grads}
         _close((loss, whole), want, f"rank {r} vs eager")
+
+
+DP_KERNELS = {"forward": {"log_softmax": 2, "nll_loss_sum": 2, "layer_norm": 10, "gelu": 4, "flash_attention": 4},
+              "backward": {"log_softmax_backward": 2, "nll_loss_backward": 2, "embedding_backward": 2, "layer_norm_backward": 10,
+                           "gelu_backward": 4}}
+
+
+@pytest.mark.parametrize("mesh", [DeviceMesh.of_shape((2, 1), ("dp", "tp")), DeviceMesh.of_shape((2,), ("dp",))], ids=["dp2xtp1", "dp2"])
+def test_a_data_parallel_gpt_runs_its_loss_and_embedding_gradient_as_kernels_on_each_ranks_rows(mesh):
+    """On a dp mesh each rank holds its rows of the logits: the log-softmax, the nll loss's sum (the
+    division follows the all-reduces of the sum and the count, so it stays an op), their backward
+    and the embedding's gradient (a partial sum over the rank's tokens, all-reduced after) run as
+    torch's kernels on those rows; a tp axis of one rank shards nothing (they had run op by op:
+    the one-hot embedding gradient as a [vocab, tokens] matmul). Simulated ranks (threads), each
+    with its own batch and a different number of ignored targets; the loss and every gradient
+    as eager's on both batches at once."""
+    from nvtp.execute import spmd
+
+    torch.manual_seed(0)
+    cfg = gpt.config("tiny", vocab_size=512)
+    model = gpt.GPT(cfg)
+    batches = [gpt.example_tokens(cfg, seed=r) for r in range(2)]
+    batches[0][1][0, :5] = -100  # rank 0 ignores 5 targets, rank 1 none: the mean is over the 59 + 64 counted
+    want = _step(copy.deepcopy(model), lambda loss: loss, torch.cat([i for i, _ in batches]), torch.cat([t for _, t in batches]))
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), mesh=mesh, comm=threads.comm(r)) for r in range(2)]
+    ranks[0].compile(*batches[0])
+    ranks[1].share_compiled(ranks[0])
+    got = spmd.on_threads(lambda r: _step(ranks[r], lambda loss: loss, *batches[r]), threads)
+    _expect(_fused(ranks[0]), DP_KERNELS)  # summed over the two ranks' lowerings
+    for r, result in enumerate(got):
+        _close(result, want, f"rank {r} vs eager on both batches")
+
+
+def test_a_data_parallel_transformers_llama_runs_its_rms_norms_and_loss_as_kernels_with_eagers_values():
+    """The same on a transformers Llama at dp=2 (RMSNorm and SiLU on each rank's rows, the shifted
+    labels' cross-entropy): its kernels fuse as on one device, its loss and gradients eager's on
+    both batches at once."""
+    transformers = pytest.importorskip("transformers")
+    from nvtp.execute import spmd
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                   vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = [torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    loss_of = lambda out: out.loss  # noqa: E731
+    both = torch.cat(ids)
+    want = _step(copy.deepcopy(model), loss_of, input_ids=both, labels=both)
+    mesh = DeviceMesh.of_shape((2,), ("dp",))
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), mesh=mesh, comm=threads.comm(r)) for r in range(2)]
+    ranks[0].compile(input_ids=ids[0], labels=ids[0])
+    ranks[1].share_compiled(ranks[0])
+    got = spmd.on_threads(lambda r: _step(ranks[r], loss_of, input_ids=ids[r], labels=ids[r]), threads)
+    twice = {phase: {k: 2 * n for k, n in counts.items() if k not in ("nll_loss", "softmax")} for phase, counts in LLAMA_KERNELS.items()}
+    twice["forward"]["nll_loss_sum"] = 2
+    _expect(_fused(ranks[0]), twice)
+    for r, result in enumerate(got):
+        _close(result, want, f"rank {r} vs eager on both batches")

@@ -379,7 +379,7 @@ class _Work:
 
     def wait(self):
         if self.work is not None:
-            with self.comm._waiting(self.kind):
+            with self.comm._waiting(self.kind), torch.profiler.record_function(f"nvtp: waiting for {self.kind}"):  # named in profiles
                 self.work.wait()
             self.work = None
         return self.value

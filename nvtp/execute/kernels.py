@@ -10,6 +10,8 @@ pattern                the group, as Thunder decomposes it                  kern
 =====================  ===================================================  ==================================
 log_softmax            max, inf-guard, sub, exp, sum, log, add, sub         ``aten._log_softmax``
 nll_loss               neg, ne(ignore), where, take_along_axis, sums, div   ``aten.nll_loss_forward`` (mean)
+nll_loss_sum           the same up to the sum (dp: the division after         ``aten.nll_loss_forward`` (sum)
+                       the all-reduces)
 nll_loss_backward      iota, eq (one-hot), ne, logical_and, div, where      ``aten.nll_loss_backward``
 log_softmax_backward   sum, exp, mul, sub                                   ``aten._log_softmax_backward_data``
 embedding_backward     iota, eq (one-hot), [ne padding], cast, matmul       ``aten.embedding_dense_backward``
@@ -32,8 +34,12 @@ backward
 together with the LayerNorm, tanh-GELU and softmax patterns of ``patterns.py`` (which also
 holds the matching machinery: each pattern is an fx graph of op kinds, matched by fx's
 ``SubgraphMatcher``, then a *check* on shapes, reduced axes, constants and placements decides).
-Every pattern here requires each value it binds to be whole on this rank (no split, no partial
-sum on any mesh axis): a group spread over ranks keeps its ops and collectives. ``set`` ops that
+A pattern takes a group whose values are whole on this rank, or split over ranks only along rows
+the kernel treats independently (``by_rows``: the batch over dp, the sequence), never along the
+axis it reduces or indexes, and with no partial sum but the sums over those rows it makes from
+this rank's rows as the ops do (the nll loss's sum on dp, ``nll_loss_sum``; the embedding's
+gradient): there each rank runs the kernel on its rows. A group spread over ranks otherwise keeps
+its ops and collectives. Placements on a mesh axis of one rank are whole. ``set`` ops that
 move nothing (one rank, or the same placements on both sides) are taken out first, so a loss
 that a mesh of one still brackets with ``set`` ops matches as on one device.
 
@@ -130,6 +136,30 @@ def whole(m: Match) -> bool:
     return True
 
 
+def by_rows(m: Match, d: int, ndim: int, partial: tuple[str, ...] = (), only: dict[str, set[int]] | None = None) -> bool:
+    """Every value ``m`` binds is, on every mesh axis, whole or split along its rows: a value of
+    rank ``ndim`` never along axis ``d`` (the axis the kernel reduces or indexes), one named in
+    ``only`` only along the axes given there; a partial sum only where ``partial`` names it (a sum
+    over the rows, which the kernel makes from this rank's rows as the ops do). A group whose rows
+    are spread over ranks (the batch over dp, the sequence) is the kernel on each rank's rows."""
+    allowed = {m[k].name: axes for k, axes in (only or {}).items()}
+    partial_ok = {m[k].name for k in partial}
+    for v in m.values():
+        for p in m.placements(v) or ():
+            if p is None:
+                continue
+            if is_partial(p):
+                if v.name in partial_ok:
+                    continue
+                return False
+            split = axis_split(p)
+            if split is None:
+                continue
+            if (split[0] not in allowed[v.name]) if v.name in allowed else (v.ndim == ndim and split[0] == d):
+                return False
+    return True
+
+
 def _literal(m: Match, name: str) -> Any:
     """The literal ``name`` bound (a number), or None where a value is bound."""
     x = m[name]
@@ -182,7 +212,7 @@ def _log_softmax_pattern() -> Builder:
 def _log_softmax_check(m: Match):
     x = m["x"]
     d = _one_axis(m, "x", "max", "max_k")
-    if d is None or _one_axis(m, "x", "sum", "sum_k") != d or not same_float(x, m["y"]) or not whole(m):
+    if d is None or _one_axis(m, "x", "sum", "sum_k") != d or not same_float(x, m["y"]) or not by_rows(m, d, x.ndim):
         return None
     for full, part in (("shift_full", "shift"), ("lse_full", "lse")):
         if tuple(m[full].shape) != tuple(x.shape) or m.chain(full, part) != list(range(x.ndim)):
@@ -201,7 +231,7 @@ def _log_softmax_backward_pattern() -> Builder:
 def _log_softmax_backward_check(m: Match):
     dy, y = m["grad"], m["y"]
     d = _one_axis(m, "grad", "sum", "sum_full")
-    if d is None or not same_float(dy, y, m["dx"]) or dy.shape != y.shape or not whole(m):
+    if d is None or not same_float(dy, y, m["dx"]) or dy.shape != y.shape or not by_rows(m, d, dy.ndim):
         return None
     dtype = y.dtype.torch
     backward = torch.ops.aten._log_softmax_backward_data.default
@@ -242,6 +272,33 @@ def _nll_loss_check(m: Match):
     return ["logp", "target"], {"loss": "loss", "count": "count"}, kernel
 
 
+def _nll_loss_sum_pattern() -> Builder:
+    """The nll loss's sum alone: where the rows are spread over ranks (dp), each rank sums its
+    rows and the sum and the count are all-reduced before the division, so no ``div`` follows."""
+    b = Builder()
+    logp, target = b.leaf("logp"), b.leaf("target")
+    t = b.bcast(target, name="target_k")
+    valid = b.ne(t, b.leaf("ignore"), name="valid")
+    picked = b.take_along_axis(b.neg(logp), b.where(valid, t, 0), name="picked")
+    return b.done(b.sum(b.where(valid, picked, 0.0), name="total"))
+
+
+@pattern("nll_loss_sum", _nll_loss_sum_pattern(), KERNELS)
+def _nll_loss_sum_check(m: Match):
+    logp, target, ignore = m["logp"], m["target"], _literal(m, "ignore")
+    if not isinstance(ignore, int) or not same_float(logp, m["total"]) or logp.ndim != 2:
+        return None
+    n = logp.shape[0]
+    if not isinstance(target, TensorValue) or target.dtype.is_float or tuple(target.shape) != (n,):
+        return None
+    if tuple(m["target_k"].shape) != (n, 1) or m.chain("target_k", "target") != [0] or m.op_of("picked").arg("dim") != 1:
+        return None
+    if reduced(m.op_of("total"), 2) != {0, 1} or not by_rows(m, 1, 2, partial=("total",)):
+        return None
+    forward = torch.ops.aten.nll_loss_forward.default
+    return ["logp", "target"], {"total": "total"}, lambda logp, target: {"total": forward(logp, target, None, 2, ignore)[0]}  # 2: the sum
+
+
 def _nll_loss_backward_pattern() -> Builder:
     b = Builder()
     target = b.leaf("target")
@@ -254,7 +311,7 @@ def _nll_loss_backward_pattern() -> Builder:
 @pattern("nll_loss_backward", _nll_loss_backward_pattern(), KERNELS)
 def _nll_loss_backward_check(m: Match):
     target, grad, count, ignore, dlogp = m["target"], m["grad"], m["count"], _literal(m, "ignore"), m["dlogp"]
-    if not isinstance(ignore, int) or not same_float(dlogp) or dlogp.ndim != 2 or not whole(m):
+    if not isinstance(ignore, int) or not same_float(dlogp) or dlogp.ndim != 2 or not by_rows(m, 1, 2):
         return None
     n, v = dlogp.shape
     if not isinstance(target, TensorValue) or target.dtype.is_float or tuple(target.shape) != (n,):
@@ -298,7 +355,7 @@ def _embedding_backward_check(m: Match, padded: bool):
         return None
     v = dw.shape[0]
     if not _column_index(m, "columns", (n, v)) or m.chain("index_full", "index") != [0] or \
-            tuple(m.op_of("t").arg("dims")) != (1, 0) or not whole(m):
+            tuple(m.op_of("t").arg("dims")) != (1, 0) or not by_rows(m, 1, 2, partial=("dw",), only={"t": {1}, "dw": set()}):
         return None
     pad = _literal(m, "padding") if padded else -1
     if not isinstance(pad, int) or isinstance(pad, bool):
@@ -341,7 +398,7 @@ def _norm_axis(m: Match, x: Value, w: Value) -> bool:
 @pattern("rms_norm", _rms_norm_pattern(), KERNELS)
 def _rms_norm_check(m: Match):
     x, w, n, eps = m["x"], m["w"], _literal(m, "n"), _literal(m, "eps")
-    if not same_float(x, w, m["y"], m["rstd"]) or not isinstance(eps, float) or not whole(m):
+    if not same_float(x, w, m["y"], m["rstd"]) or not isinstance(eps, float) or not by_rows(m, x.ndim - 1, x.ndim, only={"w": set()}):
         return None
     if _one_axis(m, "x", "sum", "sum_k") != x.ndim - 1 or n is None or float(n) != float(x.shape[-1]) or not _norm_axis(m, x, w):
         return None
@@ -371,7 +428,8 @@ def _rms_norm_backward_pattern() -> Builder:
 @pattern("rms_norm_backward", _rms_norm_backward_pattern(), KERNELS)
 def _rms_norm_backward_check(m: Match):
     x, dy, rstd, w, n = m["x"], m["dy"], m["rstd"], m["w"], _literal(m, "n")
-    if not same_float(x, dy, rstd, w, m["dx"]) or x.shape != dy.shape or not whole(m) or not _norm_axis(m, x, w):
+    if not same_float(x, dy, rstd, w, m["dx"]) or x.shape != dy.shape or not _norm_axis(m, x, w) or \
+            not by_rows(m, x.ndim - 1, x.ndim, only={"w": set()}):
         return None
     last = x.ndim - 1
     if tuple(rstd.shape) != tuple(x.shape[:-1]) + (1,) or n is None or float(n) != float(x.shape[-1]):
@@ -409,7 +467,7 @@ def _silu_backward_pattern() -> Builder:
 
 def _pointwise(m: Match, *names: str) -> bool:
     vs = [m[n] for n in names]
-    return same_float(*vs) and len({tuple(m.local_shape(v)) for v in vs}) == 1 and whole(m)
+    return same_float(*vs) and len({tuple(m.local_shape(v)) for v in vs}) == 1 and by_rows(m, -1, -1)  # split anyhow, no partial sum
 
 
 @pattern("silu", _silu_pattern(), KERNELS)

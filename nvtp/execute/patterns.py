@@ -79,8 +79,7 @@ class Match:
     nodes: dict[fx.Node, Any]  # pattern node -> graph node (or literal)
     named: dict[str, fx.Node]
     local_shape: Callable[[Value], tuple[int, ...]]
-    sharding: Callable[[Value], Placement | None]  # on the first mesh axis
-    placements: Callable[[Value], tuple[Placement, ...] | None] = lambda v: None  # on every mesh axis
+    placements: Callable[[Value], tuple[Placement, ...] | None] = lambda v: None  # on every mesh axis (None: whole)
     producer: Callable[[Value], Op | None] = lambda v: None  # the fusion's op that makes a value (folded ones too)
 
     def node(self, name: str) -> Any:
@@ -116,17 +115,21 @@ class Match:
 
 
 def no_partial(m: Match) -> bool:
-    return not any(p is not None and is_partial(p) for p in map(m.sharding, m.values()))
+    """No value ``m`` binds is a partial sum on any mesh axis."""
+    return not any(p is not None and is_partial(p) for v in m.values() for p in m.placements(v) or ())
 
 
 def unsplit(m: Match, v: Value, axes) -> bool:
-    p = m.sharding(v)
-    if p is None:
-        return True
-    if is_partial(p):
-        return False
-    split = axis_split(p)
-    return split is None or split[0] not in axes
+    """``v`` is no partial sum and is split along none of ``axes``, on every mesh axis."""
+    for p in m.placements(v) or ():
+        if p is None:
+            continue
+        if is_partial(p):
+            return False
+        split = axis_split(p)
+        if split is not None and split[0] in axes:
+            return False
+    return True
 
 
 def same_float(*vs: Value) -> bool:
@@ -421,7 +424,6 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
     placements of ``v`` (None: whole); ``dtype``: the run's torch dtype of a declared dtype;
     ``producer(v)``: the op that makes ``v`` (a check may read how a folded constant was made);
     ``kept(node)``: an op node no kernel may take (it must run as its own op: an ep axis's expert rows)."""
-    first = lambda v: (sharding(v) or (None,))[0]  # noqa: E731 - the 1-D mesh's placement
     counts: dict[str, int] = {}
     for pat in patterns if patterns is not None else PATTERNS:
         matcher = pat.matcher
@@ -434,7 +436,7 @@ def fuse(graph: fx.Graph, local_shape: Callable[[Value], tuple[int, ...]], shard
                     continue
                 if any(kept(n) for p, n in found.nodes_map.items() if p.op not in ("placeholder", "output") and isinstance(n, fx.Node)):
                     continue
-                m = Match(found.nodes_map, pat.built.named, local_shape, first, sharding, producer)
+                m = Match(found.nodes_map, pat.built.named, local_shape, sharding, producer)
                 try:
                     made = pat.check(m)
                 except (KeyError, TypeError, ValueError, AttributeError):
