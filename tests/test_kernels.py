@@ -103,6 +103,29 @@ def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_
     _close(kernels, none, "kernels vs the interpreter")
 
 
+def test_pytorchs_example_llama_runs_every_rms_norm_as_a_kernel_with_eagers_values():
+    """PyTorch's example Llama (``tests/complex_rotary.py``, written as pytorch/examples' llama2):
+    its RMSNorm multiplies by the weight last (``xhat * w``, where transformers writes ``w * xhat``)
+    and Thunder adds the residual gradient inside its backward (``(g + rd) + tail``); each of its
+    five norms is torch's kernel forward and backward (one backward of five had fused, no forward)."""
+    import torch.nn.functional as F
+
+    from tests.complex_rotary import ComplexRotaryLM, Config
+
+    torch.manual_seed(0)
+    cfg = Config()
+    model = ComplexRotaryLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    targets = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    loss_of = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731  (outside the model)
+    eager, kernels, none, fused = _three_ways(model, loss_of, idx)
+    _expect(fused, {"forward": {"rms_norm": 5, "silu": 2, "flash_attention": 2},
+                    "backward": {"rms_norm_backward": 5, "silu_backward": 2, "embedding_backward": 1, "flash_attention_backward": 2}})
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+
+
 def test_a_transformers_gpt2_runs_its_gelu_new_and_its_masked_attention_as_torchs_kernels_with_eagers_values():
     """transformers' GPT-2 (gelu_new: x ** 3, Conv1D, learned positions: two embedding gradients;
     attention with a causal mask tensor)."""

@@ -380,13 +380,15 @@ for _padded in (False, True):
 
 # RMSNorm, forward and backward -------------------------------------------------------------------
 
-def _rms_norm_pattern() -> Builder:
+def _rms_norm_pattern(weight_first: bool) -> Builder:
+    """``weight_first``: ``w * xhat`` (transformers' Llama) or ``xhat * w`` (PyTorch's example Llama)."""
     b = Builder()
     x = b.leaf("x")
     mean = b.div(b.bcast(b.sum(b.pow(x, 2.0), name="sum"), name="sum_k"), b.leaf("n"))
     rstd = b.rsqrt(b.add(mean, b.leaf("eps")), name="rstd")
     xhat = b.mul(x, b.bcast(rstd, name="rstd_full"))
-    return b.done(b.mul(b.bcast(b.leaf("w"), name="w_full"), xhat, name="y"))
+    w = b.bcast(b.leaf("w"), name="w_full")
+    return b.done(b.mul(w, xhat, name="y") if weight_first else b.mul(xhat, w, name="y"))
 
 
 def _norm_axis(m: Match, x: Value, w: Value) -> bool:
@@ -395,7 +397,6 @@ def _norm_axis(m: Match, x: Value, w: Value) -> bool:
         tuple(m["w_full"].shape) == tuple(x.shape)
 
 
-@pattern("rms_norm", _rms_norm_pattern(), KERNELS)
 def _rms_norm_check(m: Match):
     x, w, n, eps = m["x"], m["w"], _literal(m, "n"), _literal(m, "eps")
     if not same_float(x, w, m["y"], m["rstd"]) or not isinstance(eps, float) or not by_rows(m, x.ndim - 1, x.ndim, only={"w": set()}):
@@ -414,7 +415,13 @@ def _rms_norm_check(m: Match):
     return ["x", "w"], {"y": "y", "rstd": "rstd"}, kernel
 
 
-def _rms_norm_backward_pattern() -> Builder:
+for _first in (True, False):
+    pattern("rms_norm", _rms_norm_pattern(_first), KERNELS)(_rms_norm_check)
+
+
+def _rms_norm_backward_pattern(residual: bool) -> Builder:
+    """``residual``: the gradient arriving by the residual path added in between, ``(g + rd) + tail``
+    (Thunder's order for PyTorch's example Llama), as the LayerNorm's backward has it."""
     b = Builder()
     x, dy, rstd = b.leaf("x"), b.leaf("dy"), b.leaf("rstd")
     dxhat = b.mul(b.bcast(b.leaf("w"), name="w_full"), dy)
@@ -422,14 +429,18 @@ def _rms_norm_backward_pattern() -> Builder:
     dmean = b.div(b.mul(b.mul(-0.5, s1), b.pow(rstd, 3.0)), b.leaf("n"))
     s2 = b.bcast(b.sum(dmean, name="s2"), 2, name="s2_full")
     dx_mean = b.mul(b.mul(s2, 2.0), b.pow(x, 1.0))
-    return b.done(b.add(b.mul(b.bcast(rstd, name="rstd_full"), dxhat), dx_mean, name="dx"))
+    rd = b.mul(b.bcast(rstd, name="rstd_full"), dxhat)
+    if residual:
+        return b.done(b.add(b.add(b.leaf("g"), rd), dx_mean, name="dx"))
+    return b.done(b.add(rd, dx_mean, name="dx"))
 
 
-@pattern("rms_norm_backward", _rms_norm_backward_pattern(), KERNELS)
-def _rms_norm_backward_check(m: Match):
+def _rms_norm_backward_check(m: Match, residual: bool):
     x, dy, rstd, w, n = m["x"], m["dy"], m["rstd"], m["w"], _literal(m, "n")
     if not same_float(x, dy, rstd, w, m["dx"]) or x.shape != dy.shape or not _norm_axis(m, x, w) or \
             not by_rows(m, x.ndim - 1, x.ndim, only={"w": set()}):
+        return None
+    if residual and (not same_float(x, m["g"]) or tuple(m["g"].shape) != tuple(x.shape) or m.local_shape(m["g"]) != m.local_shape(x)):
         return None
     last = x.ndim - 1
     if tuple(rstd.shape) != tuple(x.shape[:-1]) + (1,) or n is None or float(n) != float(x.shape[-1]):
@@ -442,12 +453,18 @@ def _rms_norm_backward_check(m: Match):
         return None
     n = float(n)
 
-    def kernel(x, dy, rstd, w):  # aten._fused_rms_norm_backward has no CPU kernel: its arithmetic, in five calls
+    def kernel(x, dy, rstd, w, g=None):  # aten._fused_rms_norm_backward has no CPU kernel: its arithmetic, in five calls
         dxhat = w * dy
         s = (x * dxhat).sum(-1, keepdim=True)
-        return {"dx": rstd * dxhat - x * (s * rstd.pow(3) / n)}
+        dx = rstd * dxhat - x * (s * rstd.pow(3) / n)
+        return {"dx": dx if g is None else g + dx}
 
-    return ["x", "dy", "rstd", "w"], {"dx": "dx"}, kernel
+    return ["x", "dy", "rstd", "w"] + (["g"] if residual else []), {"dx": "dx"}, kernel
+
+
+for _residual in (False, True):
+    pattern("rms_norm_backward", _rms_norm_backward_pattern(_residual), KERNELS)(
+        lambda m, residual=_residual: _rms_norm_backward_check(m, residual))
 
 
 # SiLU, forward and backward (the gate of a SwiGLU MLP) -------------------------------------------
