@@ -54,6 +54,10 @@ class Source:
         return self
 
 
+# Op kinds that a norm, a loss or an activation leaves when no kernel pattern took it (Program.kernels).
+_SIGNS_OF_UNFUSED = ("rsqrt", "var_mean", "take_along_axis", "log", "tanh", "erf")
+
+
 @dataclass(frozen=True)
 class Program:
     forward: ShardedFusion
@@ -123,6 +127,28 @@ class Program:
                 continue
             seen.add(label)
             out.append((label, _numel(local_shape(v.shape, self.forward.shardings[v.name], self.mesh)) * v.dtype.itemsize))
+        return out
+
+    def kernels(self, rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+        """How mesh position ``rank`` runs this program's fusions on the reference backend with
+        ``compile="kernels"`` (``nvtp/execute/kernels.py``), per phase: ``"fused"``, each group run
+        as one torch kernel by its pattern's name and count; ``"left"``, the ops of norms, losses
+        and activations still run one by one (``rsqrt``, ``var_mean``, ``take_along_axis``,
+        ``log``, ``tanh``, ``erf``), with their count: a norm or loss written in a way no pattern
+        knows runs op by op, slower, and shows here instead of silently. Lowers the fusions anew
+        (a fraction of a second each)."""
+        from nvtp.execute import reference  # lazy: the report commands do not load the backend
+
+        out = {}
+        for phase, sharded in self.phases():
+            lowered = reference.lower_fusion(sharded.fusion, sharded.shardings, sharded.mesh, rank, sharded.mesh.size,
+                                             schedule=self.schedules.get(phase))
+            left: dict[str, int] = {}
+            for node in lowered.module.graph.nodes:
+                op = node.meta.get("op")
+                if op is not None and op.kind in _SIGNS_OF_UNFUSED:
+                    left[op.kind] = left.get(op.kind, 0) + 1
+            out[phase] = {"fused": {k: n for k, n in lowered.fused.items() if k != "set"}, "left": left}
         return out
 
     # -- output -----------------------------------------------------------------------------

@@ -314,3 +314,38 @@ def test_a_data_parallel_transformers_llama_runs_its_rms_norms_and_loss_as_kerne
     _expect(_fused(ranks[0]), twice)
     for r, result in enumerate(got):
         _close(result, want, f"rank {r} vs eager on both batches")
+
+
+class _TanhMLP(torch.nn.Module):
+    """A LayerNorm, a tanh MLP and a cross-entropy: tanh has no kernel pattern (it is its own op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln = torch.nn.Embedding(64, 32), torch.nn.LayerNorm(32)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, idx, targets):
+        logits = self.down(torch.tanh(self.up(self.ln(self.emb(idx)))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_the_program_says_which_groups_run_as_kernels_and_which_ops_of_norms_and_activations_are_left():
+    """``Program.kernels()``: per phase the groups fused by name, and the ops a norm, loss or
+    activation leaves to run one by one (what showed PyTorch's example Llama's RMSNorm and the dp
+    cross-entropy running op by op); on nvtp's GPT at dp=2 nothing is left."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (2, 8))
+    got = nvtp.jit(_TanhMLP(), mesh=DeviceMesh.of_size(1)).lower(idx, idx).kernels()
+    assert got["forward"]["fused"] == {"layer_norm": 1, "log_softmax": 1, "nll_loss": 1}, got
+    assert got["forward"]["left"] == {"tanh": 1}, got  # the activation, run as its op
+    assert got["backward"]["fused"].keys() >= {"layer_norm_backward", "log_softmax_backward", "nll_loss_backward", "embedding_backward"}
+    cfg = gpt.config("tiny")
+    model = gpt.GPT(cfg)
+    mesh = DeviceMesh.of_shape((2,), ("dp",))
+    from nvtp.execute import spmd
+
+    program = nvtp.jit(model, mesh=mesh, comm=spmd.ThreadMesh(mesh).comm(0)).lower(*gpt.example_tokens(cfg))
+    for rank in (0, 1):
+        k = program.kernels(rank)
+        assert k["forward"]["fused"]["nll_loss_sum"] == 1 and k["backward"]["fused"]["embedding_backward"] == 1, k
+        assert k["forward"]["left"] == {} and k["backward"]["left"] == {}, k
