@@ -144,6 +144,23 @@ def test_a_transformers_gpt2_runs_its_gelu_new_and_its_masked_attention_as_torch
     _close(kernels, none, "kernels vs the interpreter")
 
 
+def test_a_transformers_gpt_neox_runs_its_exact_gelu_as_torchs_kernel_with_eagers_values():
+    """GPT-NeoX (Pythia's family): the exact GELU, ``x * (0.5 + 0.5 erf(x / sqrt 2))`` as Thunder
+    writes it, forward and backward as ``aten.gelu`` / ``gelu_backward`` (they ran as erf, exp and
+    products: ``Program.kernels()`` showed them left)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                                     vocab_size=256, max_position_embeddings=64, use_cache=False, hidden_dropout=0.0,
+                                     attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPTNeoXForCausalLM(cfg)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
+    _expect(fused, {"forward": {"gelu_erf": 2, "log_softmax": 1, "nll_loss": 1}, "backward": {"gelu_erf_backward": 2}})
+    _close(kernels, eager, "kernels vs eager")
+    _close(kernels, none, "kernels vs the interpreter")
+
+
 @pytest.mark.parametrize("bad", ["inductr", "Kernels", None, True])
 def test_a_bad_compile_option_is_refused_before_tracing(bad):
     model = gpt.GPT(gpt.config("tiny"))

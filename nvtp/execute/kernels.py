@@ -22,6 +22,8 @@ silu_backward          neg, exp, add, div, sub, mul, add, mul, mul          ``at
 gelu                   tanh-GELU with ``pow(x, 3.0)`` (transformers'        ``aten.gelu(approximate="tanh")``
                        ``gelu_new``; patterns.py has ``x * x * x``)
 gelu_backward          its backward, with ``pow(x, 2.0)``                   ``aten.gelu_backward``
+gelu_erf               the exact GELU, ``x * (0.5 + 0.5 erf(x / sqrt 2))``   ``aten.gelu``
+gelu_erf_backward      its backward (erf, exp(-u^2), products)              ``aten.gelu_backward``
 causal_attention       √scale muls, matmul, iota ``ge`` mask, where,        ``F.scaled_dot_product_attention``
                        softmax, matmul (``attention_kernel.py``)             (is_causal), or its math when the
                                                                             backward keeps the probabilities
@@ -537,3 +539,41 @@ def _gelu_pow_backward_check(m: Match):
         return None
     backward = torch.ops.aten.gelu_backward.default
     return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x, approximate="tanh")}
+
+
+# The exact GELU, erf's (``F.gelu(x)``: GPT-NeoX / Pythia, BERT), forward and backward -------------
+
+_SQRT_2 = 1.4142135623730951
+_TWO_OVER_SQRT_PI = 1.1283791670955126
+
+
+def _gelu_erf_pattern() -> Builder:
+    b = Builder()
+    x = b.leaf("x")
+    return b.done(b.mul(x, b.add(0.5, b.mul(0.5, b.erf(b.div(x, _SQRT_2)))), name="y"))
+
+
+def _gelu_erf_backward_pattern() -> Builder:
+    """``dx = g * (0.5 + 0.5 erf(u)) + (2 / sqrt(pi)) exp(-u^2) * 0.5 * x * g / sqrt 2``, u = x / sqrt 2."""
+    b = Builder()
+    x, g = b.leaf("x"), b.leaf("g")
+    u = b.div(x, _SQRT_2)
+    left = b.mul(b.add(0.5, b.mul(0.5, b.erf(u))), g)
+    bell = b.mul(_TWO_OVER_SQRT_PI, b.exp(b.neg(b.pow(u, 2.0))))
+    right = b.div(b.mul(bell, b.mul(0.5, b.mul(x, g))), _SQRT_2)
+    return b.done(b.add(left, right, name="dx"))
+
+
+@pattern("gelu_erf", _gelu_erf_pattern(), KERNELS)
+def _gelu_erf_check(m: Match):
+    if not _pointwise(m, "x", "y"):
+        return None
+    return ["x"], {"y": "y"}, lambda x: {"y": torch.nn.functional.gelu(x)}
+
+
+@pattern("gelu_erf_backward", _gelu_erf_backward_pattern(), KERNELS)
+def _gelu_erf_backward_check(m: Match):
+    if not _pointwise(m, "x", "g", "dx"):
+        return None
+    backward = torch.ops.aten.gelu_backward.default
+    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x)}
