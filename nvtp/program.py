@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nvtp.dump.program_files import write_program
+from nvtp.execute import reference
 from nvtp.ir.graph import Fusion, TensorValue
 from nvtp.report import report_of
 from nvtp.sharding.placements import DeviceMesh, FusedParts, Placement, axis_split, local_shape
@@ -137,8 +138,6 @@ class Program:
         ``log``, ``tanh``, ``erf``), with their count: a norm or loss written in a way no pattern
         knows runs op by op, slower, and shows here instead of silently. Lowers the fusions anew
         (a fraction of a second each)."""
-        from nvtp.execute import reference  # lazy: the report commands do not load the backend
-
         out = {}
         for phase, sharded in self.phases():
             lowered = reference.lower_fusion(sharded.fusion, sharded.shardings, sharded.mesh, rank, sharded.mesh.size,
