@@ -69,6 +69,28 @@ def _expect(fused: dict[str, dict[str, int]], want: dict[str, dict[str, int]]) -
             assert fused[phase].get(name, 0) == n, f"{phase}: {name} fused {fused[phase].get(name, 0)} times, want {n}; {fused[phase]}"
 
 
+def _on_simulated_ranks(model, mesh, loss_of, calls, **options):
+    """One step of ``nvtp.jit(copy of model, mesh=mesh, **options)`` on each rank of ``mesh`` as
+    threads, rank r called with ``calls[r]`` = (args, kwargs), one program shared: the ranks, and
+    each rank's (loss, gradients)."""
+    from nvtp.execute import spmd
+
+    threads = spmd.ThreadMesh(mesh, timeout=120)
+    ranks = [nvtp.jit(copy.deepcopy(model), mesh=mesh, comm=threads.comm(r), **options) for r in range(mesh.size)]
+    ranks[0].compile(*calls[0][0], **calls[0][1])
+    for m in ranks[1:]:
+        m.share_compiled(ranks[0])
+    return ranks, spmd.on_threads(lambda r: _step(ranks[r], loss_of, *calls[r][0], **calls[r][1]), threads)
+
+
+def _tiny_llama(transformers):
+    """A transformers Llama from a tiny config (GQA: 2 KV heads of 4; pad token 0)."""
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                   vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def test_gpt_runs_its_loss_embedding_gradient_and_norms_as_kernels_with_the_interpreters_values():
     """nvtp's GPT (LayerNorm, tanh-GELU, cross-entropy with ignored targets, tied vocabulary of 512)."""
     torch.manual_seed(0)
@@ -91,12 +113,9 @@ def test_a_transformers_llama_runs_its_rms_norms_and_silu_gates_as_kernels_with_
     KV heads of 4, which transformers repeats before its causal-masked attention: flash attention)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                   vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _tiny_llama(transformers)
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    idx[0, 2] = idx[1, 5] = cfg.pad_token_id  # nn.Embedding(padding_idx=0): its row gets no gradient
+    idx[0, 2] = idx[1, 5] = model.config.pad_token_id  # nn.Embedding(padding_idx=0): its row gets no gradient
     eager, kernels, none, fused = _three_ways(model, lambda out: out.loss, input_ids=idx, labels=idx)
     _expect(fused, LLAMA_KERNELS)
     _close(kernels, eager, "kernels vs eager")
@@ -254,11 +273,7 @@ def test_megatron_at_tp2_saves_attentions_output_and_logsumexp_and_runs_flash_ke
     model, cfg, idx, tgt = _gpt(seq_len=32)  # T 32, head size 16: a [B, h, T, T] shape is no other value's
     want = _step(copy.deepcopy(model), lambda loss: loss, idx, tgt)
     mesh = DeviceMesh.of_size(2)
-    threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), plan="megatron", mesh=mesh, comm=threads.comm(r)) for r in range(2)]
-    ranks[0].compile(idx, tgt)
-    ranks[1].share_compiled(ranks[0])
-    got = spmd.on_threads(lambda r: _step(ranks[r], lambda loss: loss, idx, tgt), threads)
+    ranks, got = _on_simulated_ranks(model, mesh, lambda loss: loss, [((idx, tgt), {})] * 2, plan="megatron")
     fused = _fused(ranks[0])  # summed over the two ranks' lowerings of the shared program: 2 blocks each
     assert fused["forward"].get("flash_attention") == 4 and fused["backward"].get("flash_attention_backward") == 4, fused
     assert "softmax" not in fused["forward"] and "causal_attention_probs" not in fused["forward"], fused
@@ -286,19 +301,13 @@ def test_a_data_parallel_gpt_runs_its_loss_and_embedding_gradient_as_kernels_on_
     the one-hot embedding gradient as a [vocab, tokens] matmul). Simulated ranks (threads), each
     with its own batch and a different number of ignored targets; the loss and every gradient
     as eager's on both batches at once."""
-    from nvtp.execute import spmd
-
     torch.manual_seed(0)
     cfg = gpt.config("tiny", vocab_size=512)
     model = gpt.GPT(cfg)
     batches = [gpt.example_tokens(cfg, seed=r) for r in range(2)]
     batches[0][1][0, :5] = -100  # rank 0 ignores 5 targets, rank 1 none: the mean is over the 59 + 64 counted
     want = _step(copy.deepcopy(model), lambda loss: loss, torch.cat([i for i, _ in batches]), torch.cat([t for _, t in batches]))
-    threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), mesh=mesh, comm=threads.comm(r)) for r in range(2)]
-    ranks[0].compile(*batches[0])
-    ranks[1].share_compiled(ranks[0])
-    got = spmd.on_threads(lambda r: _step(ranks[r], lambda loss: loss, *batches[r]), threads)
+    ranks, got = _on_simulated_ranks(model, mesh, lambda loss: loss, [(b, {}) for b in batches])
     _expect(_fused(ranks[0]), DP_KERNELS)  # summed over the two ranks' lowerings
     for r, result in enumerate(got):
         _close(result, want, f"rank {r} vs eager on both batches")
@@ -309,23 +318,14 @@ def test_a_data_parallel_transformers_llama_runs_its_rms_norms_and_loss_as_kerne
     labels' cross-entropy): its kernels fuse as on one device, its loss and gradients eager's on
     both batches at once."""
     transformers = pytest.importorskip("transformers")
-    from nvtp.execute import spmd
-
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                   vocab_size=256, intermediate_size=128, use_cache=False, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _tiny_llama(transformers)
     ids = [torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(r)) for r in range(2)]
     loss_of = lambda out: out.loss  # noqa: E731
     both = torch.cat(ids)
     want = _step(copy.deepcopy(model), loss_of, input_ids=both, labels=both)
     mesh = DeviceMesh.of_shape((2,), ("dp",))
-    threads = spmd.ThreadMesh(mesh, timeout=120)
-    ranks = [nvtp.jit(copy.deepcopy(model), mesh=mesh, comm=threads.comm(r)) for r in range(2)]
-    ranks[0].compile(input_ids=ids[0], labels=ids[0])
-    ranks[1].share_compiled(ranks[0])
-    got = spmd.on_threads(lambda r: _step(ranks[r], loss_of, input_ids=ids[r], labels=ids[r]), threads)
+    ranks, got = _on_simulated_ranks(model, mesh, loss_of, [((), {"input_ids": i, "labels": i}) for i in ids])
     twice = {phase: {k: 2 * n for k, n in counts.items() if k not in ("nll_loss", "softmax")} for phase, counts in LLAMA_KERNELS.items()}
     twice["forward"]["nll_loss_sum"] = 2
     _expect(_fused(ranks[0]), twice)

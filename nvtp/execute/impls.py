@@ -65,6 +65,15 @@ class Context:
             return None
         return self.shardings.get(v.name)
 
+    def acting_sharding(self, v: Value) -> tuple[Placement, ...] | None:
+        """``sharding(v)`` with None on each mesh axis of one rank: a placement there says nothing,
+        the rank holds the whole value (a tp axis of one rank splits and reduces nothing)."""
+        ps = self.sharding(v)
+        if ps is None:
+            return None
+        extents = self.mesh.shape if self.mesh is not None else ()
+        return tuple(p if i >= len(extents) or extents[i] > 1 else None for i, p in enumerate(ps))
+
     def indices(self, v: Value) -> list[torch.Tensor | None]:
         """Per axis, the global indices this rank holds of ``v`` (None: all of them); worked out
         once per value and mesh position (``held``), the list not to be changed."""

@@ -489,19 +489,19 @@ def _pointwise(m: Match, *names: str) -> bool:
     return same_float(*vs) and len({tuple(m.local_shape(v)) for v in vs}) == 1 and by_rows(m, -1, -1)  # split anyhow, no partial sum
 
 
-@pattern("silu", _silu_pattern(), KERNELS)
-def _silu_check(m: Match):
-    if not _pointwise(m, "x", "y"):
-        return None
-    return ["x"], {"y": "y"}, lambda x: {"y": torch.nn.functional.silu(x)}
+def _pointwise_kernel(name: str, built: Builder, leaves: tuple[str, ...], out: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Register ``built`` as a pointwise group from ``leaves`` to ``out``, run as ``fn(*leaves)``."""
+
+    def check(m: Match):
+        if not _pointwise(m, *leaves, out):
+            return None
+        return list(leaves), {out: out}, lambda *xs: {out: fn(*xs)}
+
+    pattern(name, built, KERNELS)(check)
 
 
-@pattern("silu_backward", _silu_backward_pattern(), KERNELS)
-def _silu_backward_check(m: Match):
-    if not _pointwise(m, "x", "g", "dx"):
-        return None
-    backward = torch.ops.aten.silu_backward.default
-    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x)}
+_pointwise_kernel("silu", _silu_pattern(), ("x",), "y", torch.nn.functional.silu)
+_pointwise_kernel("silu_backward", _silu_backward_pattern(), ("x", "g"), "dx", lambda x, g: torch.ops.aten.silu_backward.default(g, x))
 
 
 # tanh-GELU as transformers' NewGELUActivation writes it: x ** 3 (patterns.py's: x * x * x) ------
@@ -526,19 +526,9 @@ def _gelu_pow_backward_pattern() -> Builder:
     return b.done(b.add(b.add(d_inner, cube), b.mul(0.5, b.mul(b.add(1.0, t), g)), name="dx"))
 
 
-@pattern("gelu", _gelu_pow_pattern(), KERNELS)
-def _gelu_pow_check(m: Match):
-    if not _pointwise(m, "x", "y"):
-        return None
-    return ["x"], {"y": "y"}, lambda x: {"y": torch.nn.functional.gelu(x, approximate="tanh")}
-
-
-@pattern("gelu_backward", _gelu_pow_backward_pattern(), KERNELS)
-def _gelu_pow_backward_check(m: Match):
-    if not _pointwise(m, "x", "g", "dx"):
-        return None
-    backward = torch.ops.aten.gelu_backward.default
-    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x, approximate="tanh")}
+_pointwise_kernel("gelu", _gelu_pow_pattern(), ("x",), "y", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+_pointwise_kernel("gelu_backward", _gelu_pow_backward_pattern(), ("x", "g"), "dx",
+                  lambda x, g: torch.ops.aten.gelu_backward.default(g, x, approximate="tanh"))
 
 
 # The exact GELU, erf's (``F.gelu(x)``: GPT-NeoX / Pythia, BERT), forward and backward -------------
@@ -564,16 +554,6 @@ def _gelu_erf_backward_pattern() -> Builder:
     return b.done(b.add(left, right, name="dx"))
 
 
-@pattern("gelu_erf", _gelu_erf_pattern(), KERNELS)
-def _gelu_erf_check(m: Match):
-    if not _pointwise(m, "x", "y"):
-        return None
-    return ["x"], {"y": "y"}, lambda x: {"y": torch.nn.functional.gelu(x)}
-
-
-@pattern("gelu_erf_backward", _gelu_erf_backward_pattern(), KERNELS)
-def _gelu_erf_backward_check(m: Match):
-    if not _pointwise(m, "x", "g", "dx"):
-        return None
-    backward = torch.ops.aten.gelu_backward.default
-    return ["x", "g"], {"dx": "dx"}, lambda x, g: {"dx": backward(g, x)}
+_pointwise_kernel("gelu_erf", _gelu_erf_pattern(), ("x",), "y", torch.nn.functional.gelu)
+_pointwise_kernel("gelu_erf_backward", _gelu_erf_backward_pattern(), ("x", "g"), "dx",
+                  lambda x, g: torch.ops.aten.gelu_backward.default(g, x))

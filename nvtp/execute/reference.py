@@ -213,14 +213,8 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
         op = node.meta.get("op")
         return op is not None and bool(op.outputs) and op.outputs[0].name in experts
 
-    extents = mesh.shape if mesh is not None else ()
-
-    def acting(v):  # a placement on a mesh axis of one rank says nothing: that rank holds the whole value
-        ps = ctx.sharding(v)
-        return ps if ps is None else tuple(p if i >= len(extents) or extents[i] > 1 else None for i, p in enumerate(ps))
-
     def rewrite(graph):
-        fused.update(kernels.fuse(graph, ctx.local_shape, acting, ctx.dtype, lambda op: set_is_local(ctx, op), size,
+        fused.update(kernels.fuse(graph, ctx.local_shape, ctx.acting_sharding, ctx.dtype, lambda op: set_is_local(ctx, op), size,
                                   lambda v: producers.get(v.name), on_experts))
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None

@@ -117,8 +117,5 @@ def set_is_local(ctx: Context, op: Op) -> bool:
     """True when a ``set`` moves nothing: no placements, the same ones on every mesh axis of more
     than one rank, or one device (on which every placement is the whole tensor): a tp axis of one
     rank reduces nothing."""
-    src, dst = ctx.sharding(op.operands[0]), ctx.sharding(op.outputs[0])
-    if src is None or dst is None or src == dst or ctx.comm.size == 1:
-        return True
-    extents = ctx.mesh.shape if ctx.mesh is not None else ()
-    return all(a == b for i, (a, b) in enumerate(zip(src, dst)) if i >= len(extents) or extents[i] > 1)
+    src, dst = ctx.acting_sharding(op.operands[0]), ctx.acting_sharding(op.outputs[0])
+    return src is None or dst is None or src == dst or ctx.comm.size == 1
