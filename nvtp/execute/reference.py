@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from nvtp.execute import impls_nn, impls_tensor, moe, sets  # noqa: F401 - registers every op in IMPLS
 from nvtp.execute import ep
-from nvtp.execute import kernels
+from nvtp.execute import fastcall, kernels
 from nvtp.execute.buckets import Bucket
 from nvtp.execute.collectives import Comm, Communication, SoloComm
 from nvtp.execute.impls import IMPLS, Context, ExecutionError, Impl, as_tensor  # noqa: F401 - the table, as callers import it
@@ -112,11 +112,18 @@ def constant_value(ctx: Context, op: Op) -> torch.Tensor | None:
     return as_tensor(op.arg("value")).to(ctx.dtype(op.outputs[0].dtype))
 
 
-def _call_for(strict: bool) -> Callable[[Op], Callable[..., Any]]:
+def _call_for(strict: bool, settled: Context | None = None, experts: frozenset[str] = frozenset()) -> Callable[[Op], Callable[..., Any]]:
     """How a lowered module calls ``op``: its implementation through ``execute_op``, the values
-    it reads passed positionally (the node's arguments), every other argument bound here."""
+    it reads passed positionally (the node's arguments), every other argument bound here.
+    ``settled`` (the lowering's context, for a module whose kernels are fused): the ops of the
+    forms ``fastcall.py`` settles for this mesh position are called in that form instead, except
+    those an ep axis runs on its experts' rows (``experts``)."""
 
     def call_for(op: Op) -> Callable[..., Any]:
+        if settled is not None and not (op.outputs and op.outputs[0].name in experts):
+            fast = fastcall.specialised(settled, op)
+            if fast is not None:
+                return fast
         names = value_args(op)
         static = {name: a for name, a in op.args if name not in names}
         single = len(op.outputs) == 1
@@ -219,7 +226,7 @@ def lower_fusion(fusion: Fusion, shardings: Mapping[str, tuple[Placement, ...]] 
 
     starts = schedule.by_position() if schedule is not None and size > 1 else None
     rings = getattr(schedule, "rings", ()) if starts is not None else ()
-    module = lower(fusion, _call_for(strict), constants, rewrite=rewrite if fuse else None, all_values=all_values,
+    module = lower(fusion, _call_for(strict, ctx if fuse and not (strict or all_values) else None, experts), constants, rewrite=rewrite if fuse else None, all_values=all_values,
                    starts=starts, start_for=lambda issue, ops: start_for(issue, ops, keeps_bucket(fusion, issue)),
                    rings=rings, ring_for=ring_for)
     for node in getattr(module, "graph", fx.Graph()).nodes if experts else ():
