@@ -164,3 +164,40 @@ def test_a_transformers_llama_settles_its_ops_with_execute_ops_values(checked):
     got = nvtp.jit(copy.deepcopy(model))(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert counts["mul"] > 0 and counts["reshape"] > 0
+
+
+def test_pytorchs_example_llama_settles_its_rotary_ops_and_their_one_entry_sums(checked, monkeypatch):
+    """PyTorch's example Llama (``tests/complex_rotary.py``): its complex rotary runs as real pairs,
+    whose backward sums over axes of one entry; those sums run as an add of 0 (a contiguous operand)
+    and must still equal the reduction's results."""
+    import torch.nn.functional as F
+
+    from tests.complex_rotary import ComplexRotaryLM, Config
+
+    counts, _ = checked
+    ones: list = []
+    settle_sum = fastcall._sum
+
+    def sum_(ctx, op):  # counts the sums over axes of one entry
+        x = op.arg("arg")
+        if op.arg("dims") and all(ctx.local_shape(x)[d] == 1 for d in op.arg("dims")):
+            ones.append(op)
+        return settle_sum(ctx, op)
+
+    monkeypatch.setitem(fastcall._FORMS, "sum", sum_)
+    torch.manual_seed(0)
+    cfg = Config()
+    model = ComplexRotaryLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    targets = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    ref = copy.deepcopy(model)
+    want = F.cross_entropy(ref(idx).flatten(0, 1), targets.flatten())
+    want.backward()
+    sm = nvtp.jit(copy.deepcopy(model))
+    loss = F.cross_entropy(sm(idx).flatten(0, 1), targets.flatten())
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for (name, got), want_p in zip(sm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want_p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert ones and counts["sum"] > len(ones), f"{len(ones)} one-entry sums, {counts['sum']} sums checked"

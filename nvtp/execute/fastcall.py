@@ -148,6 +148,13 @@ def _sum(ctx: Context, op: Op) -> Form | None:
     dims = tuple(range(x.ndim)) if op.arg("dims") is None else tuple(op.arg("dims"))
     keepdim = op.arg("keepdim")
     dtype = ctx.dtype(op.outputs[0].dtype) if op.arg("dtype") not in (None, DType.Null) else None
+    if dims and all(ctx.local_shape(x)[d] == 1 for d in dims):
+        # A sum over axes of one entry (Thunder's backward of an unsqueeze or a broadcast): each
+        # result is its one operand entry plus 0, as the reduction's is (-0.0 becomes 0.0), in an
+        # elementwise op a quarter of the reduction's cost here. A strided operand takes the
+        # reduction, whose result's layout may follow it.
+        shape = ctx.local_shape(op.outputs[0])
+        return lambda x: torch.add(x.reshape(shape), 0.0) if x.is_contiguous() else torch.sum(x, dims, keepdim=keepdim, dtype=dtype)
     return lambda x: torch.sum(x, dims, keepdim=keepdim, dtype=dtype)
 
 
