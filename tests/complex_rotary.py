@@ -116,3 +116,13 @@ class ComplexRotaryLM(nn.Module):
         for block in self.blocks:
             h = block(h, table)
         return self.head(self.norm(h)).float()
+
+
+def example() -> tuple[ComplexRotaryLM, torch.Tensor, torch.Tensor]:
+    """The model of the default ``Config`` (seed 0) with tokens and targets [2, 16] (seed 1)."""
+    torch.manual_seed(0)
+    cfg = Config()
+    model = ComplexRotaryLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    return model, idx, torch.randint(0, cfg.vocab, (2, 16), generator=g)

@@ -172,7 +172,7 @@ def test_pytorchs_example_llama_settles_its_rotary_ops_and_their_one_entry_sums(
     and must still equal the reduction's results."""
     import torch.nn.functional as F
 
-    from tests.complex_rotary import ComplexRotaryLM, Config
+    from tests.complex_rotary import example
 
     counts, _ = checked
     ones: list = []
@@ -185,12 +185,7 @@ def test_pytorchs_example_llama_settles_its_rotary_ops_and_their_one_entry_sums(
         return settle_sum(ctx, op)
 
     monkeypatch.setitem(fastcall._FORMS, "sum", sum_)
-    torch.manual_seed(0)
-    cfg = Config()
-    model = ComplexRotaryLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab, (2, 16), generator=g)
-    targets = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    model, idx, targets = example()
     ref = copy.deepcopy(model)
     want = F.cross_entropy(ref(idx).flatten(0, 1), targets.flatten())
     want.backward()

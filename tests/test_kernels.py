@@ -129,14 +129,9 @@ def test_pytorchs_example_llama_runs_every_rms_norm_as_a_kernel_with_eagers_valu
     five norms is torch's kernel forward and backward (one backward of five had fused, no forward)."""
     import torch.nn.functional as F
 
-    from tests.complex_rotary import ComplexRotaryLM, Config
+    from tests.complex_rotary import example
 
-    torch.manual_seed(0)
-    cfg = Config()
-    model = ComplexRotaryLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab, (2, 16), generator=g)
-    targets = torch.randint(0, cfg.vocab, (2, 16), generator=g)
+    model, idx, targets = example()
     loss_of = lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # noqa: E731  (outside the model)
     eager, kernels, none, fused = _three_ways(model, loss_of, idx)
     _expect(fused, {"forward": {"rms_norm": 5, "silu": 2, "flash_attention": 2},
